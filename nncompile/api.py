@@ -1,0 +1,171 @@
+"""parallelize(): trace, compile and (optionally) load a module as a ParallelModule.
+
+Generation happens once, on rank 0, into `<gen_savedir>/<instance_name>/`; the other ranks
+wait for it and load their own `gencode{rank}.py`.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import __version__, codegen
+from .config import ComputeConfig
+from .errors import ConfigError, NNCompileError, ReuseError
+from .fileio import check_writable, replace_dir, write_json, write_text
+from .frontend import trace
+from .ir import print_graph
+from nncompile.passes import build_pipeline, get_policy, run_pipeline
+
+REUSE_MODES = ("match", "override", "moo")
+
+
+def _log(msg: str) -> None:
+    if os.environ.get("NNCOMPILE_QUIET") != "1":
+        print(f"[nncompile] {msg}", file=sys.stderr, flush=True)
+
+
+def _policy_name(policy: Any) -> str:
+    return policy if isinstance(policy, str) else \
+        f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', repr(policy))}"
+
+
+def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConfig, *,
+                   pas_policy: Any, outdir: Path, reuse: str = "match",
+                   check: bool = False) -> str:
+    """Compile into `outdir` (or reuse what is there). Returns 'generated' or 'reused'."""
+    policy = get_policy(pas_policy)
+    check_writable(outdir.parent)
+    start = time.perf_counter()
+    graph = trace(module, dummy_args)
+    traced_text = print_graph(graph)
+    fingerprint = hashlib.sha256(
+        (__version__ + _policy_name(pas_policy) + "\n"
+         + json.dumps(config.to_json(), sort_keys=True) + "\n" + traced_text).encode()
+    ).hexdigest()
+    manifest_path = outdir / "manifest.json"
+    if reuse != "override" and manifest_path.exists():
+        old = json.loads(manifest_path.read_text())
+        complete = all((outdir / f"gencode{r}.py").exists() for r in range(config.runtime_ngpus))
+        if old.get("fingerprint") == fingerprint and complete:
+            _log(f"reusing generated code in {outdir}")
+            return "reused"
+        if reuse == "match":
+            raise ReuseError(_what_changed(old, config, traced_text, _policy_name(pas_policy),
+                                           outdir))
+    _log(f"traced {graph.meta['model']}: {len(graph.ops)} ops, {len(graph.params)} params "
+         f"({(time.perf_counter() - start):.1f}s)")
+    result = run_pipeline(graph, build_pipeline(config, policy), check=check)
+    for name, _, ms in result.history[1:]:
+        _log(f"  pass {name:<14} {ms:8.1f} ms")
+    final = result.graph
+    staging = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}.tmp-"))
+    try:
+        for r in range(config.runtime_ngpus):
+            write_text(staging / f"gencode{r}.py",
+                       codegen.gencode(final, r, config.runtime_ngpus, fingerprint))
+        (staging / "graphs").mkdir()
+        for fname, text in codegen.graph_dumps(result.history).items():
+            write_text(staging / "graphs" / fname, text)
+        write_json(staging / "plan.json", codegen.plan_json(final))
+        write_json(staging / "manifest.json",
+                   codegen.manifest(final, config, fingerprint, traced_text))
+        replace_dir(staging, outdir)
+    except BaseException:
+        import shutil
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _log(f"generated {config.runtime_ngpus} rank file(s) in {outdir} "
+         f"({time.perf_counter() - start:.1f}s total)")
+    return "generated"
+
+
+def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: str,
+                  outdir: Path) -> str:
+    changes = config.diff(old.get("config", {}))
+    if old.get("policy") and old.get("policy") != policy and not policy.startswith(
+            old.get("policy", "")):
+        changes.append(f"pas_policy: {old.get('policy')!r} -> {policy!r}")
+    if old.get("traced_graph", "") != traced_text:
+        diff = list(difflib.unified_diff(old.get("traced_graph", "").splitlines(),
+                                         traced_text.splitlines(), "saved", "now", n=0,
+                                         lineterm=""))[2:12]
+        changes.append("the traced graph changed (the model's code, shapes or parameters):\n"
+                       + "\n".join("      " + d for d in diff))
+    if not changes:
+        changes.append("generated files are incomplete or from another nncompile version")
+    return (f"generated code in {outdir} does not match this call (reuse='match'):\n  - "
+            + "\n  - ".join(changes)
+            + "\nUse reuse='override' to regenerate, reuse='moo' to regenerate only when it "
+              "differs, or another instance_name.")
+
+
+def load_module(outdir: Path, rank: int, module: torch.nn.Module | None, device=None):
+    path = outdir / f"gencode{rank}.py"
+    name = f"nncompile_gen_{abs(hash(str(outdir)))}_{rank}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    pm = mod.GenModel(module, device=device)
+    pm.gencode_path = str(path)
+    return pm
+
+
+def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig, *,
+                pas_policy: Any, gen_savedir: str | os.PathLike = "./.nncompile",
+                reuse: str = "match", instance_name: str | None = None,
+                load_module: bool = True, device: Any = None):
+    """Compile `module` for `compute_config` and return this rank's ParallelModule.
+
+    dummy_args: a dict of forward's keyword arguments or a tuple of its positional ones, shaped
+    like one plan unit's batch. With load_module=False it only compiles (no process group
+    needed) and returns the directory of generated files.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"parallelize needs an nn.Module, got {type(module).__name__}")
+    if not isinstance(compute_config, ComputeConfig):
+        raise ConfigError("compute_config must be an nncompile.ComputeConfig")
+    if reuse not in REUSE_MODES:
+        raise ConfigError(f"reuse={reuse!r}; choose one of {REUSE_MODES}")
+    get_policy(pas_policy)          # fail early, on every rank, for an unknown policy
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    config = compute_config.resolved(world if load_module else compute_config.plan_ngpus)
+    if load_module and config.runtime_ngpus != world:
+        raise ConfigError(f"runtime_ngpus={config.runtime_ngpus} but the world size is {world}; "
+                          f"launch with torchrun --nproc_per_node={config.runtime_ngpus}, or set "
+                          f"runtime_ngpus={world}")
+    instance = instance_name or type(module).__name__
+    outdir = Path(gen_savedir).absolute() / instance
+    error = None
+    if rank == 0 or not load_module:
+        try:
+            compile_module(module, dummy_args, config, pas_policy=pas_policy, outdir=outdir,
+                           reuse=reuse)
+        except NNCompileError as e:
+            error = e
+    if distributed and load_module:
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(box, src=0)
+        if error is None and box[0] is not None:
+            raise NNCompileError(f"compilation failed on rank 0: {box[0]}")
+    if error is not None:
+        raise error
+    if not load_module:
+        return outdir
+    return load_module_fn(outdir, rank, module, device)
+
+
+load_module_fn = load_module

@@ -1,0 +1,161 @@
+"""Codegen: the localized graph -> `gencode{rank}.py` per rank, `manifest.json`, `plan.json`
+and the IR after every pass (`graphs/NN_<pass>.py`).
+
+Generated code is straight-line torch calls, one per IR op, each under a comment with the
+user's `file:line` and source text. A rank's file differs from its peers' only in which
+slices of the full parameters it holds.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from . import __version__
+from .ir import (Graph, Value, fmt_literal, print_graph, shard_slices)
+from .ir.printer import fmt_body
+
+HEADER = '''"""nncompile generated code: rank {rank} of {runtime} (plan unit {unit}, shard {shard} of {plan}).
+
+model: {model}   policy: {policy}   fingerprint: {fingerprint}
+Readable and editable; parallelize(..., reuse="override") regenerates it.
+"""
+import torch
+
+from nncompile.runtime import comm
+from nncompile.runtime.module import ParallelModule
+
+aten = torch.ops.aten
+
+
+class GenModel(ParallelModule):
+    RANK = {rank}
+    PLAN_NGPUS = {plan}
+    RUNTIME_NGPUS = {runtime}
+    OUT_SPEC = {out_spec!r}
+    INPUTS = [  # name, traced shape, dtype
+{inputs}
+    ]
+    PARAMS = [  # local name, original FQN, full shape, placement, this rank's slices, partial grad
+{params}
+    ]
+    BUFFERS = [  # local name, original FQN, full shape, placement, this rank's slices
+{buffers}
+    ]
+    CONSTS = [  # local name, full shape, placement, this rank's slices
+{consts}
+    ]
+'''
+
+
+def _rows(rows: list[tuple]) -> str:
+    return "\n".join(f"        {fmt_literal(r)}," for r in rows)
+
+
+def rank_tables(g: Graph, rank: int) -> dict[str, list[tuple]]:
+    n = g.plan_ngpus
+    shard = rank % n
+    partial = set(g.meta.get("partial_grad_params", []))
+
+    def sl(v: Value):
+        return tuple(tuple(s) for s in shard_slices(v.meta.shape, v.placement, shard, n))
+
+    return {
+        "params": [(v.name, v.fqn, tuple(v.meta.shape), repr(v.placement), sl(v),
+                    v.name in partial) for v in g.params],
+        "buffers": [(v.name, v.fqn, tuple(v.meta.shape), repr(v.placement), sl(v))
+                    for v in g.buffers],
+        "consts": [(v.name, tuple(v.meta.shape), repr(v.placement), sl(v)) for v in g.consts],
+    }
+
+
+def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
+    n = g.plan_ngpus
+    t = rank_tables(g, rank)
+    text = HEADER.format(
+        rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
+        model=g.meta.get("model", "?"), policy=g.meta.get("policy", "?"),
+        fingerprint=fingerprint[:16], out_spec=g.out_spec,
+        inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),
+        params=_rows(t["params"]), buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
+    lines = [text.rstrip("\n")]
+    if g.const_ops:
+        args = ", ".join(v.name for v in g.buffers)
+        lines.append("")
+        lines.append(f"    def compute_constants(self{', ' + args if args else ''}):")
+        lines.append('        """Evaluated once at load time, on full buffers."""')
+        lines.append("        DEVICE = self.device")
+        lines += fmt_body(g.const_ops, indent="        ", local_n=n)
+        lines.append("        return {" + ", ".join(f"{v.name!r}: {v.name}"
+                                                    for v in g.consts) + "}")
+    # in the forward, parameters, buffers and constants are attributes of the module
+    renamed = [(v, v.name) for v in g.params + g.buffers + g.consts]
+    for v, name in renamed:
+        v.name = f"self.{name}"
+    try:
+        lines.append("")
+        args = ", ".join(v.name for v in g.inputs)
+        lines.append(f"    def forward_impl(self{', ' + args if args else ''}):")
+        lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
+        lines += fmt_body(g.ops, indent="        ", local_n=n)
+        lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
+    finally:
+        for v, name in renamed:
+            v.name = name
+    return "\n".join(lines) + "\n"
+
+
+def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[str, Any]:
+    ranks = {}
+    for r in range(config.runtime_ngpus):
+        t = rank_tables(g, r)
+        ranks[str(r)] = {
+            "file": f"gencode{r}.py",
+            "params": [{"local": name, "fqn": fqn, "full_shape": list(shape),
+                        "placement": place, "slices": [list(s) for s in slices],
+                        "partial_sum_count": g.plan_ngpus if partial else 1}
+                       for name, fqn, shape, place, slices, partial in t["params"]],
+        }
+    return {
+        "nncompile_version": __version__,
+        "model": g.meta.get("model"),
+        "policy": g.meta.get("policy"),
+        "config": config.to_json(),
+        "fingerprint": fingerprint,
+        "traced_graph": traced_text,
+        "inputs": [{"name": v.name, "shape": list(v.meta.shape), "dtype": str(v.meta.dtype)}
+                   for v in g.inputs],
+        "out_spec": g.out_spec,
+        "ranks": ranks,
+    }
+
+
+def plan_json(g: Graph) -> dict[str, Any]:
+    comm = collections.Counter(op.target_name for op in g.ops
+                               if op.target_name.startswith("comm."))
+    ops = []
+    for op in g.ops:
+        s = op.strategy
+        ops.append({
+            "name": op.name, "op": op.target_name, "module": op.module_path,
+            "strategy": s.note if s else None,
+            "inputs": [f"{v.name}: {v.placement!r}" for v in op.tensor_inputs()],
+            "outputs": [f"{v.name}: {v.placement!r}" for v in op.outputs if v.is_tensor],
+            "source": str(op.source) if op.source else None,
+        })
+    return {
+        "policy": g.meta.get("policy"),
+        "plan_ngpus": g.plan_ngpus,
+        "params": {v.fqn: repr(v.placement) for v in g.params},
+        "partial_grad_params": g.meta.get("partial_grad_params", []),
+        "collectives": dict(comm),
+        "ops": ops,
+    }
+
+
+def graph_dumps(history: list[tuple[str, Graph, float]]) -> dict[str, str]:
+    out = {}
+    for i, (name, graph, ms) in enumerate(history):
+        local = graph.plan_ngpus if graph.meta.get("localized") else None
+        out[f"{i:02d}_{name}.py"] = f"# after {name!r} ({ms:.1f} ms)\n" + \
+            print_graph(graph, local_n=local)
+    return out

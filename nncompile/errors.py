@@ -1,0 +1,29 @@
+"""Errors raised for bad input. Each message says what was wrong and what to do."""
+
+
+class NNCompileError(Exception):
+    """Base class of every error nncompile raises on purpose."""
+
+
+class ConfigError(NNCompileError, ValueError):
+    """A ComputeConfig or a parallelize() argument is invalid."""
+
+
+class TraceError(NNCompileError):
+    """torch.export could not trace the module's forward."""
+
+
+class PolicyError(NNCompileError):
+    """A policy name is unknown, unavailable, or a policy produced an invalid plan."""
+
+
+class ReuseError(NNCompileError):
+    """Generated code in gen_savedir does not match the current module or config."""
+
+
+class GraphError(NNCompileError):
+    """verify(graph) found an inconsistent IR graph (a bug in a pass or a policy)."""
+
+
+class InputMismatchError(NNCompileError, ValueError):
+    """A ParallelModule was called with inputs unlike the traced ones."""

@@ -1,0 +1,300 @@
+"""Frontend: torch.export (non-strict) → nncompile IR.
+
+`trace(module, dummy_args)` runs the module's forward on fake tensors, keeps high-level aten ops
+(linear, layer_norm, scaled_dot_product_attention, ...) and returns a Graph whose params and
+buffers keep their original FQNs and whose ops keep the user's `file:line` and module path.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import re
+import traceback
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from .errors import ConfigError, TraceError
+from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, Value
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
+# Ops that only assert facts about their input: dropped.
+_DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range",
+            "sym_constrain_range_for_size"}
+_NON_DIFFERENTIABLE = {"detach", "detach_", "lift_fresh_copy", "zeros_like", "ones_like",
+                       "empty_like", "full_like", "arange"}
+
+
+def normalize_args(module: torch.nn.Module, dummy_args: Any) -> tuple[tuple, dict]:
+    """Check dummy_args against forward's signature; return (args, kwargs) for torch.export."""
+    sig = inspect.signature(module.forward)
+    if isinstance(dummy_args, dict):
+        params = sig.parameters
+        takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        unknown = [k for k in dummy_args if k not in params]
+        if unknown and not takes_kwargs:
+            raise ConfigError(
+                f"dummy_args has keys {unknown} that {type(module).__name__}.forward does not "
+                f"take; forward's arguments are {list(params)}. Pass a dict keyed by those names.")
+        return (), dict(dummy_args)
+    if isinstance(dummy_args, (tuple, list)):
+        try:
+            sig.bind(*dummy_args)
+        except TypeError as e:
+            raise ConfigError(f"dummy_args {type(dummy_args).__name__} of {len(dummy_args)} "
+                              f"does not fit {type(module).__name__}.forward{sig}: {e}") from None
+        return tuple(dummy_args), {}
+    if isinstance(dummy_args, torch.Tensor):
+        return (dummy_args,), {}
+    raise ConfigError("dummy_args must be a dict of forward's keyword arguments or a tuple of "
+                      f"its positional arguments, not {type(dummy_args).__name__}")
+
+
+def _is_user_file(path: str) -> bool:
+    path = os.path.abspath(path)
+    return not path.startswith(_TORCH_DIR) and not path.startswith(_OWN_DIRS) \
+        and "<" not in path and not path.startswith(os.path.dirname(os.__file__))
+
+
+def _display_path(path: str) -> str:
+    path = os.path.abspath(path)
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+def _user_frame_from_text(text: str) -> SourceInfo | None:
+    """The innermost `File "...", line N` frame of a stack trace that is user code."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)(?:, in [^\n]*)?\n\s*([^\n]*)', text or "")
+    for path, line, code in reversed(frames):
+        if _is_user_file(path):
+            return SourceInfo(_display_path(path), int(line), code.strip())
+    return None
+
+
+def _meta_of(val: Any) -> TensorMeta | None:
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in val.shape), val.dtype)
+    return None
+
+
+def _sanitize(path: str) -> str:
+    parts = [p for p in path.split(".") if p]
+    out: list[str] = []
+    for p in parts:
+        if p.isdigit() and out:
+            out[-1] += p
+        else:
+            out.append(re.sub(r"\W", "_", p))
+    return "_".join(out)
+
+
+class _Lowering:
+    def __init__(self, ep: ExportedProgram, module: torch.nn.Module):
+        self.ep = ep
+        self.module = module
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.names: set[str] = set()
+        self.ops: list[Op] = []
+        canonical = {}
+        for name, p in module.named_parameters():
+            canonical.setdefault(id(p), name)
+        for name, b in module.named_buffers():
+            canonical.setdefault(id(b), name)
+        self.canonical = canonical
+
+    def fresh(self, base: str) -> str:
+        base = re.sub(r"\W", "_", base).strip("_") or "v"
+        if base[0].isdigit():
+            base = "v" + base
+        name, i = base, 1
+        while name in self.names or name in _RESERVED:
+            name = f"{base}_{i}"
+            i += 1
+        self.names.add(name)
+        return name
+
+    def canonical_fqn(self, target: str) -> str:
+        try:
+            obj = self.module.get_parameter(target)
+        except AttributeError:
+            try:
+                obj = self.module.get_buffer(target)
+            except AttributeError:
+                return target
+        return self.canonical.get(id(obj), target)
+
+    def run(self) -> Graph:
+        sig = self.ep.graph_signature
+        params, buffers, inputs = [], [], []
+        const_literal_ops: list[Op] = []
+        by_fqn: dict[str, Value] = {}   # tied weights: one Value per tensor
+        for spec, node in zip(sig.input_specs,
+                              [n for n in self.ep.graph.nodes if n.op == "placeholder"]):
+            meta = _meta_of(node.meta.get("val"))
+            if spec.kind == InputKind.PARAMETER:
+                fqn = self.canonical_fqn(spec.target)
+                v = by_fqn.get(fqn)
+                if v is None:
+                    v = by_fqn[fqn] = Value(self.fresh(_sanitize(fqn)), meta, PARAM, fqn,
+                                            requires_grad=True)
+                    params.append(v)
+            elif spec.kind == InputKind.BUFFER:
+                fqn = self.canonical_fqn(spec.target)
+                v = by_fqn.get(fqn)
+                if v is None:
+                    v = by_fqn[fqn] = Value(self.fresh(_sanitize(fqn)), meta, BUFFER, fqn)
+                    buffers.append(v)
+            elif spec.kind == InputKind.CONSTANT_TENSOR:
+                v = self._lifted_constant(spec.target, const_literal_ops)
+            elif spec.kind == InputKind.USER_INPUT:
+                v = Value(self.fresh(node.name), meta, USER_INPUT)
+                inputs.append(v)
+            else:
+                raise TraceError(f"unsupported input kind {spec.kind} for {node.name}")
+            self.env[node] = v
+        self.ops.extend(const_literal_ops)
+        for spec in sig.output_specs:
+            if spec.kind != OutputKind.USER_OUTPUT:
+                raise TraceError(
+                    f"forward mutates {spec.target!r} ({spec.kind.name}); in-place updates of "
+                    "buffers or inputs are not supported yet (e.g. BatchNorm in training mode)")
+        outputs = self._run_graph(self.ep.graph_module, no_grad=False)
+        spec = pytree.treespec_dumps(self.ep.call_spec.out_spec) if self.ep.call_spec.out_spec \
+            else ""
+        return Graph(inputs, params, buffers, self.ops, list(outputs), out_spec=spec)
+
+    def _lifted_constant(self, target: str, ops: list[Op]) -> Value:
+        t = self.ep.constants[target]
+        if not isinstance(t, torch.Tensor) or t.numel() > 64:
+            raise TraceError(f"forward creates a tensor constant {target!r} of "
+                             f"{getattr(t, 'shape', '?')} elements; only small constants "
+                             "(≤ 64 elements) are supported yet: register it as a buffer")
+        v = Value(self.fresh("const"), TensorMeta(tuple(t.shape), t.dtype))
+        ops.append(Op(torch.tensor,
+                      (t.tolist(),), {"dtype": t.dtype, "device": torch.device("cpu")}, [v]))
+        return v
+
+    def _run_graph(self, gm: torch.fx.GraphModule, no_grad: bool, args: list | None = None):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if args is not None:
+            for n, a in zip(placeholders, args):
+                self.env[n] = a
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" or node.op == "get_attr":
+                continue
+            if node.op == "output":
+                return pytree.tree_map(self._lookup, tuple(node.args[0]))
+            if node.op != "call_function":
+                raise TraceError(f"unsupported fx node {node.op} {node.target}")
+            self._lower_call(gm, node, no_grad)
+        return ()
+
+    def _lookup(self, x: Any) -> Any:
+        if isinstance(x, torch.fx.Node):
+            return self.env[x]
+        return x
+
+    def _lower_call(self, gm: torch.fx.GraphModule, node: torch.fx.Node, no_grad: bool) -> None:
+        target = node.target
+        if target is operator.getitem:
+            self.env[node] = self.env[node.args[0]][node.args[1]]
+            return
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            self._inline_hop(gm, node, no_grad)
+            return
+        if not isinstance(target, torch._ops.OpOverload):
+            raise TraceError(f"unsupported call {target} at {node.meta.get('stack_trace', '')}")
+        opname = target._opname
+        if opname in _DROPPED:
+            self.env[node] = None
+            return
+        if opname == "detach_":
+            target = torch.ops.aten.detach.default
+        args = pytree.tree_map(self._lookup, node.args)
+        kwargs = pytree.tree_map(self._lookup, dict(node.kwargs))
+        ins = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, Value)]
+        grad_in = (not no_grad) and opname not in _NON_DIFFERENTIABLE \
+            and any(v.requires_grad for v in ins)
+        module_path = ""
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            module_path = list(stack.values())[-1][0]
+        base = (_sanitize(module_path) + "_" if module_path else "") + opname
+        val = node.meta.get("val")
+
+        def make(v: Any) -> Value:
+            meta = _meta_of(v)
+            rg = grad_in and meta is not None and (meta.dtype.is_floating_point
+                                                   or meta.dtype.is_complex)
+            return Value(self.fresh(base), meta, requires_grad=rg)
+
+        multi = isinstance(val, (list, tuple))
+        outputs = [make(v) for v in val] if multi else [make(val)]
+        source = _user_frame_from_text(node.meta.get("stack_trace", ""))
+        op = Op(target, tuple(args), kwargs, outputs, source, module_path, multi_output=multi)
+        self.ops.append(op)
+        self.env[node] = list(outputs) if multi else outputs[0]
+
+    def _inline_hop(self, gm: torch.fx.GraphModule, node: torch.fx.Node, no_grad: bool) -> None:
+        name = str(node.target)
+        if "set_grad_enabled" in name:
+            enabled, sub, *rest = node.args
+            no_grad = no_grad or not enabled
+        elif "autocast" in name:
+            *_, sub = [a for a in node.args if isinstance(a, torch.fx.Node)
+                       and a.op == "get_attr"][:1] or [None]
+            idx = node.args.index(sub)
+            rest = node.args[idx + 1:]
+        else:
+            raise TraceError(f"unsupported higher-order op {name}")
+        submod = getattr(gm, sub.target)
+        out = self._run_graph(submod, no_grad, [self._lookup(a) for a in rest])
+        self.env[node] = list(out)
+
+
+_RESERVED = {"self", "torch", "aten", "comm", "DEVICE", "PLAN_GROUP", "forward", "return",
+             "input", "type", "len", "list", "dict", "id", "sum", "max", "min", "abs", "pow",
+             "slice", "format", "print", "range", "super", "object", "float", "int", "bool"}
+
+
+def _move_to(obj: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
+
+
+def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
+    """torch.export with errors translated into TraceError naming the user's file:line."""
+    on_meta = any(p.is_meta for p in module.parameters())
+    if on_meta:
+        args, kwargs = _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
+    try:
+        return torch.export.export(module, args, kwargs, strict=False)
+    except Exception as e:  # noqa: BLE001 - translated below
+        text = str(e) + "\n" + "".join(traceback.format_exception(e))
+        where = _user_frame_from_text(text)
+        data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(e).__name__
+        at = f" at {where.file}:{where.line}: `{where.code}`" if where else ""
+        if data_dependent:
+            raise TraceError(
+                f"forward branches on a tensor's value{at}. nncompile traces one program for "
+                "all inputs, so Python control flow may depend on shapes and constants but not "
+                "on tensor data. Rewrite it with torch.where / torch.cond, or compute the "
+                "condition outside the module.") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TraceError(f"torch.export could not trace {type(module).__name__}.forward{at}: "
+                         f"{type(e).__name__}: {first}") from e
+
+
+def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
+    """Trace `module.forward` on `dummy_args` into an IR Graph (the module is not modified)."""
+    args, kwargs = normalize_args(module, dummy_args)
+    ep = export(module, args, kwargs)
+    graph = _Lowering(ep, module).run()
+    graph.meta["model"] = f"{type(module).__module__}.{type(module).__qualname__}"
+    graph.meta["input_names"] = [v.name for v in graph.inputs]
+    return graph

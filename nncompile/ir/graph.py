@@ -1,0 +1,231 @@
+"""The IR: a Graph of Ops over Values.
+
+A Value is a tensor (with TensorMeta) or a non-tensor produced by an op. Graph inputs are the
+user's forward arguments, the module's parameters and buffers (keeping their original FQNs) and
+constants computed once at load time (see passes/constant_fold.py). Every Op keeps the user's
+source line and module path so printed code can point back at the model.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .placement import Placement, Replicate, local_shape
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    file: str
+    line: int
+    code: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}  {self.code}"
+
+
+# Kinds of graph inputs.
+USER_INPUT, PARAM, BUFFER, CONST = "input", "param", "buffer", "const"
+
+
+class Value:
+    """A tensor or non-tensor flowing along the graph's edges."""
+
+    def __init__(self, name: str, meta: TensorMeta | None, kind: str = "op",
+                 fqn: str | None = None, requires_grad: bool = False):
+        self.name = name
+        self.meta = meta
+        self.kind = kind            # 'op' or one of the input kinds above
+        self.fqn = fqn              # original module FQN for params and buffers
+        self.requires_grad = requires_grad
+        self.placement: Placement = Replicate()
+        self.producer: Op | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.meta is not None
+
+    def local_shape(self, n: int) -> tuple[int, ...]:
+        return local_shape(self.meta.shape, self.placement, n)
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+
+@dataclass
+class Strategy:
+    """How one op runs on the plan mesh: what each tensor input must be, what each output is."""
+    inputs: tuple[Placement | None, ...]   # one per flattened tensor input (None: any, untouched)
+    outputs: tuple[Placement, ...]
+    note: str = ""                          # e.g. 'split k' — shown in plan.json and explain()
+    local_target: Any = None                # op to call on local shards when it differs
+
+    @property
+    def is_split(self) -> bool:
+        places = [p for p in self.inputs if p is not None] + list(self.outputs)
+        return any(not isinstance(p, Replicate) for p in places)
+
+
+class Op:
+    """One call: `outputs = target(*args, **kwargs)`. args/kwargs nest Values and literals."""
+
+    def __init__(self, target: Any, args: tuple, kwargs: dict, outputs: list[Value],
+                 source: SourceInfo | None = None, module_path: str = "",
+                 multi_output: bool = False):
+        self.target = target
+        self.args = args
+        self.kwargs = kwargs
+        self.outputs = outputs
+        self.source = source
+        self.module_path = module_path
+        self.multi_output = multi_output   # target returns a tuple/list unpacked into outputs
+        self.strategy: Strategy | None = None
+        self.attrs: dict[str, Any] = {}    # pass-specific annotations (e.g. comm kind)
+        for v in outputs:
+            v.producer = self
+
+    @property
+    def name(self) -> str:
+        return self.outputs[0].name if self.outputs else f"op{id(self)}"
+
+    @property
+    def target_name(self) -> str:
+        return target_name(self.target)
+
+    def inputs(self) -> list[Value]:
+        """Flattened tensor/value inputs, in argument order (kwargs after args)."""
+        return [v for v in flatten((self.args, self.kwargs)) if isinstance(v, Value)]
+
+    def tensor_inputs(self) -> list[Value]:
+        return [v for v in self.inputs() if v.is_tensor]
+
+    def map_values(self, fn: Callable[[Value], Any]) -> None:
+        """Replace every Value v in args/kwargs with fn(v)."""
+        self.args = map_nested(self.args, fn)
+        self.kwargs = map_nested(self.kwargs, fn)
+
+    def __repr__(self) -> str:
+        return f"Op({self.target_name} -> {self.outputs})"
+
+
+def target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" \
+            else f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
+    return getattr(target, "__qualname__", repr(target))
+
+
+def flatten(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from flatten(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from flatten(x)
+    else:
+        yield obj
+
+
+def map_nested(obj: Any, fn: Callable[[Value], Any]) -> Any:
+    if isinstance(obj, Value):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [map_nested(x, fn) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_nested(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return {k: map_nested(x, fn) for k, x in obj.items()}
+    return obj
+
+
+@dataclass
+class Graph:
+    """A traced forward. `inputs` are the user's arguments in call order; `outputs` are the
+    flattened return values (Values or literals), rebuilt with `out_spec` (a pytree spec string)."""
+    inputs: list[Value]
+    params: list[Value]
+    buffers: list[Value]
+    ops: list[Op]
+    outputs: list[Any]
+    const_ops: list[Op] = field(default_factory=list)   # evaluated once at load time
+    out_spec: str = ""
+    plan_ngpus: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)   # model name, policy, ...
+
+    @property
+    def consts(self) -> list[Value]:
+        """Constant values the forward reads (outputs of const_ops marked CONST)."""
+        return [v for op in self.const_ops for v in op.outputs if v.kind == CONST]
+
+    def all_inputs(self) -> list[Value]:
+        """User inputs, parameters and buffers (constants are produced by const_ops)."""
+        return self.inputs + self.params + self.buffers
+
+    def values(self) -> Iterator[Value]:
+        yield from self.all_inputs()
+        for op in self.const_ops:
+            yield from op.outputs
+        for op in self.ops:
+            yield from op.outputs
+
+    def users(self) -> dict[Value, list[Op]]:
+        out: dict[Value, list[Op]] = {v: [] for v in self.values()}
+        for op in itertools.chain(self.const_ops, self.ops):
+            for v in op.inputs():
+                out.setdefault(v, []).append(op)
+        return out
+
+    def fresh_name(self, base: str) -> str:
+        taken = getattr(self, "_taken", None)
+        if taken is None:
+            taken = self._taken = {v.name for v in self.values()}
+        name, i = base, 1
+        while name in taken:
+            name = f"{base}_{i}"
+            i += 1
+        taken.add(name)
+        return name
+
+    def clone(self) -> "Graph":
+        """A deep copy of the structure (targets and literals are shared)."""
+        vmap: dict[Value, Value] = {}
+
+        def cv(v: Value) -> Value:
+            if v not in vmap:
+                nv = Value(v.name, v.meta, v.kind, v.fqn, v.requires_grad)
+                nv.placement = v.placement
+                vmap[v] = nv
+            return vmap[v]
+
+        def cop(op: Op) -> Op:
+            new = Op(op.target, map_nested(op.args, cv), map_nested(op.kwargs, cv),
+                     [cv(v) for v in op.outputs], op.source, op.module_path, op.multi_output)
+            new.strategy = None if op.strategy is None else replace(op.strategy)
+            new.attrs = dict(op.attrs)
+            return new
+
+        ins = [cv(v) for v in self.inputs]
+        params = [cv(v) for v in self.params]
+        bufs = [cv(v) for v in self.buffers]
+        const_ops = [cop(op) for op in self.const_ops]
+        ops = [cop(op) for op in self.ops]
+        outs = map_nested(list(self.outputs), cv)
+        return Graph(ins, params, bufs, ops, outs, const_ops, self.out_spec,
+                     self.plan_ngpus, dict(self.meta))

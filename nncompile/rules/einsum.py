@@ -1,0 +1,106 @@
+"""Contraction ops (linear, addmm, mm, bmm, matmul) from einsum-like annotations.
+
+    "* k+, n k+, =n -> * n"     linear(x, weight, bias)
+
+Operands are separated by commas, dims by spaces. `*` stands for the leading dims an operand
+has beyond its named ones; `k+` is a contracted dim (splitting it leaves partial sums);
+an operand marked `=` is added to the result, so when a contracted dim is split it must be
+Partial (one rank holds it, the others hold zeros).
+"""
+from __future__ import annotations
+
+from ..ir import Op, P, Partial, Replicate, Shard, Strategy, Value
+from .registry import divisible, make, register
+
+
+def _labels(spec: str, rank: int) -> list[str]:
+    names = spec.split()
+    star_count = rank - (len(names) - 1)
+    out: list[str] = []
+    for name in names:
+        if name == "*":
+            out += [f"*{i}" for i in range(star_count)]
+        else:
+            out.append(name.rstrip("+"))
+    # an operand with fewer dims than named (e.g. a 1-D bias) keeps its trailing names
+    return out[len(out) - rank:] if len(out) > rank else out
+
+
+def einsum_strategies(op: Op, operands: list, spec: str, n: int) -> list[Strategy]:
+    """Strategies splitting each label of `spec` over `operands` (Values or None)."""
+    lhs, rhs = spec.split("->")
+    specs = [s.strip() for s in lhs.split(",")]
+    out_v = op.outputs[0]
+    out_rank = len(out_v.meta.shape)
+    contracted = {x.rstrip("+") for s in specs for x in s.split() if x.endswith("+")}
+    additive = [s.startswith("=") for s in specs]
+    labels = []
+    for s, v in zip(specs, operands):
+        if v is None or not isinstance(v, Value):
+            labels.append(None)
+            continue
+        labels.append(_labels(s.lstrip("="), len(v.meta.shape)))
+    out_labels = _labels(rhs, out_rank)
+    strategies = []
+    for label in dict.fromkeys(out_labels + sorted(contracted)):
+        places = {}
+        ok = True
+        for v, labs, add in zip(operands, labels, additive):
+            if labs is None:
+                continue
+            if label in labs:
+                d = labs.index(label)
+                if not divisible(v, d, n):
+                    ok = False
+                    break
+                places[v] = Shard(d)
+            elif label in contracted and add:
+                places[v] = P
+            else:
+                places[v] = Replicate()
+        if not ok:
+            continue
+        if label in out_labels:
+            d = out_labels.index(label)
+            if not divisible(out_v, d, n):
+                continue
+            output = Shard(d)
+        else:
+            output = Partial()
+        strategies.append(make(op, places, [output], f"split {label}"))
+    return strategies
+
+
+@register("linear")
+def linear(op: Op, n: int):
+    x, w, *rest = op.args
+    b = rest[0] if rest else None
+    return einsum_strategies(op, [x, w, b], "* k+, n k+, =n -> * n", n)
+
+
+@register("addmm")
+def addmm(op: Op, n: int):
+    bias, x, w = op.args[:3]
+    if op.kwargs.get("beta", 1) != 1 or op.kwargs.get("alpha", 1) != 1:
+        return []
+    return einsum_strategies(op, [bias, x, w], "=m n, m k+, k+ n -> m n", n)
+
+
+@register("mm")
+def mm(op: Op, n: int):
+    return einsum_strategies(op, list(op.args[:2]), "m k+, k+ n -> m n", n)
+
+
+@register("bmm")
+def bmm(op: Op, n: int):
+    return einsum_strategies(op, list(op.args[:2]), "b m k+, b k+ n -> b m n", n)
+
+
+@register("matmul")
+def matmul(op: Op, n: int):
+    a, b = op.args[:2]
+    if len(a.meta.shape) < 2 or len(a.meta.shape) != len(b.meta.shape):
+        return []
+    if a.meta.shape[:-2] != b.meta.shape[:-2]:
+        return []
+    return einsum_strategies(op, [a, b], "* m k+, * k+ n -> * m n", n)

@@ -1,0 +1,95 @@
+"""Model-level ops: embedding, attention, reductions and the loss."""
+from __future__ import annotations
+
+from ..ir import P, Op, Replicate, Shard
+from .registry import divisible, make, register
+
+
+@register("embedding")
+def embedding(op: Op, n: int):
+    weight, idx = op.args[:2]
+    out = op.outputs[0]
+    last = len(out.meta.shape) - 1
+    strategies = []
+    if divisible(weight, 1, n):
+        strategies.append(make(op, {weight: Shard(1), idx: Replicate()}, [Shard(last)],
+                               "split embedding dim"))
+    for d in range(len(idx.meta.shape)):
+        if divisible(idx, d, n):
+            strategies.append(make(op, {idx: Shard(d)}, [Shard(d)], f"split dim {d}"))
+    return strategies
+
+
+@register("scaled_dot_product_attention")
+def sdpa(op: Op, n: int):
+    """Split batch or heads; q, k, v and the mask follow (a size-1 mask dim replicates)."""
+    q, k, v = op.args[:3]
+    mask = op.args[3] if len(op.args) > 3 else op.kwargs.get("attn_mask")
+    out = op.outputs[0]
+    strategies = []
+    for d in range(len(q.meta.shape) - 2):
+        if not all(divisible(t, d, n) for t in (q, k, v)):
+            continue
+        places = {q: Shard(d), k: Shard(d), v: Shard(d)}
+        if mask is not None and hasattr(mask, "meta"):
+            a = d - (len(q.meta.shape) - len(mask.meta.shape))
+            places[mask] = Shard(a) if a >= 0 and mask.meta.shape[a] > 1 else Replicate()
+        strategies.append(make(op, places, [Shard(d)], "split heads" if d == 1 else
+                               f"split dim {d}"))
+    return strategies
+
+
+def _reduced_dims(op: Op) -> tuple[list[int], bool]:
+    x = op.args[0]
+    rank = len(x.meta.shape)
+    dims = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim")
+    if dims is None or dims == []:
+        return list(range(rank)), False
+    if isinstance(dims, int):
+        dims = [dims]
+    keep = op.args[2] if len(op.args) > 2 else op.kwargs.get("keepdim", False)
+    return [d % rank for d in dims], bool(keep)
+
+
+@register("sum", "mean", "amax", "amin", "var", "std")
+def reduction(op: Op, n: int):
+    """Split a kept dim (follows), or a summed dim (sum only: leaves a partial sum)."""
+    x, out = op.args[0], op.outputs[0]
+    if not x.is_tensor:
+        return []
+    reduced, keep = _reduced_dims(op)
+    name = op.target._opname
+    strategies = []
+    j = 0
+    for i in range(len(x.meta.shape)):
+        if i in reduced:
+            if name == "sum" and divisible(x, i, n):
+                strategies.append(make(op, {x: Shard(i)}, [P], f"split summed dim {i}"))
+            if keep:
+                j += 1
+            continue
+        if divisible(x, i, n) and divisible(out, j, n):
+            strategies.append(make(op, {x: Shard(i)}, [Shard(j)], f"split dim {i}"))
+        j += 1
+    if name in ("sum", "mean") and x.meta.dtype.is_floating_point:
+        strategies.append(make(op, {x: P}, [P], "keep partial"))
+    return strategies
+
+
+@register("cross_entropy_loss")
+def cross_entropy(op: Op, n: int):
+    """Split rows: 'none' stays split, 'sum' leaves a partial sum, 'mean' divides each rank's
+    sum by the global count of counted targets (comm.cross_entropy_rows)."""
+    logits, target = op.args[:2]
+    weight = op.args[2] if len(op.args) > 2 else op.kwargs.get("weight")
+    reduction = op.args[3] if len(op.args) > 3 else op.kwargs.get("reduction", 1)
+    smoothing = op.args[5] if len(op.args) > 5 else op.kwargs.get("label_smoothing", 0.0)
+    if weight is not None or smoothing or not divisible(logits, 0, n) \
+            or target.meta.dtype.is_floating_point or len(target.meta.shape) != 1:
+        return []
+    places = {logits: Shard(0), target: Shard(0)}
+    if reduction == 0:
+        return [make(op, places, [Shard(0)], "split rows")]
+    if reduction == 2:
+        return [make(op, places, [P], "split rows")]
+    return [make(op, places, [P], "split rows", local_target="comm.cross_entropy_rows")]

@@ -1,0 +1,64 @@
+"""Op rules: for an op and a plan size n, the list of legal strategies (ways to split it).
+
+A rule is `rule(op, n) -> list[Strategy]`; strategies name one placement per flattened tensor
+input and per output. Every op can run replicated, so the replicate strategy is always offered
+(last); an op with no rule is only replicated, never an error.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from ..ir import Op, Placement, Replicate, Strategy, Value
+
+Rule = Callable[[Op, int], list[Strategy]]
+RULES: dict[str, Rule] = {}
+
+
+def register(*names: str) -> Callable[[Rule], Rule]:
+    """Register a rule for aten op names ('linear') or overloads ('split.Tensor')."""
+    def deco(fn: Rule) -> Rule:
+        for name in names:
+            RULES[name] = fn
+        return fn
+    return deco
+
+
+def replicated(op: Op) -> Strategy:
+    return Strategy(tuple(Replicate() for _ in op.tensor_inputs()),
+                    tuple(Replicate() for _ in op.outputs), "replicate")
+
+
+def make(op: Op, places: dict[Value, Placement], outputs: Iterable[Placement], note: str,
+         local_target=None) -> Strategy:
+    """A strategy from a {input value: placement} map (unlisted inputs replicate)."""
+    ins = tuple(places.get(v, Replicate()) for v in op.tensor_inputs())
+    return Strategy(ins, tuple(outputs), note, local_target)
+
+
+def lookup(op: Op) -> Rule | None:
+    target = op.target
+    if isinstance(target, str):
+        return None
+    name = getattr(target, "_opname", None)
+    overload = f"{name}.{getattr(target, '_overloadname', '')}"
+    return RULES.get(overload) or RULES.get(name)
+
+
+def strategies(op: Op, n: int) -> list[Strategy]:
+    """All legal strategies of `op` on n ranks; the replicate strategy comes last."""
+    out: list[Strategy] = []
+    rule = lookup(op)
+    if n > 1 and rule is not None:
+        seen = set()
+        for s in rule(op, n):
+            key = (s.inputs, s.outputs)
+            if key not in seen and s.is_split:
+                seen.add(key)
+                out.append(s)
+    out.append(replicated(op))
+    return out
+
+
+def divisible(v: Value, dim: int, n: int) -> bool:
+    return v.is_tensor and 0 <= dim < len(v.meta.shape) and v.meta.shape[dim] % n == 0 \
+        and v.meta.shape[dim] >= n

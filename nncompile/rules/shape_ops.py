@@ -1,0 +1,146 @@
+"""View and layout ops: a split follows the dim it lands on; partial sums pass through.
+
+view/reshape map dims by grouping sizes: (B, T, C) -> (B, T, H, D) groups C with (H, D), so
+S(2) in becomes S(2) out when H divides by n. Localize rewrites their size arguments to
+local shapes.
+"""
+from __future__ import annotations
+
+from ..ir import P, Op, Shard
+from .registry import divisible, make, register
+
+
+def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of dims of `a` and `b` with equal products (size-1 dims sit alone)."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        if i < len(a) and a[i] == 1 and (j >= len(b) or b[j] != 1):
+            i += 1
+            continue
+        if j < len(b) and b[j] == 1 and (i >= len(a) or a[i] != 1):
+            j += 1
+            continue
+        ga, gb = [i], [j]
+        pa, pb = a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                pa *= a[i]
+                ga.append(i)
+                i += 1
+            else:
+                pb *= b[j]
+                gb.append(j)
+                j += 1
+        groups.append((ga, gb))
+    return groups
+
+
+def reshape_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...], n: int) -> dict[int, int]:
+    """Input dim -> output dim a shard can follow through a reshape."""
+    out = {}
+    for ga, gb in _groups(tuple(in_shape), tuple(out_shape)):
+        if in_shape[ga[0]] % n == 0 and out_shape[gb[0]] % n == 0:
+            out[ga[0]] = gb[0]
+    return out
+
+
+def _follow(op: Op, dim_map: dict[int, int], n: int, partial: bool = True):
+    x, out = op.args[0], op.outputs
+    strategies = []
+    for i, j in sorted(dim_map.items()):
+        if divisible(x, i, n) and all(divisible(o, j, n) for o in out):
+            strategies.append(make(op, {x: Shard(i)}, [Shard(j)] * len(out), f"split dim {i}"))
+    if partial and x.meta.dtype.is_floating_point:
+        strategies.append(make(op, {x: P}, [P] * len(out), "keep partial"))
+    return strategies
+
+
+@register("view", "reshape", "_unsafe_view", "flatten")
+def reshape(op: Op, n: int):
+    x, out = op.args[0], op.outputs[0]
+    return _follow(op, reshape_map(x.meta.shape, out.meta.shape, n), n)
+
+
+@register("transpose", "swapaxes")
+def transpose(op: Op, n: int):
+    x = op.args[0]
+    r = len(x.meta.shape)
+    d0, d1 = op.args[1] % r, op.args[2] % r
+    return _follow(op, {i: (d1 if i == d0 else d0 if i == d1 else i) for i in range(r)}, n)
+
+
+@register("t")
+def t(op: Op, n: int):
+    r = len(op.args[0].meta.shape)
+    return _follow(op, {i: r - 1 - i for i in range(r)}, n)
+
+
+@register("permute")
+def permute(op: Op, n: int):
+    dims = [d % len(op.args[0].meta.shape) for d in op.args[1]]
+    return _follow(op, {src: dst for dst, src in enumerate(dims)}, n)
+
+
+@register("unsqueeze")
+def unsqueeze(op: Op, n: int):
+    r = len(op.args[0].meta.shape)
+    d = op.args[1] % (r + 1)
+    return _follow(op, {i: i if i < d else i + 1 for i in range(r)}, n)
+
+
+@register("squeeze")
+def squeeze(op: Op, n: int):
+    x, out = op.args[0], op.outputs[0]
+    return _follow(op, reshape_map(x.meta.shape, out.meta.shape, n), n)
+
+
+@register("expand")
+def expand(op: Op, n: int):
+    x, out = op.args[0], op.outputs[0]
+    off = len(out.meta.shape) - len(x.meta.shape)
+    keep = {i: i + off for i, s in enumerate(x.meta.shape) if s == out.meta.shape[i + off]}
+    return _follow(op, keep, n)
+
+
+def _cut_dim(op: Op, pos: int = 1, default: int = 0) -> int:
+    x = op.args[0] if not isinstance(op.args[0], list) else op.args[0][0]
+    d = op.args[pos] if len(op.args) > pos else op.kwargs.get("dim", default)
+    return d % len(x.meta.shape)
+
+
+@register("split", "split_with_sizes", "chunk", "unsafe_split")
+def split(op: Op, n: int):
+    x = op.args[0]
+    cut = _cut_dim(op, 2)
+    return _follow(op, {i: i for i in range(len(x.meta.shape)) if i != cut}, n)
+
+
+@register("slice", "narrow")
+def slice_(op: Op, n: int):
+    x = op.args[0]
+    cut = _cut_dim(op, 1)
+    return _follow(op, {i: i for i in range(len(x.meta.shape)) if i != cut}, n)
+
+
+@register("select")
+def select(op: Op, n: int):
+    x = op.args[0]
+    cut = _cut_dim(op, 1)
+    return _follow(op, {i: (i if i < cut else i - 1) for i in range(len(x.meta.shape))
+                        if i != cut}, n)
+
+
+@register("cat")
+def cat(op: Op, n: int):
+    tensors = [t for t in op.args[0]]
+    out = op.outputs[0]
+    cut = (op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0)) % len(out.meta.shape)
+    strategies = []
+    for d in range(len(out.meta.shape)):
+        if d == cut or not all(divisible(t, d, n) for t in tensors):
+            continue
+        strategies.append(make(op, {t: Shard(d) for t in tensors}, [Shard(d)], f"split dim {d}"))
+    if out.meta.dtype.is_floating_point:
+        strategies.append(make(op, {t: P for t in tensors}, [P], "keep partial"))
+    return strategies

@@ -1,0 +1,77 @@
+"""The compiler's pipeline, as a literal list, and the driver that keeps its history.
+
+    trace -> constant_fold -> dce -> plan(policy) -> insert_comm -> localize -> codegen
+
+Every pass is `Graph -> Graph` with a stable `__name__`; `run_pipeline` records
+`(name, graph, ms)` after each, runs `verify` between passes when asked, and names the
+failing pass and the ones before it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from nncompile.errors import NNCompileError
+from nncompile.ir import Graph, verify
+
+from .constant_fold import constant_fold
+from .dce import dce
+from .insert_comm import insert_comm
+from .localize import localize
+from .plan import Plan
+from .policies import get_policy
+
+Pass = Callable[[Graph], Graph]
+
+
+def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
+    """The passes, in order, one per line."""
+    return [p for p in [
+        constant_fold if config.constant_folding else None,
+        dce,
+        Plan(policy, config),
+        insert_comm,
+        localize,
+    ] if p is not None]
+
+
+def pass_name(p: Pass) -> str:
+    return getattr(p, "name", None) or getattr(p, "__name__", type(p).__name__)
+
+
+class PassError(NNCompileError):
+    """A pass raised; the message names it and the passes that ran before it."""
+
+
+@dataclass
+class PipelineResult:
+    graph: Graph
+    history: list[tuple[str, Graph, float]] = field(default_factory=list)
+
+
+def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> PipelineResult:
+    result = PipelineResult(graph, [("trace", graph, 0.0)])
+    if check:
+        verify(graph)
+    for p in passes:
+        start = time.perf_counter()
+        try:
+            result.graph = p(result.graph)
+            if check:
+                verify(result.graph)
+        except NNCompileError as e:
+            if isinstance(e, PassError):
+                raise
+            done = [name for name, _, _ in result.history]
+            raise type(e)(f"{e}\n  (in pass {pass_name(p)!r}, after {done})") from e
+        except Exception as e:
+            done = [name for name, _, _ in result.history]
+            raise PassError(f"pass {pass_name(p)!r} failed after {done}: "
+                            f"{type(e).__name__}: {e}") from e
+        result.history.append((pass_name(p), result.graph, (time.perf_counter() - start) * 1e3))
+    return result
+
+
+__all__ = ["build_pipeline", "run_pipeline", "constant_fold", "dce", "Plan", "insert_comm",
+           "localize", "get_policy", "PassError", "PipelineResult"]

@@ -1,0 +1,103 @@
+"""insert_comm: one collective, paired with its backward dual, per placement mismatch.
+
+Before (x is S(1), the op wants it replicated):     After:
+    y = aten.layer_norm.default(x, ...)                 x_gather = comm.all_gather(x, dim=1, group=PLAN_GROUP)
+                                                        y = aten.layer_norm.default(x_gather, ...)
+
+Transitions (forward / backward), from runtime/comm.py:
+    P -> R     all_reduce      / identity
+    R -> S(d)  chunk           / all_gather
+    S(d) -> R  all_gather      / chunk
+    P -> S(d)  reduce_scatter  / all_gather
+    S(i)->S(j) all_to_all      / all_to_all
+    R -> P     to_partial      / identity      (rank 0 keeps the value, the others zeros)
+    R -> R     sync_grad       / all_reduce    (see below)
+
+Gradients: the gradient of a replicated value must be the same full tensor on every rank. A
+split op that reads a replicated input leaves only a partial gradient for it on each rank, so
+that use goes through `sync_grad`, Megatron's `f`. A replicated parameter whose every use is
+like that skips `sync_grad`: the runtime sums its gradient over the plan unit instead
+(`partial_grad` in the manifest), together with the data-parallel reduction.
+Each distinct (value, placement) conversion is made once and shared by its users.
+Precondition: plan. Idempotent: yes (a second run finds nothing to convert).
+"""
+from __future__ import annotations
+
+from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Partial, Replicate, Shard, Strategy, Value
+
+
+def _needs_sync(op: Op, v: Value, want) -> bool:
+    return isinstance(want, Replicate) and op.strategy.is_split and v.requires_grad \
+        and not op.target_name.startswith("comm.")
+
+
+class _Inserter:
+    def __init__(self, g: Graph, partial_grad: set[str]):
+        self.g = g
+        self.partial_grad = partial_grad
+        self.cache: dict[tuple, Value] = {}
+        self.new_ops: list[Op] = []
+
+    def emit(self, kind: str, v: Value, dst, **kwargs) -> Value:
+        out = Value(self.g.fresh_name(f"{v.name}_{kind}"), v.meta, requires_grad=v.requires_grad)
+        out.placement = dst
+        op = Op(f"comm.{kind}", (v,), {**kwargs, "group": PLAN_GROUP}, [out],
+                module_path=v.producer.module_path if v.producer else "")
+        op.strategy = Strategy((v.placement,), (dst,), kind)
+        self.new_ops.append(op)
+        return out
+
+    def convert(self, v: Value, want, sync: bool = False) -> Value:
+        key = (id(v), want, sync)
+        if key in self.cache:
+            return self.cache[key]
+        src = v.placement
+        out = v
+        if want is not None and src != want:
+            if isinstance(src, Replicate):
+                out = self.emit("chunk", v, want, dim=want.dim) if isinstance(want, Shard) \
+                    else self.emit("to_partial", v, want)
+            elif isinstance(src, Partial):
+                out = self.emit("all_reduce", v, want) if isinstance(want, Replicate) \
+                    else self.emit("reduce_scatter", v, want, dim=want.dim)
+            elif isinstance(want, Shard):
+                out = self.emit("all_to_all", v, want, src_dim=src.dim, dst_dim=want.dim)
+            else:
+                out = self.emit("all_gather", v, Replicate(), dim=src.dim)
+                if isinstance(want, Partial):
+                    out = self.emit("to_partial", out, want)
+        if sync:
+            out = self.emit("sync_grad", out, Replicate())
+        self.cache[key] = out
+        return out
+
+
+def insert_comm(graph: Graph) -> Graph:
+    g = graph.clone()
+    # replicated parameters whose every use leaves a partial gradient: reduced by the runtime
+    uses: dict[int, list[bool]] = {}
+    for op in g.ops:
+        for v, want in zip(op.tensor_inputs(), op.strategy.inputs):
+            if v.kind == PARAM:
+                uses.setdefault(id(v), []).append(_needs_sync(op, v, want)
+                                                  and isinstance(v.placement, Replicate))
+    partial_grad = {v.name for v in g.params if uses.get(id(v)) and all(uses[id(v)])}
+    ins = _Inserter(g, partial_grad)
+    ops: list[Op] = []
+    for op in g.ops:
+        ins.new_ops = []
+        tensors = op.tensor_inputs()
+        repl = {}
+        for v, want in zip(tensors, op.strategy.inputs):
+            sync = _needs_sync(op, v, want) and v.name not in partial_grad
+            repl[id(v)] = ins.convert(v, want, sync)
+        op.map_values(lambda v: repl.get(id(v), v))
+        ops += ins.new_ops + [op]
+    ins.new_ops = []
+    g.outputs = [ins.convert(v, Replicate()) if isinstance(v, Value) and v.is_tensor else v
+                 for v in g.outputs]
+    g.ops = ops + ins.new_ops
+    g.meta["comm_inserted"] = True
+    g.meta["partial_grad_params"] = sorted(partial_grad | set(g.meta.get("partial_grad_params",
+                                                                          [])))
+    return g

@@ -1,0 +1,46 @@
+"""localize: make every op run on one rank's shards.
+
+Before (tp, plan_ngpus=2):                     After:
+    v = aten.view.default(x, [8, 16, 4, 8])        v = aten.view.default(x, [8, 16, 2, 8])
+      # f32[8, 16, 4, 8] S(2)                        # f32[8, 16, 2, 8] of [8, 16, 4, 8] S(2)
+
+Size arguments (view, reshape, expand, new_zeros, full, ...) become the local shape; ops whose
+strategy names a local implementation (e.g. the row-split mean cross-entropy) call it. With
+n > 1, `view` becomes `reshape`: tracing drops `.contiguous()` calls that were no-ops on the
+traced layout, and a shard produced by a collective may be laid out differently. Local
+shapes follow from placements (even splits), so one localized graph serves every rank; each
+rank's parameter slices are derived from placements in codegen. Precondition: insert_comm.
+Idempotent: yes.
+"""
+from __future__ import annotations
+
+import torch
+
+from nncompile.ir import PLAN_GROUP, Graph
+
+# op name -> index of its size argument
+_SIZE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_zeros": 1,
+             "new_ones": 1, "new_empty": 1, "new_full": 1, "zeros": 0, "ones": 0, "empty": 0,
+             "full": 0}
+
+
+def localize(graph: Graph) -> Graph:
+    if graph.meta.get("localized"):
+        return graph
+    g = graph.clone()
+    n = g.plan_ngpus
+    for op in g.ops:
+        s = op.strategy
+        if s is not None and s.local_target is not None:
+            op.target = s.local_target
+            op.kwargs = {**op.kwargs, "group": PLAN_GROUP}
+        name = getattr(op.target, "_opname", None)
+        if n > 1 and name in ("view", "_unsafe_view"):
+            op.target, name = torch.ops.aten.reshape.default, "reshape"
+        idx = _SIZE_ARG.get(name)
+        if idx is not None and len(op.args) > idx and op.outputs[0].is_tensor:
+            args = list(op.args)
+            args[idx] = list(op.outputs[0].local_shape(n))
+            op.args = tuple(args)
+    g.meta["localized"] = True
+    return g

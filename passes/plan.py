@@ -1,0 +1,52 @@
+"""plan: run the policy, then check and complete what it decided.
+
+Before:                                         After (tp, plan_ngpus=2):
+    y = aten.linear.default(x, w)  # f32[8, 64] R     y = aten.linear.default(x, w)  # f32[8, 64] S(1)  [split n]
+
+Every op ends with a legal strategy (ops the policy left alone run replicated) and every op
+output takes the placement its strategy names. Precondition: none. Idempotent: yes, for a
+deterministic policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nncompile.errors import PolicyError
+from nncompile.ir import Graph, Partial, Replicate
+from nncompile.rules import replicated, strategies
+
+
+@dataclass
+class Plan:
+    policy: Callable
+    config: Any
+    name: str = "plan"
+
+    def __call__(self, graph: Graph) -> Graph:
+        g = self.policy(graph, self.config)
+        if not isinstance(g, Graph):
+            raise PolicyError(f"policy {getattr(self.policy, '__name__', self.policy)!r} "
+                              f"returned {type(g).__name__}, not a Graph")
+        if g is graph:
+            g = graph.clone()
+        n = self.config.plan_ngpus
+        g.plan_ngpus = n
+        g.meta["policy"] = getattr(self.policy, "__name__", str(self.policy))
+        for v in g.params + g.buffers:
+            if isinstance(v.placement, Partial):
+                raise PolicyError(f"{v.kind} {v.fqn!r} cannot be Partial; use Replicate "
+                                  "or Shard")
+        for op in g.ops:
+            if op.strategy is None:
+                op.strategy = replicated(op)
+            legal = {(s.inputs, s.outputs): s for s in strategies(op, n)}
+            chosen = legal.get((op.strategy.inputs, op.strategy.outputs))
+            if chosen is None:
+                raise PolicyError(f"policy chose an illegal strategy for {op.name} "
+                                  f"({op.target_name}): inputs {op.strategy.inputs} -> "
+                                  f"{op.strategy.outputs}; legal: {list(legal)}")
+            op.strategy = chosen
+            for v, p in zip(op.outputs, chosen.outputs):
+                v.placement = p if v.is_tensor else Replicate()
+        return g

@@ -1,0 +1,53 @@
+"""Built-in policies: `dp` (replicate), `data` (split the batch) and `tp` (split weights).
+
+A policy is `policy(graph, config) -> graph`: it sets `op.strategy` (one of
+`nncompile.rules.strategies(op, n)`) and the placements of parameters, buffers and
+constants. Ops it leaves without a strategy run replicated.
+"""
+from __future__ import annotations
+
+from nncompile.errors import PolicyError
+from nncompile.ir import Graph, Partial, PARAM, Replicate
+
+from .greedy import Walk, greedy
+
+
+def dp(graph: Graph, config) -> Graph:
+    """Replicate everything; data parallelism comes from runtime_ngpus // plan_ngpus units."""
+    if config.plan_ngpus != 1:
+        raise PolicyError(f"policy 'dp' replicates the model inside a plan unit, so it needs "
+                          f"plan_ngpus=1 (got {config.plan_ngpus}); use 'data' or 'tp' to split "
+                          "work inside a unit")
+    return greedy(graph, 1, lambda walk, op, s: 0)
+
+
+def _data_rank(walk: Walk, op, s) -> int | None:
+    if any(v.kind == PARAM and not isinstance(p, Replicate)
+           for v, p in zip(op.tensor_inputs(), s.inputs)):
+        return None
+    if walk.is_batch_split(op, s):
+        return 0
+    if all(isinstance(p, Partial) for p in s.outputs):
+        return 0                                  # keep a partial sum (e.g. the loss)
+    return 1 if not s.is_split else None
+
+
+def data(graph: Graph, config) -> Graph:
+    """Split the batch dim (dim 0 of every input) across the plan unit; replicate weights."""
+    return greedy(graph, config.plan_ngpus, _data_rank)
+
+
+def _tp_rank(walk: Walk, op, s) -> int:
+    if walk.shards_param(op, s):
+        return 0                                  # tensor parallel proper: a weight is split
+    if not s.is_split:
+        return 3
+    if walk.is_batch_split(op, s):
+        return 2
+    return 1                                      # another non-batch dim, or keep partial
+
+
+def tp(graph: Graph, config) -> Graph:
+    """Split every op on a non-batch dim: weights first (Megatron's column/row pattern falls
+    out of the costs), then any other dim. Deterministic; exercises every transition."""
+    return greedy(graph, config.plan_ngpus, _tp_rank)

@@ -1,0 +1,100 @@
+"""Multi-rank parity worker (run under torchrun, gloo): for every model, policy and legal
+(plan, runtime) at this world size, the parallel loss and every gathered gradient must equal a
+single-device run (plan units see different batches; gradients are the units' average).
+
+    torchrun --nproc_per_node=4 tests/workers/parity.py --models gpt --out report.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import models  # noqa: E402
+
+import nncompile  # noqa: E402
+
+# float32. Partial sums (k-split matmuls, cross-rank loss sums) reorder additions, so
+# gradients are compared with rtol 1e-5 and an atol of 1e-6 scaled by the tensor's magnitude
+# (max(1, max |ref|)); losses with rtol 1e-5 / atol 1e-6.
+RTOL, ATOL = 1e-5, 1e-6
+PLANS = {1: [(1, 1)], 2: [(1, 2), (2, 2)], 4: [(2, 4), (4, 4)]}
+
+
+def reference(name: str, n_units: int):
+    losses, grads = [], None
+    for u in range(n_units):
+        model = models.build(name)
+        loss = model(**models.batch(name, u))
+        loss.backward()
+        losses.append(loss.detach())
+        g = {k: p.grad.clone() for k, p in model.named_parameters()}
+        grads = g if grads is None else {k: grads[k] + g[k] for k in g}
+    return losses, {k: v / n_units for k, v in grads.items()}
+
+
+def check(name: str, policy: str, plan: int, runtime: int, savedir: str) -> dict:
+    rank = dist.get_rank()
+    unit = rank // plan
+    model = models.build(name)
+    cfg = nncompile.ComputeConfig(plan_ngpus=plan, runtime_ngpus=runtime)
+    pm = nncompile.parallelize(model, models.batch(name, 0), cfg, pas_policy=policy,
+                               gen_savedir=savedir, reuse="override",
+                               instance_name=f"{name}_{policy}_{plan}x{runtime}")
+    loss = pm(**models.batch(name, unit))
+    loss.backward()
+    grads = pm.gather_grads()
+    ref_losses, ref_grads = reference(name, runtime // plan)
+    torch.testing.assert_close(loss.detach(), ref_losses[unit], rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"{name} {policy} {plan}x{runtime} loss: {m}")
+    worst = 0.0
+    assert set(grads) == set(ref_grads), (sorted(grads), sorted(ref_grads))
+    for fqn, g in grads.items():
+        want = ref_grads[fqn]
+        scale = max(1.0, float(want.abs().max()))
+        torch.testing.assert_close(
+            g, want, rtol=RTOL, atol=ATOL * scale,
+            msg=lambda m: f"{name} {policy} {plan}x{runtime} grad {fqn}: {m}")
+        worst = max(worst, float((g - want).abs().max()))
+    comm = json.load(open(os.path.join(savedir, f"{name}_{policy}_{plan}x{runtime}",
+                                       "plan.json")))["collectives"]
+    return {"model": name, "policy": policy, "plan": plan, "runtime": runtime,
+            "loss": float(loss.detach()), "max_grad_err": worst, "collectives": comm}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="mlp,gpt,hf_gpt2,hf_llama")
+    ap.add_argument("--policies", default="dp,data,tp")
+    ap.add_argument("--savedir", default="./.nncompile/parity")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("NNCOMPILE_QUIET", "1")
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    results = []
+    for plan, runtime in PLANS[dist.get_world_size()]:
+        for policy in args.policies.split(","):
+            if policy == "dp" and plan != 1:
+                continue
+            for name in args.models.split(","):
+                results.append(check(name, policy, plan, runtime, args.savedir))
+    if dist.get_rank() == 0:
+        for r in results:
+            print(f"ok {r['model']:<9} {r['policy']:<5} {r['plan']}x{r['runtime']}  "
+                  f"loss {r['loss']:.5f}  max grad err {r['max_grad_err']:.2e}  "
+                  f"{r['collectives']}", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
