@@ -23,7 +23,9 @@ from .errors import ConfigError, TraceError
 from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, Value
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
+_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in
+                  (__import__("nncompile"), __import__("nncompile.passes").passes,
+                   __import__("nncompile.runtime").runtime))
 # Ops that only assert facts about their input: dropped.
 _DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range",
             "sym_constrain_range_for_size"}

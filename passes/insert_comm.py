@@ -27,8 +27,9 @@ from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Partial, Replicate, Shard
 
 
 def _needs_sync(op: Op, v: Value, want) -> bool:
+    synced = v.producer is not None and v.producer.target == "comm.sync_grad"
     return isinstance(want, Replicate) and op.strategy.is_split and v.requires_grad \
-        and not op.target_name.startswith("comm.")
+        and not synced and not op.target_name.startswith("comm.")
 
 
 class _Inserter:

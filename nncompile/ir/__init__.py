@@ -4,8 +4,9 @@ from .graph import (BUFFER, CONST, PARAM, USER_INPUT, Graph, Op, SourceInfo, Str
 from .placement import P, R, Partial, Placement, Replicate, Shard, local_shape, shard_slices
 from .printer import DEVICE, PLAN_GROUP, Symbol, fmt_literal, print_graph
 from .verify import verify
+from .interpret import run_graph
 
 __all__ = ["P", "R", "Graph", "Op", "Value", "TensorMeta", "SourceInfo", "Strategy", "Placement",
            "Replicate", "Shard", "Partial", "print_graph", "verify", "local_shape",
            "shard_slices", "flatten", "map_nested", "target_name", "Symbol", "DEVICE",
-           "PLAN_GROUP", "fmt_literal", "USER_INPUT", "PARAM", "BUFFER", "CONST"]
+           "PLAN_GROUP", "fmt_literal", "run_graph", "USER_INPUT", "PARAM", "BUFFER", "CONST"]

@@ -1,0 +1,36 @@
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("NNCOMPILE_QUIET", "1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: int = 900) -> str:
+    """Run `script` on nproc gloo ranks; fail with the output's tail unless every rank exits 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", os.path.join(ROOT, script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        lines = [ln for ln in out.splitlines() if "Error" in ln or "assert" in ln.lower()]
+        pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode}\n"
+                    + "\n".join(lines[-20:]) + "\n---- tail ----\n" + out[-4000:])
+    return out
+
+
+@pytest.fixture
+def run_ranks():
+    return torchrun
