@@ -50,27 +50,30 @@ class _Inserter:
 
     def convert(self, v: Value, want, sync: bool = False) -> Value:
         key = (id(v), want, sync)
-        if key in self.cache:
-            return self.cache[key]
-        src = v.placement
-        out = v
-        if want is not None and src != want:
-            if isinstance(src, Replicate):
-                out = self.emit("chunk", v, want, dim=want.dim) if isinstance(want, Shard) \
-                    else self.emit("to_partial", v, want)
-            elif isinstance(src, Partial):
-                out = self.emit("all_reduce", v, want) if isinstance(want, Replicate) \
-                    else self.emit("reduce_scatter", v, want, dim=want.dim)
-            elif isinstance(want, Shard):
-                out = self.emit("all_to_all", v, want, src_dim=src.dim, dst_dim=want.dim)
-            else:
-                out = self.emit("all_gather", v, Replicate(), dim=src.dim)
-                if isinstance(want, Partial):
-                    out = self.emit("to_partial", out, want)
-        if sync:
-            out = self.emit("sync_grad", out, Replicate())
-        self.cache[key] = out
-        return out
+        if key not in self.cache:
+            out = v
+            for kind, kwargs, dst in transition(v.placement, want):
+                out = self.emit(kind, out, dst, **kwargs)
+            if sync:
+                out = self.emit("sync_grad", out, Replicate())
+            self.cache[key] = out
+        return self.cache[key]
+
+
+def transition(src, want) -> list[tuple[str, dict, object]]:
+    """The collectives that turn placement `src` into `want`: [(kind, kwargs, placement after)]."""
+    if want is None or src == want:
+        return []
+    if isinstance(src, Replicate):
+        return [("chunk", {"dim": want.dim}, want)] if isinstance(want, Shard) \
+            else [("to_partial", {}, want)]
+    if isinstance(src, Partial):
+        return [("all_reduce", {}, want)] if isinstance(want, Replicate) \
+            else [("reduce_scatter", {"dim": want.dim}, want)]
+    if isinstance(want, Shard):
+        return [("all_to_all", {"src_dim": src.dim, "dst_dim": want.dim}, want)]
+    steps = [("all_gather", {"dim": src.dim}, Replicate())]
+    return steps + [("to_partial", {}, want)] if isinstance(want, Partial) else steps
 
 
 def insert_comm(graph: Graph) -> Graph:
