@@ -48,6 +48,9 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     check_writable(outdir.parent)
     start = time.perf_counter()
     graph = trace(module, dummy_args)
+    if config.inference_only:
+        for v in graph.values():
+            v.requires_grad = False
     traced_text = print_graph(graph)
     fingerprint = hashlib.sha256(
         (__version__ + _policy_name(pas_policy) + "\n"
@@ -69,6 +72,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
+    final.meta["inference_only"] = config.inference_only
     staging = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}.tmp-"))
     try:
         for r in range(config.runtime_ngpus):
@@ -110,7 +114,8 @@ def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: st
               "differs, or another instance_name.")
 
 
-def load_module(outdir: Path, rank: int, module: torch.nn.Module | None, device=None):
+def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, device=None):
+    """Import `gencode{rank}.py` from outdir and build its GenModel from `module`'s weights."""
     path = outdir / f"gencode{rank}.py"
     name = f"nncompile_gen_{abs(hash(str(outdir)))}_{rank}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -165,7 +170,4 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
         raise error
     if not load_module:
         return outdir
-    return load_module_fn(outdir, rank, module, device)
-
-
-load_module_fn = load_module
+    return load_rank_module(outdir, rank, module, device)

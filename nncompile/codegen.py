@@ -31,6 +31,7 @@ class GenModel(ParallelModule):
     RANK = {rank}
     PLAN_NGPUS = {plan}
     RUNTIME_NGPUS = {runtime}
+    INFERENCE_ONLY = {inference_only}
     OUT_SPEC = {out_spec!r}
     INPUTS = [  # name, traced shape, dtype
 {inputs}
@@ -72,7 +73,7 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
     n = g.plan_ngpus
     t = rank_tables(g, rank)
     text = HEADER.format(
-        rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
+        rank=rank, runtime=runtime_ngpus, inference_only=g.meta.get("inference_only", False), unit=rank // n, shard=rank % n, plan=n,
         model=g.meta.get("model", "?"), policy=g.meta.get("policy", "?"),
         fingerprint=fingerprint[:16], out_spec=g.out_spec,
         inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),

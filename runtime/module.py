@@ -29,6 +29,7 @@ class ParallelModule(torch.nn.Module):
     RANK = 0
     PLAN_NGPUS = 1
     RUNTIME_NGPUS = 1
+    INFERENCE_ONLY = False
     INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
     PARAMS: list[tuple] = []   # local name, FQN, full shape, placement, slices, partial grad
     BUFFERS: list[tuple] = []  # local name, FQN, full shape, placement, slices
@@ -52,7 +53,8 @@ class ParallelModule(torch.nn.Module):
                 and not full.is_meta else torch.empty(
                     [b - a for a, b in slices], device=self.device,
                     dtype=full.dtype if full is not None else torch.float32)
-            self.register_parameter(name, torch.nn.Parameter(local))
+            self.register_parameter(name, torch.nn.Parameter(
+                local, requires_grad=not self.INFERENCE_ONLY))
         full_buffers = {}
         for name, fqn, shape, _, slices in self.BUFFERS:
             full = state[fqn].detach().to(self.device)
@@ -100,7 +102,7 @@ class ParallelModule(torch.nn.Module):
 
     # ---- gradients ----------------------------------------------------------------------
     def _register_grad_hooks(self) -> None:
-        if not dist.is_initialized():
+        if not dist.is_initialized() or self.INFERENCE_ONLY:
             return
         dp = self.RUNTIME_NGPUS // self.PLAN_NGPUS
         for name, param in self.named_parameters():

@@ -43,7 +43,7 @@ def test_generated_files(tmp_path):
         "05_localize.py"]
     code = (out / "gencode1.py").read_text()
     ast.parse(code)
-    assert "# tests/models.py:" in code and "x = x + self.attn(self.ln_1(x))" in code
+    assert "# examples/gpt.py:" in code and "x = x + self.attn(self.ln_1(x))" in code
     assert "comm.all_reduce(" in code and "class GenModel(ParallelModule)" in code
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"]["plan_ngpus"] == 2 and manifest["config"]["runtime_ngpus"] == 4
@@ -96,3 +96,12 @@ def test_single_process_module_matches_eager(tmp_path):
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad)
     assert set(pm.gather_params()) == {n for n, _ in model.named_parameters()}
+
+
+def test_inference_only_has_no_gradient_machinery(tmp_path):
+    cfg = ComputeConfig(plan_ngpus=2, runtime_ngpus=2, inference_only=True)
+    out = nncompile.parallelize(models.build("gpt"), models.batch("gpt", 0), cfg,
+                                pas_policy="tp", gen_savedir=tmp_path, load_module=False)
+    code = (out / "gencode0.py").read_text()
+    assert "INFERENCE_ONLY = True" in code and "comm.sync_grad" not in code
+    assert "comm.all_reduce" in code

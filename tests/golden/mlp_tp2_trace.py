@@ -10,13 +10,13 @@ def forward(
     head_weight,  # param 'head.weight' f32[8, 64] R
     head_bias,  # param 'head.bias' f32[8] R
 ):
-    # tests/models.py:18  h = F.relu(self.fc1(x))
+    # tests/models.py:24  h = F.relu(self.fc1(x))
     fc1_linear = aten.linear.default(x, fc1_weight, fc1_bias)  # f32[4, 64] R
     relu = aten.relu.default(fc1_linear)  # f32[4, 64] R
-    # tests/models.py:19  h = torch.tanh(self.fc2(h))
+    # tests/models.py:25  h = torch.tanh(self.fc2(h))
     fc2_linear = aten.linear.default(relu, fc2_weight, fc2_bias)  # f32[4, 64] R
     tanh = aten.tanh.default(fc2_linear)  # f32[4, 64] R
-    # tests/models.py:20  return F.cross_entropy(self.head(h), y)
+    # tests/models.py:26  return F.cross_entropy(self.head(h), y)
     head_linear = aten.linear.default(tanh, head_weight, head_bias)  # f32[4, 8] R
     cross_entropy_loss = aten.cross_entropy_loss.default(head_linear, y)  # f32[] R
     return (cross_entropy_loss,)
