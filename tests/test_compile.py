@@ -105,3 +105,19 @@ def test_inference_only_has_no_gradient_machinery(tmp_path):
     code = (out / "gencode0.py").read_text()
     assert "INFERENCE_ONLY = True" in code and "comm.sync_grad" not in code
     assert "comm.all_reduce" in code
+
+
+def test_small_tensor_constant_in_forward(tmp_path):
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return (self.lin(x) * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum()
+
+    model, x = Scaled(), torch.randn(2, 4)
+    pm = nncompile.parallelize(model, (x,), ComputeConfig(plan_ngpus=1), pas_policy="dp",
+                               gen_savedir=tmp_path)
+    assert "torch.tensor([1.0, 2.0, 3.0, 4.0]" in open(pm.gencode_path).read()
+    torch.testing.assert_close(pm(x), model(x))

@@ -129,6 +129,8 @@ def target_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" \
             else f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
+    if getattr(torch, getattr(target, "__name__", ""), None) is target:
+        return f"torch.{target.__name__}"            # e.g. torch.tensor for a small constant
     return getattr(target, "__qualname__", repr(target))
 
 
