@@ -58,14 +58,22 @@ def normalize_args(module: torch.nn.Module, dummy_args: Any) -> tuple[tuple, dic
                       f"its positional arguments, not {type(dummy_args).__name__}")
 
 
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
 def _is_user_file(path: str) -> bool:
+    """Model code: not torch, not nncompile, not the standard library (packages such as
+    transformers count as model code)."""
     path = os.path.abspath(path)
-    return not path.startswith(_TORCH_DIR) and not path.startswith(_OWN_DIRS) \
-        and "<" not in path and not path.startswith(os.path.dirname(os.__file__))
+    if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or "<" in path:
+        return False
+    return not path.startswith(_STDLIB) or "site-packages" in path
 
 
 def _display_path(path: str) -> str:
     path = os.path.abspath(path)
+    if "site-packages" + os.sep in path:
+        return path.split("site-packages" + os.sep, 1)[1]
     rel = os.path.relpath(path)
     return rel if not rel.startswith("..") else path
 

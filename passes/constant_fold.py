@@ -30,7 +30,7 @@ def constant_fold(graph: Graph) -> Graph:
     moved, kept = [], []
     for op in g.ops:
         name = getattr(op.target, "_opname", str(op.target))
-        if name not in _RANDOM and not name.endswith("_") and op.outputs \
+        if name not in _RANDOM and not op.is_inplace and op.outputs \
                 and all(id(v) in const for v in op.inputs()):
             moved.append(op)
             const |= {id(v) for v in op.outputs}

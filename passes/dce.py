@@ -17,8 +17,7 @@ def dce(graph: Graph) -> Graph:
     live = {id(v) for v in graph.outputs if isinstance(v, Value)}
     keep_ops = []
     for op in reversed(graph.ops):
-        name = getattr(op.target, "_opname", str(op.target))
-        if any(id(v) in live for v in op.outputs) or name.endswith("_"):
+        if any(id(v) in live for v in op.outputs) or op.is_inplace:
             keep_ops.append(op)
             live |= {id(v) for v in op.inputs()}
     keep_const = []

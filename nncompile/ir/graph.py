@@ -107,6 +107,12 @@ class Op:
     def target_name(self) -> str:
         return target_name(self.target)
 
+    @property
+    def is_inplace(self) -> bool:
+        """An aten in-place op (`add_`), not a dunder (`__and__`)."""
+        name = getattr(self.target, "_opname", "")
+        return name.endswith("_") and not name.endswith("__")
+
     def inputs(self) -> list[Value]:
         """Flattened tensor/value inputs, in argument order (kwargs after args)."""
         return [v for v in flatten((self.args, self.kwargs)) if isinstance(v, Value)]
