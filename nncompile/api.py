@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -86,7 +87,6 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
                    codegen.manifest(final, config, fingerprint, traced_text))
         replace_dir(staging, outdir)
     except BaseException:
-        import shutil
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _log(f"generated {config.runtime_ngpus} rank file(s) in {outdir} "

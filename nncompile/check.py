@@ -23,6 +23,8 @@ class VerifyReport:
     errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # fqn: (abs, rel)
     rtol: float = 1e-5
     atol: float = 1e-6
+    loss_ref: float = 0.0                                    # |single-device loss|
+    ref_max: dict[str, float] = field(default_factory=dict)  # fqn: max |single-device grad|
 
     @property
     def ok(self) -> bool:
@@ -30,12 +32,9 @@ class VerifyReport:
 
     def _bounds(self):
         """(error, reference magnitude) pairs."""
-        yield self.loss_error, self._loss_ref
+        yield self.loss_error, self.loss_ref
         for fqn, (a, _) in self.errors.items():
-            yield a, self._ref_max[fqn]
-
-    _loss_ref: float = 0.0
-    _ref_max: dict[str, float] = field(default_factory=dict)
+            yield a, self.ref_max[fqn]
 
     def worst(self, k: int = 5) -> list[tuple[str, float, float]]:
         rows = sorted(((f, a, r) for f, (a, r) in self.errors.items()), key=lambda x: -x[1])
@@ -48,12 +47,6 @@ class VerifyReport:
         for fqn, a, r in self.worst(len(self.errors)):
             lines.append(f"  {fqn:<40} max abs err {a:.3e}  max rel err {r:.3e}")
         return "\n".join(lines)
-
-
-def _call(module, dummy_args):
-    args, kwargs = dummy_args if isinstance(dummy_args, tuple) and len(dummy_args) == 2 \
-        and isinstance(dummy_args[1], dict) else ((), {})
-    return module(*args, **kwargs)
 
 
 def _scalar_loss(out: Any) -> torch.Tensor:
@@ -80,10 +73,10 @@ def verify(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConf
     loss.backward()
     grads = pm.gather_grads()
     report = VerifyReport(float((loss.detach() - ref_loss.detach()).abs()), rtol=rtol, atol=atol)
-    report._loss_ref = float(ref_loss.detach().abs())
+    report.loss_ref = float(ref_loss.detach().abs())
     for fqn, g in grads.items():
         want = ref_grads[fqn]
         diff = (g - want).abs()
         report.errors[fqn] = (float(diff.max()), float((diff / want.abs().clamp_min(1e-12)).max()))
-        report._ref_max[fqn] = float(want.abs().max())
+        report.ref_max[fqn] = float(want.abs().max())
     return report

@@ -252,19 +252,16 @@ class _Lowering:
         self.env[node] = list(outputs) if multi else outputs[0]
 
     def _inline_hop(self, gm: torch.fx.GraphModule, node: torch.fx.Node, no_grad: bool) -> None:
+        """Inline a region op (a no-grad or autocast block) whose body is a submodule."""
         name = str(node.target)
-        if "set_grad_enabled" in name:
-            enabled, sub, *rest = node.args
-            no_grad = no_grad or not enabled
-        elif "autocast" in name:
-            *_, sub = [a for a in node.args if isinstance(a, torch.fx.Node)
-                       and a.op == "get_attr"][:1] or [None]
-            idx = node.args.index(sub)
-            rest = node.args[idx + 1:]
-        else:
+        if "set_grad_enabled" not in name and "autocast" not in name:
             raise TraceError(f"unsupported higher-order op {name}")
-        submod = getattr(gm, sub.target)
-        out = self._run_graph(submod, no_grad, [self._lookup(a) for a in rest])
+        if "set_grad_enabled" in name:
+            no_grad = no_grad or not node.args[0]
+        pos = next(i for i, a in enumerate(node.args)
+                   if isinstance(a, torch.fx.Node) and a.op == "get_attr")
+        submod = getattr(gm, node.args[pos].target)
+        out = self._run_graph(submod, no_grad, [self._lookup(a) for a in node.args[pos + 1:]])
         self.env[node] = list(out)
 
 
