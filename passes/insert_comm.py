@@ -7,7 +7,7 @@ Before (x is S(1), the op wants it replicated):     After:
 Transitions (forward / backward), from runtime/comm.py:
     P -> R     all_reduce      / identity
     R -> S(d)  chunk           / all_gather
-    S(d) -> R  all_gather      / chunk
+    S(d) -> R  all_gather      / chunk         (reduce_scatter when users leave partial grads)
     P -> S(d)  reduce_scatter  / all_gather
     S(i)->S(j) all_to_all      / all_to_all
     R -> P     to_partial      / identity      (rank 0 keeps the value, the others zeros)
@@ -27,7 +27,9 @@ from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Partial, Replicate, Shard
 
 
 def _needs_sync(op: Op, v: Value, want) -> bool:
-    synced = v.producer is not None and v.producer.target == "comm.sync_grad"
+    src = v.producer
+    synced = src is not None and (src.target == "comm.sync_grad" or (
+        src.target == "comm.all_gather" and src.kwargs.get("reduce_grad", False)))
     return isinstance(want, Replicate) and op.strategy.is_split and v.requires_grad \
         and not synced and not op.target_name.startswith("comm.")
 
@@ -52,16 +54,23 @@ class _Inserter:
         key = (id(v), want, sync)
         if key not in self.cache:
             out = v
-            for kind, kwargs, dst in transition(v.placement, want):
+            for kind, kwargs, dst in transition(v.placement, want, sync):
                 out = self.emit(kind, out, dst, **kwargs)
-            if sync:
-                out = self.emit("sync_grad", out, Replicate())
             self.cache[key] = out
         return self.cache[key]
 
 
-def transition(src, want) -> list[tuple[str, dict, object]]:
-    """The collectives that turn placement `src` into `want`: [(kind, kwargs, placement after)]."""
+def transition(src, want, sync: bool = False) -> list[tuple[str, dict, object]]:
+    """The collectives that turn placement `src` into `want`: [(kind, kwargs, placement after)].
+    With `sync` (a replicated result whose users leave partial gradients) the backward also sums
+    gradients over the unit: a gather then reduce-scatters them, anything else adds sync_grad."""
+    if sync and isinstance(src, Shard) and isinstance(want, Replicate):
+        return [("all_gather", {"dim": src.dim, "reduce_grad": True}, want)]
+    steps = _transition(src, want)
+    return steps + [("sync_grad", {}, Replicate())] if sync else steps
+
+
+def _transition(src, want) -> list[tuple[str, dict, object]]:
     if want is None or src == want:
         return []
     if isinstance(src, Replicate):

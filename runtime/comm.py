@@ -5,7 +5,7 @@ produces correct local gradients:
 
     all_reduce      P -> R     backward: identity
     chunk           R -> S(d)  backward: all_gather
-    all_gather      S(d) -> R  backward: chunk
+    all_gather      S(d) -> R  backward: chunk (reduce_scatter with reduce_grad=True)
     reduce_scatter  P -> S(d)  backward: all_gather
     all_to_all      S(i)->S(j) backward: all_to_all(j -> i)
     to_partial      R -> P     backward: identity    (rank 0 keeps the value, others zeros)
@@ -87,13 +87,15 @@ class _Chunk(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim, group, reduce_grad):
+        ctx.dim, ctx.group, ctx.reduce_grad = dim, group, reduce_grad
         return _gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _chunk(g, ctx.dim, ctx.group), None, None
+        if ctx.reduce_grad:
+            return _reduce_scatter(g, ctx.dim, ctx.group), None, None, None
+        return _chunk(g, ctx.dim, ctx.group), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -147,8 +149,10 @@ def chunk(x, *, dim, group):
     return _Chunk.apply(x, dim, group)
 
 
-def all_gather(x, *, dim, group):
-    return _AllGather.apply(x, dim, group)
+def all_gather(x, *, dim, group, reduce_grad=False):
+    """S(dim) -> R. With reduce_grad the users' gradients are partial sums: reduce-scatter them
+    (all_gather + sync_grad in one step)."""
+    return _AllGather.apply(x, dim, group, reduce_grad)
 
 
 def reduce_scatter(x, *, dim, group):

@@ -28,5 +28,9 @@ def test_parity(world, run_ranks, tmp_path):
         gpt_tp = next(r for r in results if r["model"] == "gpt" and r["policy"] == "tp"
                       and r["plan"] == 2)
         for kind in ("all_reduce", "chunk", "all_gather", "reduce_scatter", "all_to_all",
-                     "to_partial", "sync_grad"):
+                     "to_partial"):
             assert gpt_tp["collectives"].get(f"comm.{kind}", 0) > 0, kind
+        # data splits the batch; the position embedding (replicated) feeds a split add
+        gpt_data = next(r for r in results if r["model"] == "gpt" and r["policy"] == "data"
+                        and r["plan"] == 2)
+        assert gpt_data["collectives"].get("comm.sync_grad", 0) > 0
