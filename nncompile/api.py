@@ -49,6 +49,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     check_writable(outdir.parent)
     start = time.perf_counter()
     graph = trace(module, dummy_args)
+    graph.meta["inference_only"] = config.inference_only
     if config.inference_only:
         for v in graph.values():
             v.requires_grad = False
@@ -73,7 +74,6 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
-    final.meta["inference_only"] = config.inference_only
     staging = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}.tmp-"))
     try:
         for r in range(config.runtime_ngpus):

@@ -73,7 +73,8 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
     n = g.plan_ngpus
     t = rank_tables(g, rank)
     text = HEADER.format(
-        rank=rank, runtime=runtime_ngpus, inference_only=g.meta.get("inference_only", False), unit=rank // n, shard=rank % n, plan=n,
+        rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
+        inference_only=g.meta.get("inference_only", False),
         model=g.meta.get("model", "?"), policy=g.meta.get("policy", "?"),
         fingerprint=fingerprint[:16], out_spec=g.out_spec,
         inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),

@@ -35,9 +35,8 @@ def _needs_sync(op: Op, v: Value, want) -> bool:
 
 
 class _Inserter:
-    def __init__(self, g: Graph, partial_grad: set[str]):
+    def __init__(self, g: Graph):
         self.g = g
-        self.partial_grad = partial_grad
         self.cache: dict[tuple, Value] = {}
         self.new_ops: list[Op] = []
 
@@ -95,7 +94,7 @@ def insert_comm(graph: Graph) -> Graph:
                 uses.setdefault(id(v), []).append(_needs_sync(op, v, want)
                                                   and isinstance(v.placement, Replicate))
     partial_grad = {v.name for v in g.params if uses.get(id(v)) and all(uses[id(v)])}
-    ins = _Inserter(g, partial_grad)
+    ins = _Inserter(g)
     ops: list[Op] = []
     for op in g.ops:
         ins.new_ops = []

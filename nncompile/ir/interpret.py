@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-from .graph import Graph, Value, map_nested
-from .printer import DEVICE, PLAN_GROUP, Symbol
+from .graph import Graph, Value
+from .printer import DEVICE, Symbol
 
 
 def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any]) -> list[Any]:
@@ -33,9 +34,7 @@ def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any]) -
         return x
 
     for op in graph.const_ops + graph.ops:
-        args, kwargs = map_nested(op.args, get), map_nested(op.kwargs, get)
-        args = tuple(get(a) for a in args)
-        kwargs = {k: get(a) for k, a in kwargs.items()}
+        args, kwargs = pytree.tree_map(get, (op.args, op.kwargs))
         if isinstance(op.target, str):                 # a collective: identity on full tensors
             out = args[0]
         else:
