@@ -53,6 +53,7 @@ def main():
     if rank == 0:
         print(f"\nGenerated code, one file per rank: {os.path.dirname(pm.gencode_path)}/"
               f"gencode{{0..{world - 1}}}.py (plan in plan.json, IR after each pass in graphs/)")
+    dist.barrier()                 # every rank done with its collectives before teardown
     dist.destroy_process_group()
 
 
