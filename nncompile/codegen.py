@@ -151,6 +151,7 @@ def plan_json(g: Graph) -> dict[str, Any]:
         "partial_grad_params": g.meta.get("partial_grad_params", []),
         "collectives": dict(comm),
         "ops": ops,
+        "autodist": g.meta.get("autodist"),
     }
 
 

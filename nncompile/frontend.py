@@ -248,6 +248,10 @@ class _Lowering:
         outputs = [make(v) for v in val] if multi else [make(val)]
         source = _user_frame_from_text(node.meta.get("stack_trace", ""))
         op = Op(target, tuple(args), kwargs, outputs, source, module_path, multi_output=multi)
+        if stack:       # (path, class name) from the outermost module in: recompute_modules
+            op.attrs["module_stack"] = tuple((path, str(getattr(cls, "__name__", cls))
+                                              .rsplit(".", 1)[-1])
+                                             for path, cls in stack.values() if path)
         self.ops.append(op)
         self.env[node] = list(outputs) if multi else outputs[0]
 

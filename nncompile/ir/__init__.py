@@ -1,7 +1,8 @@
 """nncompile's IR: Graph, Op, Value, placements, the printer and the verifier."""
 from .graph import (BUFFER, CONST, PARAM, USER_INPUT, Graph, Op, SourceInfo, Strategy,
                     TensorMeta, Value, flatten, map_nested, target_name)
-from .placement import P, R, Partial, Placement, Replicate, Shard, local_shape, shard_slices
+from .placement import (P, R, Partial, Placement, Replicate, Shard, local_shape, parse_placement,
+                        shard_slices)
 from .printer import DEVICE, PLAN_GROUP, Symbol, fmt_literal, print_graph
 from .verify import verify
 from .interpret import run_graph

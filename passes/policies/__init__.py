@@ -8,10 +8,12 @@ from typing import Callable
 
 from nncompile.errors import PolicyError
 
+from nncompile.passes.autodist import autodist
+
 from .builtin import data, dp, tp
 
-POLICIES: dict[str, Callable] = {"dp": dp, "data": data, "tp": tp}
-NOT_YET = {"autodist": "the ILP planner", "pp": "pipeline parallelism",
+POLICIES: dict[str, Callable] = {"autodist": autodist, "dp": dp, "data": data, "tp": tp}
+NOT_YET = {"pp": "pipeline parallelism",
            "hybrid": "pipeline + tensor parallelism"}
 
 
@@ -28,4 +30,4 @@ def get_policy(policy) -> Callable:
                       "or pass a callable policy(graph, config) -> graph")
 
 
-__all__ = ["POLICIES", "get_policy", "dp", "data", "tp"]
+__all__ = ["POLICIES", "get_policy", "autodist", "dp", "data", "tp"]

@@ -1,0 +1,179 @@
+"""The cost model: time per op and per collective, memory per rank, from IR shapes alone.
+
+Compute (roofline): an op runs for max(flops / peak[dtype], bytes / mem_bandwidth) on the local
+pieces its strategy gives it; with training, backward costs twice the forward (dX and dW).
+A strategy that shards any tensor divides the flops by n; bytes are the local sizes.
+
+Collectives (alpha-beta ring on a group of g ranks, tensor of B bytes in full):
+
+    all_reduce       overhead + 2 (g-1) alpha + 2 (g-1)/g * B / bw
+    all_gather       overhead +   (g-1) alpha +   (g-1)/g * B / bw     (B: the gathered result)
+    reduce_scatter   overhead +   (g-1) alpha +   (g-1)/g * B / bw     (B: the summed input)
+    all_to_all       overhead +   (g-1) alpha +   (g-1)/g * B / g / bw
+    chunk, to_partial  0 (local)
+
+alpha and bw are the intra-node link's while the group fits in one node, else the network's.
+
+Memory per rank: parameters, their gradients and optimizer state (Adam: two fp32 moments, 8
+bytes per element; `pas_config["optimizer_state_bytes"]`), at their local size; plus the
+activations saved for backward (every differentiable op output that is not a view, at its
+local size; Partial values are full size); ops inside `recompute_modules` save nothing but
+run their forward twice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nncompile.ir import Op, Partial, Placement, Replicate, Shard, Value, local_shape
+
+from .profiles import DeviceProfile
+
+# ops whose output aliases their input: no new activation memory
+VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "unsqueeze",
+         "squeeze", "select", "slice", "split", "split_with_sizes", "chunk", "unsafe_split", "t",
+         "alias", "detach", "unflatten", "flatten", "as_strided", "contiguous", "clone"}
+OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 0.0, "sgd_momentum": 4.0,
+                         "none": 0.0}
+
+
+def opname(op: Op) -> str:
+    return getattr(op.target, "_opname", op.target_name)
+
+
+def nbytes(v: Value, placement: Placement | None = None, n: int = 1) -> float:
+    """Bytes of `v` on one rank under `placement` (full size when None or not a Shard)."""
+    if not v.is_tensor:
+        return 0.0
+    p = placement if placement is not None else Replicate()
+    shape = local_shape(v.meta.shape, p, n) if isinstance(p, Shard) else v.meta.shape
+    return float(math.prod(shape)) * v.meta.dtype.itemsize
+
+
+def flops(op: Op) -> float:
+    """Forward FLOPs of the op on full tensors."""
+    name = opname(op)
+    outs = [v for v in op.outputs if v.is_tensor]
+    if not outs:
+        return 0.0
+    out = outs[0]
+    if name in ("linear", "addmm", "mm", "bmm", "matmul"):
+        a = op.tensor_inputs()[1 if name == "addmm" else 0]
+        k = a.meta.shape[-1]
+        return 2.0 * out.meta.numel * k
+    if name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_efficient_attention"):
+        q, k = op.tensor_inputs()[:2]
+        causal = 0.5 if op.kwargs.get("is_causal") else 1.0
+        return 4.0 * q.meta.numel * k.meta.shape[-2] * causal
+    if name in VIEWS or name == "embedding":
+        return 0.0
+    return float(sum(v.meta.numel for v in outs))
+
+
+@dataclass
+class CostModel:
+    profile: DeviceProfile
+    n: int                          # plan unit size
+    dp: int = 1                     # data-parallel units
+    training: bool = True
+    optimizer_state_bytes: float = 8.0
+
+    # ---- compute ----
+    def compute(self, op: Op, inputs, outputs) -> float:
+        """Seconds for forward (+ backward when training) under these placements."""
+        name = opname(op)
+        if op.target_name.startswith("comm.") or name in VIEWS:
+            return 0.0
+        split = any(isinstance(p, Shard) for p in (*inputs, *outputs) if p is not None)
+        f = flops(op) / (self.n if split else 1)
+        tensors = op.tensor_inputs()
+        if name == "embedding":     # reads the looked-up rows only
+            b = nbytes(tensors[1], inputs[1], self.n) + 2 * sum(
+                nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs))
+        else:
+            b = sum(nbytes(v, p, self.n) for v, p in zip(tensors, inputs)) + sum(
+                nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs))
+        dtype = op.outputs[0].meta.dtype if op.outputs and op.outputs[0].is_tensor else None
+        t = max(f / self.profile.peak_flops(dtype), b / self.profile.mem_bandwidth)
+        if self.training and any(v.requires_grad for v in op.outputs):
+            t *= 3.0
+        return t
+
+    # ---- collectives ----
+    def _link(self, group: int) -> tuple[float, float]:
+        p = self.profile
+        if group <= p.devices_per_node:
+            return p.intra_latency, p.intra_bandwidth
+        return p.inter_latency, p.inter_bandwidth
+
+    def collective(self, kind: str, full_bytes: float, group: int | None = None,
+                   span: int | None = None) -> float:
+        """Seconds for one collective over `group` ranks whose ranks lie `span` apart at most
+        (decides intra-node or network)."""
+        g = self.n if group is None else group
+        if g <= 1 or kind in ("chunk", "to_partial") or full_bytes == 0:
+            return 0.0
+        alpha, bw = self._link(span or g)
+        over = self.profile.collective_overhead
+        if kind == "all_reduce":
+            return over + 2 * (g - 1) * alpha + 2 * (g - 1) / g * full_bytes / bw
+        if kind in ("all_gather", "reduce_scatter"):
+            return over + (g - 1) * alpha + (g - 1) / g * full_bytes / bw
+        if kind == "all_to_all":
+            return over + (g - 1) * alpha + (g - 1) / g * full_bytes / g / bw
+        raise ValueError(f"unknown collective {kind!r}")
+
+    def transition(self, v: Value, src: Placement, want: Placement | None,
+                   backward: bool) -> tuple[float, list[str]]:
+        """Seconds to turn `src` into `want` (forward, plus the backward dual when the value
+        needs a gradient), and the forward collectives used (for reports)."""
+        if want is None or src == want:
+            return 0.0, []
+        full = nbytes(v)
+        fwd: list[str] = []
+        bwd: list[str] = []
+        if isinstance(src, Replicate):
+            if isinstance(want, Shard):
+                fwd, bwd = ["chunk"], ["all_gather"]
+            else:
+                fwd = ["to_partial"]
+        elif isinstance(src, Partial):
+            if isinstance(want, Replicate):
+                fwd = ["all_reduce"]
+            else:
+                fwd, bwd = ["reduce_scatter"], ["all_gather"]
+        elif isinstance(want, Shard):
+            fwd, bwd = ["all_to_all"], ["all_to_all"]
+        else:
+            fwd = ["all_gather"] + (["to_partial"] if isinstance(want, Partial) else [])
+            bwd = ["chunk"]
+        t = sum(self.collective(k, full) for k in fwd)
+        if backward and self.training:
+            t += sum(self.collective(k, full) for k in bwd)
+        return t, fwd
+
+    def grad_sync(self, v: Value) -> float:
+        """Backward all-reduce of a replicated value's gradient whose users leave partial sums
+        (sync_grad, or the runtime's sum over the plan unit for a parameter)."""
+        return self.collective("all_reduce", nbytes(v)) if self.training else 0.0
+
+    def grad_reduce(self, param: Value, placement: Placement) -> float:
+        """The runtime's data-parallel all-reduce of one parameter's local gradient."""
+        if not (self.training and param.requires_grad) or self.dp <= 1:
+            return 0.0
+        return self.collective("all_reduce", nbytes(param, placement, self.n), group=self.dp,
+                               span=self.dp * self.n)
+
+    # ---- memory ----
+    def param_memory(self, v: Value, placement: Placement) -> float:
+        local = nbytes(v, placement, self.n)
+        if not (self.training and v.requires_grad):
+            return local
+        return local * 2 + local / v.meta.dtype.itemsize * self.optimizer_state_bytes
+
+    def activation_memory(self, op: Op, outputs) -> float:
+        if not self.training or opname(op) in VIEWS or op.target_name.startswith("comm."):
+            return 0.0
+        return sum(nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs)
+                   if v.is_tensor and v.requires_grad)

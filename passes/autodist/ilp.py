@@ -1,0 +1,142 @@
+"""The ILP autodist solves (PuLP; HiGHS when `highspy` is installed, else CBC).
+
+Variables
+    x[c,k] in {0,1}   choice c (an op group or a free value) takes option k
+    y[a,b,i,j] >= 0   edge from choice a to choice b carries option pair (i, j) (= x[a,i]x[b,j])
+    z[v] >= 0         value v's gradient is summed over the plan unit (some split op reads it
+                      replicated)
+
+Objective (seconds per training step, in microseconds for the solver)
+    min  sum_{c,k} (compute[c,k] + comm[c,k]) x[c,k]          compute, fixed-input transitions,
+                                                              data-parallel gradient all-reduce
+       + sum_{a,b,i,j} T[a,b,i,j] y[a,b,i,j]                  resharding on edges
+       + sum_v  AR(v) z[v]                                    gradient syncs
+
+Constraints
+    one_option_<c>:        sum_k x[c,k] = 1
+    edge_<a>_<b>_src_<i>:  sum_j y[a,b,i,j] = x[a,i]           (linearizes the product
+    edge_<a>_<b>_dst_<j>:  sum_i y[a,b,i,j] = x[b,j]            x[a,i] x[b,j] exactly)
+    sync_<v>_<r>:          z[v] >= sum_{k in S_r} x[b_r,k]      for each reader r of v
+    memory_limit:          sum_{c,k} memory[c,k] x[c,k] <= mem_limit   (bytes per rank)
+
+Identical layers share x (see problem.py), so the model's size does not grow with depth.
+When memory_limit makes the problem infeasible, the same model is solved for minimum memory
+and the error states what the leanest plan needs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from nncompile.errors import PolicyError
+
+from .problem import Problem
+
+US = 1e6            # objective in microseconds: solver tolerances stay meaningful
+GB = 1e9
+
+
+class PlanInfeasibleError(PolicyError):
+    """No plan fits the memory limit."""
+
+
+@dataclass
+class Solution:
+    picks: list[int]              # option per choice
+    objective: float              # seconds per step, as the model counts them
+    memory: float                 # bytes per rank
+    solver: str
+    seconds: float
+    variables: int
+    constraints: int
+
+
+def _solver(time_limit: float):
+    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        return pulp.HiGHS(msg=False, timeLimit=time_limit), "HiGHS"
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit), "CBC"
+
+
+def _model(prob: Problem, minimize_memory: bool = False):
+    m = pulp.LpProblem("autodist", pulp.LpMinimize)
+    x = [[pulp.LpVariable(f"x_{c}_{k}", cat="Binary") for k in range(len(ch.options))]
+         for c, ch in enumerate(prob.choices)]
+    for c, xs in enumerate(x):
+        m += pulp.lpSum(xs) == 1, f"one_option_{c}"
+    cost = []
+    for c, ch in enumerate(prob.choices):
+        cost += [(ch.compute[k] + ch.comm[k]) * US * x[c][k] for k in range(len(ch.options))]
+    for (a, b), table in prob.pairs.items():
+        if not any(t for row in table for t in row):
+            continue
+        y = [[pulp.LpVariable(f"y_{a}_{b}_{i}_{j}", lowBound=0) for j in range(len(row))]
+             for i, row in enumerate(table)]
+        for i, row in enumerate(y):
+            m += pulp.lpSum(row) == x[a][i], f"edge_{a}_{b}_src_{i}"
+        for j in range(len(table[0])):
+            m += pulp.lpSum(y[i][j] for i in range(len(table))) == x[b][j], \
+                f"edge_{a}_{b}_dst_{j}"
+        cost += [t * US * y[i][j] for i, row in enumerate(table) for j, t in enumerate(row)
+                 if t]
+    for s, (seconds, readers) in enumerate(prob.syncs):
+        z = pulp.LpVariable(f"z_{s}", lowBound=0)
+        for r, (b, opts) in enumerate(readers):
+            m += z >= pulp.lpSum(x[b][k] for k in opts), f"sync_{s}_{r}"
+        cost.append(seconds * US * z)
+    memory = pulp.lpSum(ch.memory[k] / GB * x[c][k] for c, ch in enumerate(prob.choices)
+                        for k in range(len(ch.options)) if ch.memory[k])
+    m += memory if minimize_memory else pulp.lpSum(cost)
+    return m, x, memory
+
+
+def _run(m, time_limit: float) -> tuple[str, str, float]:
+    solver, name = _solver(time_limit)
+    start = time.perf_counter()
+    try:
+        m.solve(solver)
+    except pulp.PulpSolverError as e:
+        raise PolicyError(f"autodist: the ILP solver ({name}) failed: {e}. Check that PuLP's "
+                          "solver runs on this machine (pip install highspy gives HiGHS)") from None
+    return pulp.LpStatus[m.status], name, time.perf_counter() - start
+
+
+def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -> Solution:
+    m, x, memory = _model(prob)
+    if mem_limit_gb is not None:
+        m += memory <= mem_limit_gb, "memory_limit"
+    status, name, secs = _run(m, time_limit)
+    if status == "Infeasible":
+        lean, lx, lmem = _model(prob, minimize_memory=True)
+        lstatus, _, _ = _run(lean, time_limit)
+        need = f"{pulp.value(lmem):.3f} GB" if lstatus == "Optimal" else "unknown"
+        raise PlanInfeasibleError(
+            f"autodist: no plan fits mem_limit_gb={mem_limit_gb:g} GB per rank; the leanest "
+            f"plan needs {need} per rank (parameters, gradients, optimizer state and saved "
+            "activations). Raise pas_config['mem_limit_gb'], increase plan_ngpus, shrink the "
+            "batch, or add pas_config['recompute_modules'].")
+    picks = []
+    for xs in x:
+        vals = [v.value() or 0.0 for v in xs]
+        if max(vals, default=0.0) < 0.5:
+            raise PolicyError(f"autodist: the ILP solver ({name}) stopped with status "
+                              f"{status!r} after {secs:.1f} s without a plan; raise "
+                              f"pas_config['solver_time_limit'] (now {time_limit:g} s) or "
+                              "simplify the problem with pas_config['constraints']")
+        picks.append(max(range(len(vals)), key=vals.__getitem__))
+    return Solution(picks, objective_of(prob, picks), memory_of(prob, picks), name, secs,
+                    len(m.variables()), len(m.constraints))
+
+
+def objective_of(prob: Problem, picks: list[int]) -> float:
+    """Seconds per step of a full assignment, as the ILP's objective counts them."""
+    total = sum(ch.compute[k] + ch.comm[k] for ch, k in zip(prob.choices, picks))
+    total += sum(table[picks[a]][picks[b]] for (a, b), table in prob.pairs.items())
+    total += sum(sec for sec, readers in prob.syncs
+                 if any(picks[b] in opts for b, opts in readers))
+    return total
+
+
+def memory_of(prob: Problem, picks: list[int]) -> float:
+    return sum(ch.memory[k] for ch, k in zip(prob.choices, picks))

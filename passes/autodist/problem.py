@@ -1,0 +1,287 @@
+"""The decision problem autodist hands to the ILP: choices, their options and their costs.
+
+- A *choice* is one decision: a group of ops (an op plus the ops that follow it: its only
+  tensor input is the previous op's output, e.g. a view or an activation after a linear) or a
+  free value (a parameter, buffer or constant: where it lives).
+- *Identical layers* share choices: ops under `<prefix>.<i>.` (a ModuleList entry) whose
+  instances have the same signature (ops, shapes, wiring, pinned constraints) map onto the
+  first instance's ops, so the problem's size does not grow with depth. Costs of all
+  instances are summed onto the shared choice.
+- Costs per option: `unary` (compute, transitions from fixed inputs, gradient reduction),
+  `memory`, and `pairs[(a, b)][i][j]`: the transition cost on edges from choice a's option i
+  to choice b's option j. `syncs` lists backward all-reduces of replicated values read by
+  split ops (one per value, however many split readers it has).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from nncompile.ir import BUFFER, CONST, PARAM, Graph, Op, Placement, Replicate, Shard, Strategy, \
+    Value, fmt_literal
+from nncompile.rules import strategies
+
+from ..recompute import recompute_region
+from .constraints import PartitionConstraint, allowed_strategies, constrained
+from .cost_model import CostModel, nbytes
+
+_FREE = (PARAM, BUFFER, CONST)
+
+
+@dataclass
+class Choice:
+    name: str
+    ops: list[Op]                       # canonical ops (head first); empty for a free value
+    value: Value | None = None          # the free value this choice places
+    options: list = field(default_factory=list)   # {op: Strategy} or a Placement
+    count: int = 1                      # identical-layer instances sharing this choice
+    compute: list[float] = field(default_factory=list)   # seconds per option
+    comm: list[float] = field(default_factory=list)
+    memory: list[float] = field(default_factory=list)    # bytes per option
+
+    def label(self, k: int) -> str:
+        if self.value is not None:
+            return repr(self.options[k])
+        s = self.options[k][self.ops[0]]
+        return f"{s.note}: {', '.join(map(repr, s.inputs))} -> {', '.join(map(repr, s.outputs))}"
+
+
+@dataclass
+class Problem:
+    choices: list[Choice]
+    pairs: dict[tuple[int, int], list[list[float]]]
+    syncs: list[tuple[float, list[tuple[int, frozenset]]]]   # (seconds, [(choice, options)])
+    choice_of: dict[int, int]           # id(canonical op or free value) -> choice index
+    canon: dict[int, Op]                # id(op) -> canonical op
+    vcanon: dict[int, Value]            # id(free value) -> canonical free value
+    layers: dict[str, int]              # layer prefix -> instances sharing choices
+    model: CostModel
+
+    def strategy(self, op: Op, ks: list[int]) -> Strategy:
+        c = self.canon[id(op)]
+        return self.choices[self.choice_of[id(c)]].options[ks[self.choice_of[id(c)]]][c]
+
+    def placement(self, v: Value, ks: list[int]) -> Placement:
+        if v.kind in _FREE:
+            cv = self.vcanon[id(v)]
+            i = self.choice_of.get(id(cv))
+            return Replicate() if i is None else self.choices[i].options[ks[i]]
+        if v.producer is None:
+            return Replicate()
+        return self.strategy(v.producer, ks).outputs[v.producer.outputs.index(v)]
+
+
+def _layer_of(op: Op) -> tuple[str, int, str] | None:
+    parts = op.module_path.split(".") if op.module_path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1:])
+    return None
+
+
+def _canonicalize(g: Graph, flags) -> tuple[dict[int, Op], dict[int, Value], dict[str, int]]:
+    """Map every op (and free value of a layer) onto the first identical layer instance."""
+    instances: dict[tuple[str, int], list[Op]] = collections.defaultdict(list)
+    for op in g.ops:
+        where = _layer_of(op)
+        if where is not None:
+            instances[where[:2]].append(op)
+    canon = {id(op): op for op in g.ops}
+    vcanon = {id(v): v for v in g.params + g.buffers + g.consts}
+    first: dict[tuple, list[Op]] = {}
+    shared: dict[str, int] = collections.Counter()
+    for (prefix, idx), ops in instances.items():
+        pos = {id(op): i for i, op in enumerate(ops)}
+        head = f"{prefix}.{idx}."
+        sig = []
+        for op in ops:
+            wiring = []
+            for v in op.inputs():
+                if v.producer is not None and id(v.producer) in pos:
+                    wiring.append(("op", pos[id(v.producer)], v.producer.outputs.index(v)))
+                elif v.kind in _FREE and v.fqn and v.fqn.startswith(head):
+                    wiring.append((v.kind, v.fqn[len(head):]))
+                else:
+                    wiring.append(("outside",))
+            sig.append((op.target_name, _layer_of(op)[2], wiring, flags(op),
+                        [(tuple(v.meta.shape), str(v.meta.dtype), v.requires_grad)
+                         for v in op.inputs() + op.outputs if v.is_tensor],
+                        fmt_literal((op.args, op.kwargs)) if not op.inputs() else
+                        repr([a for a in (op.args + tuple(op.kwargs.values()))
+                              if not isinstance(a, (Value, list, tuple))])))
+        key = (prefix, repr(sig))
+        if key not in first:
+            first[key] = ops
+            continue
+        base = first[key]
+        shared[prefix] += 1
+        for op, c in zip(ops, base):
+            canon[id(op)] = c
+            for v, cv in zip(op.inputs(), c.inputs()):
+                if v.kind in _FREE and v.fqn and v.fqn.startswith(head):
+                    vcanon[id(v)] = cv
+    return canon, vcanon, {p: n + 1 for p, n in shared.items()}
+
+
+def _follows(op: Op, src: Op | None, choice_of: dict, canon: dict, pinned: bool) -> bool:
+    """`op` reads only `src`'s output, in the same layer instance, and nothing pins it."""
+    return (src is not None and id(src) in choice_of and canon[id(src)] is src and not pinned
+            and (_layer_of(src) or ("", -1))[:2] == (_layer_of(op) or ("", -1))[:2])
+
+
+def build_problem(g: Graph, model: CostModel, constraints: list[PartitionConstraint],
+                  recompute: list[str]) -> Problem:
+    n = model.n
+
+    def flags(op: Op):
+        return (constrained(op, constraints), recompute_region(op, recompute) is not None)
+
+    canon, vcanon, layers = _canonicalize(g, flags)
+    count = collections.Counter(id(canon[id(op)]) for op in g.ops)
+    vcount = collections.Counter(id(vcanon[id(v)]) for v in g.params + g.buffers + g.consts)
+    choices: list[Choice] = []
+    choice_of: dict[int, int] = {}
+
+    # ---- op groups: an op joins its producer's group when it only follows it ----
+    for op in g.ops:
+        if canon[id(op)] is not op:
+            continue
+        tensors = op.tensor_inputs()
+        src = tensors[0].producer if len(tensors) == 1 else None
+        if _follows(op, src, choice_of, canon, flags(op)[0]):
+            ch = choices[choice_of[id(src)]]
+            cands = strategies(op, n)
+            for assign in ch.options:
+                have = assign[src].outputs[src.outputs.index(tensors[0])]
+                assign[op] = next((s for s in cands if s.inputs[0] == have), cands[-1])
+            ch.ops.append(op)
+            choice_of[id(op)] = choice_of[id(src)]
+            continue
+        cands = allowed_strategies(op, strategies(op, n), constraints)
+        choice_of[id(op)] = len(choices)
+        choices.append(Choice(op.name, [op], options=[{op: s} for s in cands],
+                              count=count[id(op)]))
+
+    # ---- free values: replicated, or sharded the way some reader wants ----
+    wanted: dict[int, set] = collections.defaultdict(set)
+    read: set[int] = set()
+    for op in g.ops:
+        if canon[id(op)] is not op:
+            continue
+        ch = choices[choice_of[id(op)]]
+        for i, v in enumerate(op.tensor_inputs()):
+            if v.kind in _FREE:
+                read.add(id(vcanon[id(v)]))
+                wanted[id(vcanon[id(v)])] |= {a[op].inputs[i] for a in ch.options
+                                              if isinstance(a[op].inputs[i], Shard)}
+    for v in g.params + g.buffers + g.consts:
+        if vcanon[id(v)] is v and id(v) in read:
+            opts = [Replicate()] + sorted(wanted[id(v)], key=lambda p: p.dim)
+            choice_of[id(v)] = len(choices)
+            choices.append(Choice(v.fqn or v.name, [], v, opts, count=vcount[id(v)]))
+
+    prob = Problem(choices, {}, [], choice_of, canon, vcanon, layers, model)
+    recomputed = {id(op) for op in g.ops if recompute_region(op, recompute)}
+    _node_costs(prob, recomputed)
+    _edge_costs(g, prob)
+    return prob
+
+
+def _node_costs(prob: Problem, recomputed: set[int]) -> None:
+    """Compute, memory and gradient reduction of each option, summed over instances."""
+    model = prob.model
+    for ch in prob.choices:
+        k_n = len(ch.options)
+        ch.compute, ch.comm, ch.memory = [0.0] * k_n, [0.0] * k_n, [0.0] * k_n
+        for k, opt in enumerate(ch.options):
+            if ch.value is not None:
+                v = ch.value
+                if v.kind == PARAM:
+                    ch.memory[k] = ch.count * model.param_memory(v, opt)
+                    ch.comm[k] = ch.count * model.grad_reduce(v, opt)
+                else:
+                    ch.memory[k] = ch.count * nbytes(v, opt, model.n)
+                continue
+            for op in ch.ops:
+                s = opt[op]
+                t = model.compute(op, s.inputs, s.outputs)
+                if id(op) in recomputed:        # forward runs again in backward
+                    t += model.compute(op, s.inputs, s.outputs) / 3.0
+                else:
+                    ch.memory[k] += ch.count * model.activation_memory(op, s.outputs)
+                ch.compute[k] += ch.count * t
+
+
+def _source(prob: Problem, v: Value) -> tuple[Value, int | None]:
+    """The canonical form of `v` and the choice that places it (None: fixed replicated)."""
+    if v.kind in _FREE:
+        cv = prob.vcanon[id(v)]
+        return cv, prob.choice_of.get(id(cv))
+    if v.producer is None:
+        return v, None
+    c = prob.canon[id(v.producer)]
+    cv = c.outputs[v.producer.outputs.index(v)]
+    return cv, prob.choice_of[id(c)]
+
+
+def _place(prob: Problem, cv: Value, a: int | None, k: int) -> Placement:
+    if a is None:
+        return Replicate()
+    ch = prob.choices[a]
+    if ch.value is not None:
+        return ch.options[k]
+    return ch.options[k][cv.producer].outputs[cv.producer.outputs.index(cv)]
+
+
+def _edge_costs(g: Graph, prob: Problem) -> None:
+    """Transitions on every edge (summed per pair of choices) and gradient syncs."""
+    model, choices = prob.model, prob.choices
+    edges: dict[tuple, int] = collections.Counter()
+    ends: dict[tuple, tuple] = {}
+    actual: dict[int, set] = collections.defaultdict(set)   # canonical value -> actual values
+    for op in g.ops:
+        c = prob.canon[id(op)]
+        for i, v in enumerate(op.tensor_inputs()):
+            cv, a = _source(prob, v)
+            key = (id(cv), id(c), i)
+            edges[key] += 1
+            ends[key] = (cv, a, c)
+            actual[id(cv)].add(id(v))
+    readers: dict[int, set] = collections.defaultdict(set)
+    for key, reps in edges.items():
+        cv, a, c = ends[key]
+        i = key[2]
+        b = prob.choice_of[id(c)]
+        cb = choices[b]
+        rows = range(len(choices[a].options)) if a is not None else [0]
+        table = [[reps * model.transition(cv, _place(prob, cv, a, ka), opt[c].inputs[i],
+                                          cv.requires_grad)[0] for opt in cb.options]
+                 for ka in rows]
+        if a is None:
+            for kb, t in enumerate(table[0]):
+                cb.comm[kb] += t
+        elif a == b:
+            for k in range(len(cb.options)):
+                cb.comm[k] += table[k][k]
+        else:
+            acc = prob.pairs.setdefault((a, b), [[0.0] * len(cb.options) for _ in rows])
+            for ka, row in enumerate(table):
+                for kb, t in enumerate(row):
+                    acc[ka][kb] += t
+        # a replicated value read by a split op: its gradient is summed over the unit
+        sync = frozenset(kb for kb, opt in enumerate(cb.options)
+                         if isinstance(opt[c].inputs[i], Replicate) and opt[c].is_split)
+        if sync and cv.requires_grad and model.training and model.n > 1:
+            readers[id(cv)].add((b, sync))
+            ends[id(cv)] = cv
+    for vid, rs in readers.items():
+        cv = ends[vid]
+        prob.syncs.append((model.grad_sync(cv) * len(actual[vid]), sorted(rs, key=repr)))
+    # outputs are returned replicated
+    for v in g.outputs:
+        if isinstance(v, Value) and v.is_tensor:
+            cv, a = _source(prob, v)
+            if a is not None:
+                for k in range(len(choices[a].options)):
+                    choices[a].comm[k] += model.transition(cv, _place(prob, cv, a, k),
+                                                           Replicate(), False)[0]

@@ -1,0 +1,127 @@
+"""What autodist decided and why: the data kept in plan.json, `explain`, the report table.
+
+For every choice the plan keeps each option's compute, communication and memory, and what the
+whole step would cost had that option been taken with the rest of the plan fixed; `explain`
+prints those for one op, `report_table` lists the chosen options.
+"""
+from __future__ import annotations
+
+import fnmatch
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from nncompile.errors import ConfigError
+
+from .ilp import Solution, memory_of, objective_of
+from .problem import Problem
+
+MS, MB = 1e3, 1e6
+
+
+def explanation_data(prob: Problem, sol: Solution, g, device: str) -> dict[str, Any]:
+    choices = []
+    for c, ch in enumerate(prob.choices):
+        options = []
+        for k in range(len(ch.options)):
+            picks = list(sol.picks)
+            picks[c] = k
+            options.append({"label": ch.label(k),
+                            "compute_ms": ch.compute[k] * MS, "comm_ms": ch.comm[k] * MS,
+                            "memory_mb": ch.memory[k] / MB,
+                            "step_ms": objective_of(prob, picks) * MS,
+                            "step_memory_mb": memory_of(prob, picks) / MB})
+        choices.append({"name": ch.name, "kind": "value" if ch.value is not None else "ops",
+                        "ops": [op.name for op in ch.ops], "count": ch.count,
+                        "chosen": sol.picks[c], "options": options})
+    where = {}
+    for op in g.ops:
+        c = prob.canon[id(op)]
+        where[op.name] = prob.choice_of[id(c)]
+    for v in g.params + g.buffers + g.consts:
+        cv = prob.vcanon[id(v)]
+        if id(cv) in prob.choice_of:
+            where[v.fqn or v.name] = prob.choice_of[id(cv)]
+    return {"device": device, "objective_ms": sol.objective * MS,
+            "memory_gb": sol.memory / 1e9, "solver": sol.solver, "solve_s": sol.seconds,
+            "variables": sol.variables, "constraints": sol.constraints,
+            "shared_layers": prob.layers, "choices": choices, "where": where}
+
+
+def _load(target: Any) -> dict:
+    """plan.json's contents from a gen_savedir instance dir, a ParallelModule or a dict."""
+    if isinstance(target, dict):
+        return target
+    path = getattr(target, "gencode_path", None)
+    path = Path(path).parent if path else Path(target)
+    if path.is_dir():
+        path = path / "plan.json"
+    if not path.exists():
+        raise ConfigError(f"no plan.json at {path}; pass the directory parallelize generated "
+                          "into (gen_savedir/instance_name) or its ParallelModule")
+    return json.loads(path.read_text())
+
+
+def explain(target: Any, op: str) -> str:
+    """Why `op` (an op name, a parameter FQN or a glob over either, first match) got its
+    placement, and what each alternative would have cost with the rest of the plan fixed."""
+    plan = _load(target)
+    data = plan.get("autodist")
+    if not data:
+        raise ConfigError(f"this plan was made by policy {plan.get('policy')!r}; explain needs "
+                          "an autodist plan")
+    names = [n for n in data["where"] if n == op] or \
+        [n for n in data["where"] if fnmatch.fnmatchcase(n, op)]
+    if not names:
+        close = [n for n in data["where"] if op.lower() in n.lower()][:5]
+        raise ConfigError(f"no op or parameter named {op!r} in this plan"
+                          + (f"; did you mean {close}?" if close else ""))
+    name = names[0]
+    ch = data["choices"][data["where"][name]]
+    ops = {o["name"]: o for o in plan.get("ops", [])}
+    lines = [f"{name}" + (f" ({ops[name]['op']})  {ops[name]['source'] or ''}"
+                          if name in ops else " (placement of a parameter/buffer)")]
+    if ch["kind"] == "ops" and len(ch["ops"]) > 1:
+        lines.append(f"  decided together with the ops that follow {ch['ops'][0]}: "
+                     f"{', '.join(ch['ops'][1:])}")
+    if ch["count"] > 1:
+        lines.append(f"  one decision for {ch['count']} identical layer instances")
+    chosen = ch["options"][ch["chosen"]]
+    lines.append(f"  chosen  {chosen['label']}")
+    lines.append(f"          compute {chosen['compute_ms']:.4f} ms  comm {chosen['comm_ms']:.4f} "
+                 f"ms  memory {chosen['memory_mb']:.2f} MB  (step {chosen['step_ms']:.4f} ms)")
+    lines.append("  alternatives, with the rest of the plan fixed:")
+    for k, o in enumerate(ch["options"]):
+        if k == ch["chosen"]:
+            continue
+        lines.append(f"    {o['label']}")
+        lines.append(f"          compute {o['compute_ms']:.4f} ms  comm {o['comm_ms']:.4f} ms  "
+                     f"memory {o['memory_mb']:.2f} MB  -> step "
+                     f"{o['step_ms'] - chosen['step_ms']:+.4f} ms, memory "
+                     f"{o['step_memory_mb'] - chosen['step_memory_mb']:+.2f} MB")
+    if len(ch["options"]) == 1:
+        lines.append("    none: no rule splits this op (it runs replicated)")
+    return "\n".join(lines)
+
+
+def report_table(target: Any, width: int = 120) -> str:
+    """The chosen plan as a table: one row per decision, with its cost."""
+    from rich.console import Console
+    from rich.table import Table
+    plan = _load(target)
+    data = plan.get("autodist")
+    if not data:
+        raise ConfigError("report_table needs an autodist plan")
+    t = Table(title=f"autodist plan on {data['device']}: {data['objective_ms']:.3f} ms/step "
+                    f"(model), {data['memory_gb']:.3f} GB/rank", show_lines=False)
+    for col in ("decision", "x", "placement", "compute ms", "comm ms", "memory MB"):
+        t.add_column(col, justify="right" if col[0] in "xcm" else "left")
+    for ch in data["choices"]:
+        o = ch["options"][ch["chosen"]]
+        more = f" (+{len(ch['ops']) - 1})" if len(ch["ops"]) > 1 else ""
+        t.add_row(ch["name"] + more, str(ch["count"]), o["label"], f"{o['compute_ms']:.4f}",
+                  f"{o['comm_ms']:.4f}", f"{o['memory_mb']:.2f}")
+    buf = io.StringIO()
+    Console(file=buf, width=width, force_terminal=False).print(t)
+    return buf.getvalue()
