@@ -7,15 +7,20 @@ import torch.nn.functional as F
 
 
 class CausalSelfAttention(nn.Module):
+    """q, k and v are separate projections (nanoGPT fuses them into one `c_attn`), so a planner
+    can split all three by heads; a fused weight would need its rows interleaved per rank."""
+
     def __init__(self, n_embd, n_head, bias=True):
         super().__init__()
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.q_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.k_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.v_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.n_head = n_head
 
     def forward(self, x):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)

@@ -3,8 +3,9 @@ it across many devices.
 
     pm = nncompile.parallelize(model, {"idx": idx, "targets": targets},
                                nncompile.ComputeConfig(plan_ngpus=2, runtime_ngpus=4),
-                               pas_policy="tp", gen_savedir="./.nncompile")
+                               gen_savedir="./.nncompile")      # pas_policy="autodist"
     loss = pm(idx, targets); loss.backward()
+    print(nncompile.explain(pm, "h.0.mlp_fc.weight"))                # why this placement
 """
 __version__ = "0.1.0"
 
@@ -13,7 +14,9 @@ from .errors import (ConfigError, GraphError, InputMismatchError, NNCompileError
                      PolicyError, ReuseError, TraceError)
 from .api import parallelize  # noqa: E402
 from .check import verify  # noqa: E402
+from nncompile.passes.autodist import explain, report_table as plan_report  # noqa: E402
+from nncompile.passes.autodist import PlanInfeasibleError  # noqa: E402
 
-__all__ = ["parallelize", "verify", "ComputeConfig", "NNCompileError", "ConfigError",
-           "TraceError", "PolicyError", "ReuseError", "GraphError", "InputMismatchError",
+__all__ = ["parallelize", "verify", "explain", "plan_report", "ComputeConfig", "NNCompileError", "ConfigError",
+           "TraceError", "PolicyError", "ReuseError", "GraphError", "InputMismatchError", "PlanInfeasibleError",
            "__version__"]

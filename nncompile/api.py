@@ -27,6 +27,7 @@ from .fileio import check_writable, replace_dir, write_json, write_text
 from .frontend import trace
 from .ir import print_graph
 from nncompile.passes import build_pipeline, get_policy, run_pipeline
+from nncompile.passes.autodist import report_table as plan_report
 
 REUSE_MODES = ("match", "override", "moo")
 
@@ -48,6 +49,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     policy = get_policy(pas_policy)
     check_writable(outdir.parent)
     start = time.perf_counter()
+    _log(f"tracing {type(module).__name__} ...")
     graph = trace(module, dummy_args)
     graph.meta["inference_only"] = config.inference_only
     if config.inference_only:
@@ -70,10 +72,12 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
                                            outdir))
     _log(f"traced {graph.meta['model']}: {len(graph.ops)} ops, {len(graph.params)} params "
          f"({(time.perf_counter() - start):.1f}s)")
+    _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
     result = run_pipeline(graph, build_pipeline(config, policy), check=check)
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
+    _log(f"writing {config.runtime_ngpus} rank file(s) ...")
     staging = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}.tmp-"))
     try:
         for r in range(config.runtime_ngpus):
@@ -82,7 +86,10 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         (staging / "graphs").mkdir()
         for fname, text in codegen.graph_dumps(result.history).items():
             write_text(staging / "graphs" / fname, text)
-        write_json(staging / "plan.json", codegen.plan_json(final))
+        plan = codegen.plan_json(final)
+        write_json(staging / "plan.json", plan)
+        if plan.get("autodist"):
+            write_text(staging / "plan_report.txt", plan_report(plan))
         write_json(staging / "manifest.json",
                    codegen.manifest(final, config, fingerprint, traced_text))
         replace_dir(staging, outdir)
@@ -128,7 +135,7 @@ def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, de
 
 
 def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig, *,
-                pas_policy: Any, gen_savedir: str | os.PathLike = "./.nncompile",
+                pas_policy: Any = "autodist", gen_savedir: str | os.PathLike = "./.nncompile",
                 reuse: str = "match", instance_name: str | None = None,
                 load_module: bool = True, device: Any = None):
     """Compile `module` for `compute_config` and return this rank's ParallelModule.

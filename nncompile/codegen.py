@@ -20,6 +20,7 @@ model: {model}   policy: {policy}   fingerprint: {fingerprint}
 Readable and editable; parallelize(..., reuse="override") regenerates it.
 """
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from nncompile.runtime import comm
 from nncompile.runtime.module import ParallelModule
@@ -98,12 +99,44 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
         args = ", ".join(v.name for v in g.inputs)
         lines.append(f"    def forward_impl(self{', ' + args if args else ''}):")
         lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
-        lines += fmt_body(g.ops, indent="        ", local_n=n)
+        lines += forward_body(g, indent="        ", local_n=n)
         lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
     finally:
         for v, name in renamed:
             v.name = name
     return "\n".join(lines) + "\n"
+
+
+def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
+    """The forward's ops; runs marked by the recompute pass become checkpointed closures."""
+    runs: list[tuple[str | None, list]] = []
+    for op in g.ops:
+        mark = op.attrs.get("recompute")
+        if runs and runs[-1][0] == mark:
+            runs[-1][1].append(op)
+        else:
+            runs.append((mark, [op]))
+    lines: list[str] = []
+    for i, (mark, ops) in enumerate(runs):
+        if mark is None:
+            lines += fmt_body(ops, indent=indent, local_n=local_n)
+            continue
+        inside = {id(v) for op in ops for v in op.outputs}
+        later = [v for _, rest in runs[i + 1:] for op in rest for v in op.inputs()] + \
+            [v for v in g.outputs if isinstance(v, Value)]
+        args = list({id(v): v for op in ops for v in op.inputs()
+                     if id(v) not in inside and not v.name.startswith("self.")}.values())
+        outs = list({id(v): v for v in later if id(v) in inside}.values())
+        fn = "recompute_" + mark.split("#")[0].replace(".", "_")
+        names = ", ".join(v.name for v in args)
+        lines.append(f"{indent}# recompute_modules: {mark.split('#')[0]} keeps no activations; "
+                     "its forward runs again in backward")
+        lines.append(f"{indent}def {fn}({names}):")
+        lines += fmt_body(ops, indent=indent + "    ", local_n=local_n)
+        lines.append(f"{indent}    return ({''.join(v.name + ', ' for v in outs)})")
+        lines.append(f"{indent}{''.join(v.name + ', ' for v in outs)}= checkpoint({fn}"
+                     f"{', ' + names if names else ''}, use_reentrant=False)")
+    return lines
 
 
 def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
-    trace -> constant_fold -> dce -> plan(policy) -> insert_comm -> localize -> codegen
+    trace -> constant_fold -> dce -> plan(policy) -> insert_comm -> [recompute] -> localize
+          -> codegen
 
 Every pass is `Graph -> Graph` with a stable `__name__`; `run_pipeline` records
 `(name, graph, ms)` after each, runs `verify` between passes when asked, and names the
@@ -20,6 +21,7 @@ from .dce import dce
 from .insert_comm import insert_comm
 from .localize import localize
 from .plan import Plan
+from .recompute import Recompute
 from .policies import get_policy
 
 Pass = Callable[[Graph], Graph]
@@ -32,6 +34,8 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         dce,
         Plan(policy, config),
         insert_comm,
+        Recompute(config.pas_config["recompute_modules"])
+        if config.pas_config.get("recompute_modules") else None,
         localize,
     ] if p is not None]
 
@@ -74,4 +78,4 @@ def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> Pipel
 
 
 __all__ = ["build_pipeline", "run_pipeline", "constant_fold", "dce", "Plan", "insert_comm",
-           "localize", "get_policy", "PassError", "PipelineResult"]
+           "localize", "Recompute", "get_policy", "PassError", "PipelineResult"]

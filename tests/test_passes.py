@@ -131,7 +131,7 @@ def test_tp_plan_is_megatron_like_for_the_gpt_mlp():
     params = {v.fqn: repr(v.placement) for v in result.graph.params}
     assert params["h.0.mlp_fc.weight"] == "S(0)"       # column parallel
     assert params["h.0.mlp_proj.weight"] == "S(1)"     # row parallel
-    assert params["h.0.attn.c_attn.weight"] == "S(0)"
+    assert params["h.0.attn.q_proj.weight"] == "S(0)"
 
 
 def test_data_policy_splits_batch_and_replicates_weights():

@@ -46,6 +46,7 @@ class PlanInfeasibleError(PolicyError):
 class Solution:
     picks: list[int]              # option per choice
     objective: float              # seconds per step, as the model counts them
+    solver_objective: float       # the same, as the solver reports it
     memory: float                 # bytes per rank
     solver: str
     seconds: float
@@ -125,8 +126,8 @@ def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -
                               f"pas_config['solver_time_limit'] (now {time_limit:g} s) or "
                               "simplify the problem with pas_config['constraints']")
         picks.append(max(range(len(vals)), key=vals.__getitem__))
-    return Solution(picks, objective_of(prob, picks), memory_of(prob, picks), name, secs,
-                    len(m.variables()), len(m.constraints))
+    return Solution(picks, objective_of(prob, picks), pulp.value(m.objective) / US,
+                    memory_of(prob, picks), name, secs, len(m.variables()), len(m.constraints))
 
 
 def objective_of(prob: Problem, picks: list[int]) -> float:

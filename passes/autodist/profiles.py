@@ -105,10 +105,11 @@ def _timeit(fn, repeat: int = 5) -> float:
     return best
 
 
-def measure_profile(name: str = "measured", size: int = 1024) -> DeviceProfile:
+def measure_profile(name: str = "measured", size: int | None = None) -> DeviceProfile:
     """Time matmuls per dtype, a large copy and (inside a process group) an all-reduce on the
     current device; links not measured keep the closest built-in's values."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    size = size or (4096 if dev == "cuda" else 512)
     base = BUILTIN[default_device()]
     flops = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -44,6 +44,7 @@ def explanation_data(prob: Problem, sol: Solution, g, device: str) -> dict[str, 
         if id(cv) in prob.choice_of:
             where[v.fqn or v.name] = prob.choice_of[id(cv)]
     return {"device": device, "objective_ms": sol.objective * MS,
+            "solver_objective_ms": sol.solver_objective * MS,
             "memory_gb": sol.memory / 1e9, "solver": sol.solver, "solve_s": sol.seconds,
             "variables": sol.variables, "constraints": sol.constraints,
             "shared_layers": prob.layers, "choices": choices, "where": where}
