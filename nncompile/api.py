@@ -72,8 +72,11 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
                                            outdir))
     _log(f"traced {graph.meta['model']}: {len(graph.ops)} ops, {len(graph.params)} params "
          f"({(time.perf_counter() - start):.1f}s)")
+    seconds = {"trace": time.perf_counter() - start}
     _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
     result = run_pipeline(graph, build_pipeline(config, policy), check=check)
+    seconds["passes"] = sum(ms for _, _, ms in result.history) / 1e3
+    seconds["ilp"] = (result.graph.meta.get("autodist") or {}).get("solve_s", 0.0)
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
@@ -90,8 +93,11 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         write_json(staging / "plan.json", plan)
         if plan.get("autodist"):
             write_text(staging / "plan_report.txt", plan_report(plan))
+        seconds["codegen"] = time.perf_counter() - start - seconds["trace"] - seconds["passes"]
+        seconds["total"] = time.perf_counter() - start
         write_json(staging / "manifest.json",
-                   codegen.manifest(final, config, fingerprint, traced_text))
+                   {**codegen.manifest(final, config, fingerprint, traced_text),
+                    "compile_seconds": seconds})
         replace_dir(staging, outdir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -58,15 +58,14 @@ def test_data_dependent_branch_names_user_line(tmp_path):
 
 
 def test_unknown_policy(tmp_path):
-    with pytest.raises(PolicyError, match=r"unknown policy 'zigzag'; choose one of \['data', "
-                                          r"'dp', 'tp'\]"):
+    with pytest.raises(PolicyError, match=r"unknown policy 'zigzag'; choose one of \['autodist', "
+                                          r"'data', 'dp', 'tp'\]"):
         compile_only(models.build("mlp"), models.batch("mlp", 0), tmp_path, pas_policy="zigzag")
 
 
 def test_later_policy_is_not_available_yet(tmp_path):
-    with pytest.raises(PolicyError, match="'autodist'.*not available yet"):
-        compile_only(models.build("mlp"), models.batch("mlp", 0), tmp_path,
-                     pas_policy="autodist")
+    with pytest.raises(PolicyError, match="'pp'.*not available yet"):
+        compile_only(models.build("mlp"), models.batch("mlp", 0), tmp_path, pas_policy="pp")
 
 
 def test_dp_needs_plan_of_one(tmp_path):

@@ -1,6 +1,8 @@
 """Multi-process (gloo) parity: loss and every gathered gradient equal a single-device run,
 for the MLP, the nanoGPT-style GPT and the Hugging Face GPT-2 and Llama wrappers, with
-policies dp, data and tp at (plan, runtime) in (1,1), (1,2), (2,2), (2,4), (4,4).
+policies dp, data and tp at (plan, runtime) in (1,1), (1,2), (2,2), (2,4), (4,4); and autodist
+(plain, and under a memory limit that forces weights to be split, with recomputed blocks) for
+the GPT and Llama at plan 2 and 4.
 Tolerances are in tests/workers/parity.py (float32, rtol 1e-5, atol 1e-6)."""
 import json
 
@@ -11,6 +13,9 @@ EXPECTED = {
     2: [("dp", 1, 2), ("data", 1, 2), ("tp", 1, 2), ("data", 2, 2), ("tp", 2, 2)],
     4: [("data", 2, 4), ("tp", 2, 4), ("data", 4, 4), ("tp", 4, 4)],
 }
+AUTODIST = {2: [("autodist", 2, 2), ("autodist_mem", 2, 2)],
+            4: [("autodist", 2, 4), ("autodist_mem", 2, 4), ("autodist", 4, 4),
+                ("autodist_mem", 4, 4)]}
 MODELS = ["mlp", "gpt", "hf_gpt2", "hf_llama"]
 
 
@@ -22,7 +27,11 @@ def test_parity(world, run_ranks, tmp_path):
     results = json.loads(out.read_text())
     seen = {(r["model"], r["policy"], r["plan"], r["runtime"]) for r in results}
     want = {(m, p, n, w) for p, n, w in EXPECTED[world] for m in MODELS}
+    want |= {(m, p, n, w) for p, n, w in AUTODIST.get(world, []) for m in ("gpt", "hf_llama")}
     assert seen == want
+    for r in results:
+        if r["policy"] == "autodist_mem":      # the memory limit made it split and recompute
+            assert r["sharded_params"] > 0 and r["recompute"] > 0, r
     if world >= 2:
         # tp on the GPT exercises every transition of the table
         gpt_tp = next(r for r in results if r["model"] == "gpt" and r["policy"] == "tp"

@@ -26,7 +26,8 @@ from nncompile.ir import Graph
 
 from .constraints import parse_constraints
 from .cost_model import OPTIMIZER_STATE_BYTES, CostModel
-from .ilp import PlanInfeasibleError, Solution, objective_of, solve
+from .ilp import PlanInfeasibleError, Solution, leanest_memory, objective_of, replicated_memory, \
+    solve
 from .plan_file import load_plan, save_plan
 from .problem import Problem, build_problem
 from .profiles import BUILTIN, DeviceProfile, get_profile, measure_profile, save_profile
@@ -97,5 +98,5 @@ def autodist(graph: Graph, config) -> Graph:
 
 
 __all__ = ["autodist", "explain", "report_table", "cost_model", "plan_problem", "apply",
-           "objective_of", "PlanInfeasibleError", "DeviceProfile", "BUILTIN", "get_profile",
+           "objective_of", "leanest_memory", "replicated_memory", "PlanInfeasibleError", "DeviceProfile", "BUILTIN", "get_profile",
            "measure_profile", "save_profile", "save_plan", "load_plan"]

@@ -109,9 +109,8 @@ def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -
         m += memory <= mem_limit_gb, "memory_limit"
     status, name, secs = _run(m, time_limit)
     if status == "Infeasible":
-        lean, lx, lmem = _model(prob, minimize_memory=True)
-        lstatus, _, _ = _run(lean, time_limit)
-        need = f"{pulp.value(lmem):.3f} GB" if lstatus == "Optimal" else "unknown"
+        lean = leanest_memory(prob, time_limit)
+        need = "an unknown amount" if lean is None else f"{lean / GB:.3f} GB"
         raise PlanInfeasibleError(
             f"autodist: no plan fits mem_limit_gb={mem_limit_gb:g} GB per rank; the leanest "
             f"plan needs {need} per rank (parameters, gradients, optimizer state and saved "
@@ -128,6 +127,19 @@ def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -
         picks.append(max(range(len(vals)), key=vals.__getitem__))
     return Solution(picks, objective_of(prob, picks), pulp.value(m.objective) / US,
                     memory_of(prob, picks), name, secs, len(m.variables()), len(m.constraints))
+
+
+def leanest_memory(prob: Problem, time_limit: float = 60.0) -> float | None:
+    """Bytes per rank of the plan that needs the least memory (None if the solver fails)."""
+    lean, _, memory = _model(prob, minimize_memory=True)
+    status, _, _ = _run(lean, time_limit)
+    return pulp.value(memory) * GB if status == "Optimal" else None
+
+
+def replicated_memory(prob: Problem) -> float:
+    """Bytes per rank when nothing is split (every op's last option, every value's R)."""
+    return memory_of(prob, [0 if ch.value is not None else len(ch.options) - 1
+                            for ch in prob.choices])
 
 
 def objective_of(prob: Problem, picks: list[int]) -> float:

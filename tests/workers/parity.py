@@ -38,12 +38,31 @@ def reference(name: str, n_units: int):
     return losses, {k: v / n_units for k, v in grads.items()}
 
 
+RECOMPUTE = ["Block", "LlamaDecoderLayer"]
+
+
+def pas_config(name: str, policy: str, plan: int, runtime: int) -> dict:
+    """autodist_mem: a memory limit halfway between the leanest plan and replicating everything
+    (so weights must be split), with the transformer blocks recomputed."""
+    if policy != "autodist_mem":
+        return {}
+    from nncompile.frontend import trace
+    from nncompile.passes.autodist import leanest_memory, plan_problem, replicated_memory
+    config = {"recompute_modules": RECOMPUTE}
+    g = trace(models.build(name), models.batch(name, 0))
+    _, prob = plan_problem(g, nncompile.ComputeConfig(plan, runtime, pas_config=config))
+    config["mem_limit_gb"] = (leanest_memory(prob) + replicated_memory(prob)) / 2 / 1e9
+    return config
+
+
 def check(name: str, policy: str, plan: int, runtime: int, savedir: str) -> dict:
     rank = dist.get_rank()
     unit = rank // plan
     model = models.build(name)
-    cfg = nncompile.ComputeConfig(plan_ngpus=plan, runtime_ngpus=runtime)
-    pm = nncompile.parallelize(model, models.batch(name, 0), cfg, pas_policy=policy,
+    cfg = nncompile.ComputeConfig(plan_ngpus=plan, runtime_ngpus=runtime,
+                                  pas_config=pas_config(name, policy, plan, runtime))
+    pm = nncompile.parallelize(model, models.batch(name, 0), cfg,
+                               pas_policy=policy.split("_")[0],
                                gen_savedir=savedir, reuse="override",
                                instance_name=f"{name}_{policy}_{plan}x{runtime}")
     loss = pm(**models.batch(name, unit))
@@ -61,16 +80,20 @@ def check(name: str, policy: str, plan: int, runtime: int, savedir: str) -> dict
             g, want, rtol=RTOL, atol=ATOL * scale,
             msg=lambda m: f"{name} {policy} {plan}x{runtime} grad {fqn}: {m}")
         worst = max(worst, float((g - want).abs().max()))
-    comm = json.load(open(os.path.join(savedir, f"{name}_{policy}_{plan}x{runtime}",
-                                       "plan.json")))["collectives"]
+    plan_file = json.load(open(os.path.join(savedir, f"{name}_{policy}_{plan}x{runtime}",
+                                            "plan.json")))
     return {"model": name, "policy": policy, "plan": plan, "runtime": runtime,
-            "loss": float(loss.detach()), "max_grad_err": worst, "collectives": comm}
+            "loss": float(loss.detach()), "max_grad_err": worst,
+            "collectives": plan_file["collectives"],
+            "sharded_params": sum(p != "R" for p in plan_file["params"].values()),
+            "recompute": open(pm.gencode_path).read().count("= checkpoint(")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="mlp,gpt,hf_gpt2,hf_llama")
-    ap.add_argument("--policies", default="dp,data,tp")
+    ap.add_argument("--policies", default="dp,data,tp,autodist,autodist_mem")
+    ap.add_argument("--autodist-models", default="gpt,hf_llama")
     ap.add_argument("--savedir", default="./.nncompile/parity")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -80,13 +103,15 @@ def main() -> None:
     results = []
     for plan, runtime in PLANS[dist.get_world_size()]:
         for policy in args.policies.split(","):
-            if policy == "dp" and plan != 1:
+            if policy == "dp" and plan != 1 or policy.startswith("autodist") and plan == 1:
                 continue
             for name in args.models.split(","):
+                if policy.startswith("autodist") and name not in args.autodist_models:
+                    continue
                 results.append(check(name, policy, plan, runtime, args.savedir))
     if dist.get_rank() == 0:
         for r in results:
-            print(f"ok {r['model']:<9} {r['policy']:<5} {r['plan']}x{r['runtime']}  "
+            print(f"ok {r['model']:<9} {r['policy']:<12} {r['plan']}x{r['runtime']}  "
                   f"loss {r['loss']:.5f}  max grad err {r['max_grad_err']:.2e}  "
                   f"{r['collectives']}", flush=True)
         if args.out:
