@@ -103,7 +103,9 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _log(f"generated {config.runtime_ngpus} rank file(s) in {outdir} "
-         f"({time.perf_counter() - start:.1f}s total)")
+         f"({time.perf_counter() - start:.1f}s total)"
+         + ("; why each placement: plan_report.txt, nncompile.explain()"
+            if final.meta.get("autodist") else ""))
     return "generated"
 
 

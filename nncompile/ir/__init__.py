@@ -9,5 +9,5 @@ from .interpret import run_graph
 
 __all__ = ["P", "R", "Graph", "Op", "Value", "TensorMeta", "SourceInfo", "Strategy", "Placement",
            "Replicate", "Shard", "Partial", "print_graph", "verify", "local_shape",
-           "shard_slices", "flatten", "map_nested", "target_name", "Symbol", "DEVICE",
+           "shard_slices", "parse_placement", "flatten", "map_nested", "target_name", "Symbol", "DEVICE",
            "PLAN_GROUP", "fmt_literal", "run_graph", "USER_INPUT", "PARAM", "BUFFER", "CONST"]

@@ -7,9 +7,9 @@
   instances have the same signature (ops, shapes, wiring, pinned constraints) map onto the
   first instance's ops, so the problem's size does not grow with depth. Costs of all
   instances are summed onto the shared choice.
-- Costs per option: `unary` (compute, transitions from fixed inputs, gradient reduction),
-  `memory`, and `pairs[(a, b)][i][j]`: the transition cost on edges from choice a's option i
-  to choice b's option j. `syncs` lists backward all-reduces of replicated values read by
+- Costs per option (seconds, bytes): `compute`, `comm` (transitions from fixed inputs and
+  inside the group, data-parallel gradient reduction), `memory`; and `pairs[(a, b)][i][j]`:
+  the transition cost on edges from choice a's option i to choice b's option j. `syncs` lists backward all-reduces of replicated values read by
   split ops (one per value, however many split readers it has).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import collections
 from dataclasses import dataclass, field
 
 from nncompile.ir import BUFFER, CONST, PARAM, Graph, Op, Placement, Replicate, Shard, Strategy, \
-    Value, fmt_literal
+    Value, map_nested
 from nncompile.rules import strategies
 
 from ..recompute import recompute_region
@@ -106,9 +106,7 @@ def _canonicalize(g: Graph, flags) -> tuple[dict[int, Op], dict[int, Value], dic
             sig.append((op.target_name, _layer_of(op)[2], wiring, flags(op),
                         [(tuple(v.meta.shape), str(v.meta.dtype), v.requires_grad)
                          for v in op.inputs() + op.outputs if v.is_tensor],
-                        fmt_literal((op.args, op.kwargs)) if not op.inputs() else
-                        repr([a for a in (op.args + tuple(op.kwargs.values()))
-                              if not isinstance(a, (Value, list, tuple))])))
+                        repr(map_nested((op.args, op.kwargs), lambda v: "%"))))
         key = (prefix, repr(sig))
         if key not in first:
             first[key] = ops

@@ -20,6 +20,16 @@ from .problem import Problem
 MS, MB = 1e3, 1e6
 
 
+def _comm(prob: Problem, picks: list[int], c: int, k: int) -> float:
+    """Communication of choice c's option k: its own, resharding its inputs, gradient syncs
+    its split readers cause."""
+    t = prob.choices[c].comm[k]
+    t += sum(table[picks[a]][k] for (a, b), table in prob.pairs.items() if b == c)
+    t += sum(sec for sec, readers in prob.syncs if any(b == c and k in opts
+                                                       for b, opts in readers))
+    return t
+
+
 def explanation_data(prob: Problem, sol: Solution, g, device: str) -> dict[str, Any]:
     choices = []
     for c, ch in enumerate(prob.choices):
@@ -28,7 +38,8 @@ def explanation_data(prob: Problem, sol: Solution, g, device: str) -> dict[str, 
             picks = list(sol.picks)
             picks[c] = k
             options.append({"label": ch.label(k),
-                            "compute_ms": ch.compute[k] * MS, "comm_ms": ch.comm[k] * MS,
+                            "compute_ms": ch.compute[k] * MS,
+                            "comm_ms": _comm(prob, picks, c, k) * MS,
                             "memory_mb": ch.memory[k] / MB,
                             "step_ms": objective_of(prob, picks) * MS,
                             "step_memory_mb": memory_of(prob, picks) / MB})
