@@ -246,6 +246,7 @@ def _edge_costs(g: Graph, prob: Problem) -> None:
             ends[key] = (cv, a, c)
             actual[id(cv)].add(id(v))
     readers: dict[int, set] = collections.defaultdict(set)
+    synced: dict[int, Value] = {}
     for key, reps in edges.items():
         cv, a, c = ends[key]
         i = key[2]
@@ -271,9 +272,9 @@ def _edge_costs(g: Graph, prob: Problem) -> None:
                          if isinstance(opt[c].inputs[i], Replicate) and opt[c].is_split)
         if sync and cv.requires_grad and model.training and model.n > 1:
             readers[id(cv)].add((b, sync))
-            ends[id(cv)] = cv
+            synced[id(cv)] = cv
     for vid, rs in readers.items():
-        cv = ends[vid]
+        cv = synced[vid]
         prob.syncs.append((model.grad_sync(cv) * len(actual[vid]), sorted(rs, key=repr)))
     # outputs are returned replicated
     for v in g.outputs:
