@@ -16,7 +16,9 @@ from .api import parallelize  # noqa: E402
 from .check import verify  # noqa: E402
 from nncompile.passes.autodist import explain, report_table as plan_report  # noqa: E402
 from nncompile.passes.autodist import PlanInfeasibleError  # noqa: E402
+from nncompile.runtime.clip import clip_grad_norm_  # noqa: E402
 
-__all__ = ["parallelize", "verify", "explain", "plan_report", "ComputeConfig", "NNCompileError", "ConfigError",
-           "TraceError", "PolicyError", "ReuseError", "GraphError", "InputMismatchError", "PlanInfeasibleError",
+__all__ = ["parallelize", "verify", "explain", "plan_report", "clip_grad_norm_", "ComputeConfig",
+           "NNCompileError", "ConfigError", "TraceError", "PolicyError", "ReuseError",
+           "GraphError", "InputMismatchError", "PlanInfeasibleError",
            "__version__"]
