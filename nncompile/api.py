@@ -26,15 +26,11 @@ from .errors import ConfigError, NNCompileError, ReuseError
 from .fileio import check_writable, replace_dir, write_json, write_text
 from .frontend import trace
 from .ir import print_graph
+from .log import log as _log
 from nncompile.passes import build_pipeline, get_policy, run_pipeline
 from nncompile.passes.autodist import report_table as plan_report
 
 REUSE_MODES = ("match", "override", "moo")
-
-
-def _log(msg: str) -> None:
-    if os.environ.get("NNCOMPILE_QUIET") != "1":
-        print(f"[nncompile] {msg}", file=sys.stderr, flush=True)
 
 
 def _policy_name(policy: Any) -> str:

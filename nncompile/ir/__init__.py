@@ -1,5 +1,5 @@
 """nncompile's IR: Graph, Op, Value, placements, the printer and the verifier."""
-from .graph import (BUFFER, CONST, PARAM, USER_INPUT, Graph, Op, SourceInfo, Strategy,
+from .graph import (BUFFER, CONST, FREE_KINDS, PARAM, USER_INPUT, Graph, Op, SourceInfo, Strategy,
                     TensorMeta, Value, flatten, map_nested, target_name)
 from .placement import (P, R, Partial, Placement, Replicate, Shard, local_shape, parse_placement,
                         shard_slices)
@@ -10,4 +10,5 @@ from .interpret import run_graph
 __all__ = ["P", "R", "Graph", "Op", "Value", "TensorMeta", "SourceInfo", "Strategy", "Placement",
            "Replicate", "Shard", "Partial", "print_graph", "verify", "local_shape",
            "shard_slices", "parse_placement", "flatten", "map_nested", "target_name", "Symbol", "DEVICE",
-           "PLAN_GROUP", "fmt_literal", "run_graph", "USER_INPUT", "PARAM", "BUFFER", "CONST"]
+           "PLAN_GROUP", "fmt_literal", "run_graph", "USER_INPUT", "PARAM", "BUFFER", "CONST",
+           "FREE_KINDS"]

@@ -41,6 +41,7 @@ class SourceInfo:
 
 # Kinds of graph inputs.
 USER_INPUT, PARAM, BUFFER, CONST = "input", "param", "buffer", "const"
+FREE_KINDS = (PARAM, BUFFER, CONST)     # inputs whose placement a policy chooses
 
 
 class Value:

@@ -17,12 +17,11 @@ pas_config keys:
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 from nncompile.errors import ConfigError
 from nncompile.ir import Graph
+from nncompile.log import log as _log
 
 from .constraints import parse_constraints
 from .cost_model import OPTIMIZER_STATE_BYTES, CostModel
@@ -35,11 +34,6 @@ from .report import explain, explanation_data, report_table
 
 KEYS = {"device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
         "constraints", "recompute_modules", "save_plan_path", "load_plan_path"}
-
-
-def _log(msg: str) -> None:
-    if os.environ.get("NNCOMPILE_QUIET") != "1":
-        print(f"[nncompile] {msg}", file=sys.stderr, flush=True)
 
 
 def cost_model(config) -> CostModel:

@@ -25,14 +25,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nncompile.ir import Op, Partial, Placement, Replicate, Shard, Value, local_shape
+from nncompile.ir import Op, Placement, Replicate, Shard, Value, local_shape
 
+from ..insert_comm import transition
 from .profiles import DeviceProfile
 
 # ops whose output aliases their input: no new activation memory
 VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "unsqueeze",
          "squeeze", "select", "slice", "split", "split_with_sizes", "chunk", "unsafe_split", "t",
          "alias", "detach", "unflatten", "flatten", "as_strided", "contiguous", "clone"}
+# the collective each forward step runs in backward (runtime/comm.py); None: nothing
+BACKWARD = {"all_reduce": None, "to_partial": None, "chunk": "all_gather", "all_gather": "chunk",
+            "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
 OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 0.0, "sgd_momentum": 4.0,
                          "none": 0.0}
 
@@ -126,31 +130,13 @@ class CostModel:
 
     def transition(self, v: Value, src: Placement, want: Placement | None,
                    backward: bool) -> tuple[float, list[str]]:
-        """Seconds to turn `src` into `want` (forward, plus the backward dual when the value
-        needs a gradient), and the forward collectives used (for reports)."""
-        if want is None or src == want:
-            return 0.0, []
+        """Seconds to turn `src` into `want` with insert_comm's collectives (forward, plus
+        their backward duals when the value needs a gradient), and the forward kinds used."""
+        fwd = [kind for kind, _, _ in transition(src, want)]
         full = nbytes(v)
-        fwd: list[str] = []
-        bwd: list[str] = []
-        if isinstance(src, Replicate):
-            if isinstance(want, Shard):
-                fwd, bwd = ["chunk"], ["all_gather"]
-            else:
-                fwd = ["to_partial"]
-        elif isinstance(src, Partial):
-            if isinstance(want, Replicate):
-                fwd = ["all_reduce"]
-            else:
-                fwd, bwd = ["reduce_scatter"], ["all_gather"]
-        elif isinstance(want, Shard):
-            fwd, bwd = ["all_to_all"], ["all_to_all"]
-        else:
-            fwd = ["all_gather"] + (["to_partial"] if isinstance(want, Partial) else [])
-            bwd = ["chunk"]
         t = sum(self.collective(k, full) for k in fwd)
         if backward and self.training:
-            t += sum(self.collective(k, full) for k in bwd)
+            t += sum(self.collective(BACKWARD[k], full) for k in fwd if BACKWARD[k])
         return t, fwd
 
     def grad_sync(self, v: Value) -> float:

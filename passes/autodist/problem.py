@@ -17,15 +17,13 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from nncompile.ir import BUFFER, CONST, PARAM, Graph, Op, Placement, Replicate, Shard, Strategy, \
+from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Placement, Replicate, Shard, Strategy, \
     Value, map_nested
 from nncompile.rules import strategies
 
 from ..recompute import recompute_region
 from .constraints import PartitionConstraint, allowed_strategies, constrained
 from .cost_model import CostModel, nbytes
-
-_FREE = (PARAM, BUFFER, CONST)
 
 
 @dataclass
@@ -62,13 +60,8 @@ class Problem:
         return self.choices[self.choice_of[id(c)]].options[ks[self.choice_of[id(c)]]][c]
 
     def placement(self, v: Value, ks: list[int]) -> Placement:
-        if v.kind in _FREE:
-            cv = self.vcanon[id(v)]
-            i = self.choice_of.get(id(cv))
-            return Replicate() if i is None else self.choices[i].options[ks[i]]
-        if v.producer is None:
-            return Replicate()
-        return self.strategy(v.producer, ks).outputs[v.producer.outputs.index(v)]
+        cv, a = _source(self, v)
+        return _place(self, cv, a, ks[a] if a is not None else 0)
 
 
 def _layer_of(op: Op) -> tuple[str, int, str] | None:
@@ -99,7 +92,7 @@ def _canonicalize(g: Graph, flags) -> tuple[dict[int, Op], dict[int, Value], dic
             for v in op.inputs():
                 if v.producer is not None and id(v.producer) in pos:
                     wiring.append(("op", pos[id(v.producer)], v.producer.outputs.index(v)))
-                elif v.kind in _FREE and v.fqn and v.fqn.startswith(head):
+                elif v.kind in FREE_KINDS and v.fqn and v.fqn.startswith(head):
                     wiring.append((v.kind, v.fqn[len(head):]))
                 else:
                     wiring.append(("outside",))
@@ -116,7 +109,7 @@ def _canonicalize(g: Graph, flags) -> tuple[dict[int, Op], dict[int, Value], dic
         for op, c in zip(ops, base):
             canon[id(op)] = c
             for v, cv in zip(op.inputs(), c.inputs()):
-                if v.kind in _FREE and v.fqn and v.fqn.startswith(head):
+                if v.kind in FREE_KINDS and v.fqn and v.fqn.startswith(head):
                     vcanon[id(v)] = cv
     return canon, vcanon, {p: n + 1 for p, n in shared.items()}
 
@@ -168,7 +161,7 @@ def build_problem(g: Graph, model: CostModel, constraints: list[PartitionConstra
             continue
         ch = choices[choice_of[id(op)]]
         for i, v in enumerate(op.tensor_inputs()):
-            if v.kind in _FREE:
+            if v.kind in FREE_KINDS:
                 read.add(id(vcanon[id(v)]))
                 wanted[id(vcanon[id(v)])] |= {a[op].inputs[i] for a in ch.options
                                               if isinstance(a[op].inputs[i], Shard)}
@@ -212,7 +205,7 @@ def _node_costs(prob: Problem, recomputed: set[int]) -> None:
 
 def _source(prob: Problem, v: Value) -> tuple[Value, int | None]:
     """The canonical form of `v` and the choice that places it (None: fixed replicated)."""
-    if v.kind in _FREE:
+    if v.kind in FREE_KINDS:
         cv = prob.vcanon[id(v)]
         return cv, prob.choice_of.get(id(cv))
     if v.producer is None:

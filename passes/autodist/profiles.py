@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from nncompile.errors import ConfigError
 from nncompile.fileio import write_json
@@ -124,10 +126,8 @@ def measure_profile(name: str = "measured", size: int | None = None) -> DevicePr
     if dev == "cuda":
         capacity = torch.cuda.get_device_properties(0).total_memory / GB
     else:
-        import os
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
     link = {}
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         n = dist.get_world_size()
         big = torch.ones(16 * 2 ** 20 // 4, device=dev)

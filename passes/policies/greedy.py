@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from nncompile.ir import BUFFER, CONST, PARAM, Graph, Op, Partial, Replicate, Shard, Strategy, \
+from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Partial, Replicate, Shard, Strategy, \
     Value
 from nncompile.rules import strategies
 
-_FREE_KINDS = (PARAM, BUFFER, CONST)
 
 
 def transition_cost(src, dst) -> float:
@@ -37,7 +36,7 @@ class Walk:
                                           if v.is_tensor and len(v.meta.shape) >= 1}
 
     def is_free(self, v: Value) -> bool:
-        return v.kind in _FREE_KINDS and id(v) not in self.placed
+        return v.kind in FREE_KINDS and id(v) not in self.placed
 
     def cost(self, op: Op, s: Strategy) -> float:
         total = 0.0
