@@ -10,15 +10,25 @@ it across many devices.
 __version__ = "0.1.0"
 
 from .config import ComputeConfig  # noqa: E402
-from .errors import (ConfigError, GraphError, InputMismatchError, NNCompileError,  # noqa: E402
-                     PolicyError, ReuseError, TraceError)
+from .errors import (CheckpointError, ConfigError, GraphError, InputMismatchError,  # noqa: E402
+                     NNCompileError, PolicyError, ReuseError, TraceError)
 from .api import parallelize  # noqa: E402
 from .check import verify  # noqa: E402
 from nncompile.passes.autodist import explain, report_table as plan_report  # noqa: E402
 from nncompile.passes.autodist import PlanInfeasibleError  # noqa: E402
 from nncompile.runtime.clip import clip_grad_norm_  # noqa: E402
+from nncompile.runtime.distributed import init_distributed  # noqa: E402
+from nncompile.runtime.optimizer import build_optimizer  # noqa: E402
+from nncompile.runtime.dedup import deduped_state_dict, load_deduped_state_dict  # noqa: E402
+from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  # noqa: E402
+from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # noqa: E402
+                                          save_checkpoint)
 
-__all__ = ["parallelize", "verify", "explain", "plan_report", "clip_grad_norm_", "ComputeConfig",
+__all__ = ["parallelize", "verify", "explain", "plan_report", "ComputeConfig",
+           "init_distributed", "build_optimizer", "clip_grad_norm_",
+           "save_checkpoint", "load_checkpoint", "merge_checkpoint",
+           "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",
+           "load_merged_state_dict", "CheckpointError",
            "NNCompileError", "ConfigError", "TraceError", "PolicyError", "ReuseError",
            "GraphError", "InputMismatchError", "PlanInfeasibleError",
            "__version__"]

@@ -3,6 +3,9 @@
     profile -o FILE [--name NAME]   measure this machine for autodist's cost model; use the file
                                     with pas_config={"device": "FILE"}. Under torchrun it also
                                     times all-reduces across the job's ranks.
+    merge FILES_OR_DIRS -o FILE     merge a checkpoint (per-rank files or its directory; sharded,
+                                    deduped or dcp) into one file the original module and any
+                                    plan load (nncompile.load_checkpoint)
 """
 from __future__ import annotations
 
@@ -29,6 +32,18 @@ def _profile(args) -> int:
     return 0
 
 
+def _merge(args) -> int:
+    from nncompile.errors import NNCompileError
+    from nncompile.runtime.checkpoint import merge_checkpoint
+    try:
+        out = merge_checkpoint(args.inputs, args.output)
+    except NNCompileError as e:
+        print(f"nncompile merge: {e}", file=sys.stderr)
+        return 2
+    print(f"merged {len(args.inputs)} input(s) -> {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nncompile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, help="profile .json to write")
     p.add_argument("--name", default="measured")
     p.set_defaults(func=_profile)
+    p = sub.add_parser("merge", help="merge a checkpoint's per-rank files into one")
+    p.add_argument("inputs", nargs="+", help="rank*.pt files or checkpoint directories")
+    p.add_argument("-o", "--output", required=True, help="merged .pt file to write")
+    p.set_defaults(func=_merge)
     args = ap.parse_args(argv)
     return args.func(args)
 

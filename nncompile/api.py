@@ -54,7 +54,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     traced_text = print_graph(graph)
     fingerprint = hashlib.sha256(
         (__version__ + _policy_name(pas_policy) + "\n"
-         + json.dumps(config.to_json(), sort_keys=True) + "\n" + traced_text).encode()
+         + json.dumps(config.plan_json(), sort_keys=True) + "\n" + traced_text).encode()
     ).hexdigest()
     manifest_path = outdir / "manifest.json"
     if reuse != "override" and manifest_path.exists():
@@ -125,7 +125,8 @@ def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: st
               "differs, or another instance_name.")
 
 
-def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, device=None):
+def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, device=None,
+                     compute_config: ComputeConfig | None = None):
     """Import `gencode{rank}.py` from outdir and build its GenModel from `module`'s weights."""
     path = outdir / f"gencode{rank}.py"
     name = f"nncompile_gen_{abs(hash(str(outdir)))}_{rank}"
@@ -133,7 +134,7 @@ def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, de
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
-    pm = mod.GenModel(module, device=device)
+    pm = mod.GenModel(module, device=device, compute_config=compute_config)
     pm.gencode_path = str(path)
     return pm
 
@@ -181,4 +182,4 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
         raise error
     if not load_module:
         return outdir
-    return load_rank_module(outdir, rank, module, device)
+    return load_rank_module(outdir, rank, module, device, config)

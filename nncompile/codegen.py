@@ -30,6 +30,8 @@ aten = torch.ops.aten
 
 class GenModel(ParallelModule):
     RANK = {rank}
+    FINGERPRINT = {fingerprint_full!r}
+    POLICY = {policy!r}
     PLAN_NGPUS = {plan}
     RUNTIME_NGPUS = {runtime}
     INFERENCE_ONLY = {inference_only}
@@ -46,6 +48,9 @@ class GenModel(ParallelModule):
     CONSTS = [  # local name, full shape, placement, this rank's slices
 {consts}
     ]
+    # the original module's parameters() order and state_dict() keys (key, canonical FQN)
+    PARAM_ORDER = {param_order!r}
+    STATE_KEYS = {state_keys!r}
 '''
 
 
@@ -77,7 +82,9 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
         rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
         inference_only=g.meta.get("inference_only", False),
         model=g.meta.get("model", "?"), policy=g.meta.get("policy", "?"),
-        fingerprint=fingerprint[:16], out_spec=g.out_spec,
+        fingerprint=fingerprint[:16], fingerprint_full=fingerprint, out_spec=g.out_spec,
+        param_order=g.meta.get("param_order", []),
+        state_keys=[tuple(k) for k in g.meta.get("state_keys", [])],
         inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),
         params=_rows(t["params"]), buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
     lines = [text.rstrip("\n")]

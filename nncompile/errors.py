@@ -27,3 +27,7 @@ class GraphError(NNCompileError):
 
 class InputMismatchError(NNCompileError, ValueError):
     """A ParallelModule was called with inputs unlike the traced ones."""
+
+
+class CheckpointError(NNCompileError):
+    """A checkpoint is incomplete, or was written under a plan this module cannot load."""

@@ -308,4 +308,12 @@ def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
     graph = _Lowering(ep, module).run()
     graph.meta["model"] = f"{type(module).__module__}.{type(module).__qualname__}"
     graph.meta["input_names"] = [v.name for v in graph.inputs]
+    # what the original module's state_dict() and parameters() look like, so checkpoints can
+    # be merged back into a state dict that module (and its optimizer) loads
+    canonical = {}
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        canonical.setdefault(id(t), name)
+    graph.meta["param_order"] = [name for name, _ in module.named_parameters()]
+    graph.meta["state_keys"] = [(key, canonical.get(id(t), key))
+                                for key, t in module.state_dict(keep_vars=True).items()]
     return graph

@@ -2,22 +2,27 @@
 
 It takes this rank's shards from the original module's current weights, computes constants
 once, checks inputs against the traced ones, runs the generated forward, and reduces
-gradients like DDP: a gradient that is a partial sum over the plan unit is summed there, then
-every gradient is averaged over the data-parallel units. `gather_params` / `gather_grads`
-rebuild full tensors keyed by the original FQNs (collectives: every rank calls them).
+gradients like DDP (reducer.py: bucketed, optionally overlapped with backward; `no_sync()`
+for gradient accumulation). `gather_params` / `gather_grads` rebuild full tensors keyed by
+the original FQNs (collectives: every rank calls them). `state_dict()` is this rank's shard
+plus the plan it belongs to (checkpoint.py builds deduped, merged and resharding formats).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from nncompile.errors import InputMismatchError, NNCompileError
+from nncompile.config import ComputeConfig
+from nncompile.errors import InputMismatchError
 from nncompile.ir.placement import Shard, parse_placement
 
 from .groups import get_groups
+from .reducer import Reducer
+from .state import check_same_plan, plan_info
 
 
 def _slice(full: torch.Tensor, slices) -> torch.Tensor:
@@ -27,6 +32,8 @@ def _slice(full: torch.Tensor, slices) -> torch.Tensor:
 class ParallelModule(torch.nn.Module):
     # Filled in by the generated subclass.
     RANK = 0
+    FINGERPRINT = ""
+    POLICY = ""
     PLAN_NGPUS = 1
     RUNTIME_NGPUS = 1
     INFERENCE_ONLY = False
@@ -35,9 +42,13 @@ class ParallelModule(torch.nn.Module):
     BUFFERS: list[tuple] = []  # local name, FQN, full shape, placement, slices
     CONSTS: list[tuple] = []   # local name, full shape, placement, slices
     OUT_SPEC = ""
+    PARAM_ORDER: list[str] = []        # the original module's parameters(), by FQN
+    STATE_KEYS: list[tuple] = []       # the original module's state_dict() keys, canonical FQN
 
-    def __init__(self, module: torch.nn.Module | None = None, device: Any = None):
+    def __init__(self, module: torch.nn.Module | None = None, device: Any = None,
+                 compute_config: ComputeConfig | None = None):
         super().__init__()
+        self.compute_config = compute_config or ComputeConfig(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
         self.plan_group, self.dp_group = get_groups(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
         if device is None:
             device = next((t.device for t in (module.parameters() if module is not None else [])
@@ -59,7 +70,7 @@ class ParallelModule(torch.nn.Module):
             for name, shape, _, slices in self.CONSTS:
                 self.register_buffer(name, _slice(consts[name], slices).contiguous(),
                                      persistent=False)
-        self._register_grad_hooks()
+        self._reducer = self._build_reducer()
 
     def _local_shard(self, full: torch.Tensor | None, slices) -> torch.Tensor:
         """This rank's slice of a full weight; uninitialized when the weight is on meta
@@ -99,28 +110,48 @@ class ParallelModule(torch.nn.Module):
                     f"with {dtype}{list(shape)}; shapes are static: call parallelize again with "
                     f"dummy_args of this shape (another instance_name), or pad/batch to it")
             inputs.append(x)
+        if self._reducer is not None and torch.is_grad_enabled():
+            self._reducer.reset()         # a backward that raised must not leave state behind
         out = self.forward_impl(*inputs)
         return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec else out
 
     # ---- gradients ----------------------------------------------------------------------
-    def _register_grad_hooks(self) -> None:
+    def _build_reducer(self) -> Reducer | None:
+        """Partial-sum gradients are summed over the plan unit (the world when there is also
+        data parallelism, then averaged); the rest are averaged over the data-parallel group."""
         if not dist.is_initialized() or self.INFERENCE_ONLY:
-            return
+            return None
         dp = self.RUNTIME_NGPUS // self.PLAN_NGPUS
+        params = []
         for name, param in self.named_parameters():
             partial = name in self._partial_grad and self.plan_group is not None
             if dp == 1 and not partial:
                 continue
-            group = dist.group.WORLD if partial and dp > 1 else \
-                (self.plan_group if partial else self.dp_group)
-            param.register_hook(self._make_hook(group, dp))
+            if partial:
+                group = dist.group.WORLD if dp > 1 else self.plan_group
+                size = self.RUNTIME_NGPUS if dp > 1 else self.PLAN_NGPUS
+            else:
+                group, size = self.dp_group, dp
+            params.append((param, group, size, 1.0 / dp))
+        if not params:
+            return None
+        cfg = self.compute_config
+        return Reducer(params, bucket_cap_mb=cfg.reducer_bucket_cap_mb,
+                       async_=cfg.use_async_reducer,
+                       reduce_dtype=torch.float32 if cfg.reduce_in_fp32 else None)
 
-    def _make_hook(self, group, dp: int):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.contiguous().clone()
-            dist.all_reduce(grad, group=group)
-            return grad / dp if dp > 1 else grad
-        return hook
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient reduction inside the block (gradient accumulation): gradients add up
+        locally and the first backward outside the block reduces the sum, as in DDP."""
+        if self._reducer is None:
+            yield
+            return
+        old, self._reducer.sync = self._reducer.sync, False
+        try:
+            yield
+        finally:
+            self._reducer.sync = old
 
     # ---- full tensors -------------------------------------------------------------------
     def _gather(self, local: torch.Tensor, placement: str) -> torch.Tensor:
@@ -145,13 +176,13 @@ class ParallelModule(torch.nn.Module):
             out[fqn] = self._gather(g.detach(), placement)
         return out
 
-    def load_merged_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load full (unsharded) parameters and buffers keyed by original FQN."""
-        with torch.no_grad():
-            for name, fqn, _, _, slices, *_ in self.PARAMS + self.BUFFERS:
-                if fqn not in state:
-                    raise NNCompileError(f"state dict has no {fqn!r}")
-                getattr(self, name).copy_(_slice(state[fqn], slices))
+    # ---- checkpoints ------------------------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        """Stored under `_extra_state` in state_dict(): the plan these shards belong to."""
+        return plan_info(self)
+
+    def set_extra_state(self, state: dict) -> None:
+        check_same_plan(state, self, "this state dict")
 
 
 def _full_state(module: torch.nn.Module | None) -> dict[str, torch.Tensor]:

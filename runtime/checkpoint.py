@@ -1,0 +1,213 @@
+"""save_checkpoint / load_checkpoint: one directory per checkpoint, written atomically.
+
+    save_checkpoint("ckpt/step100", pm, opt, format="dcp", extra={"step": 100})
+    extra = load_checkpoint("ckpt/step100", pm, opt)
+
+Formats (`checkpoint.json` in the directory says which):
+    sharded  rank{r}.pt = {"model": pm.state_dict(), "optimizer": opt.state_dict(), "extra"}
+             loads only into the plan that wrote it (same code, same world size)
+    deduped  rank{r}.pt, each distinct shard stored once across the job (dedup.py);
+             same plan on load
+    dcp      torch.distributed.checkpoint files (dcp.py); loads under any plan, policy or
+             world size
+A merged file (`python -m nncompile merge`, or merge_state_dicts) loads under any plan too.
+
+Every rank writes into `.<name>.partial/`; after a barrier rank 0 writes `checkpoint.json` and
+renames the directory into place. A job that dies mid-save leaves the previous checkpoint
+untouched and the partial directory without `checkpoint.json`, which load_checkpoint refuses.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nncompile.errors import CheckpointError
+from nncompile.fileio import replace_dir, write_json
+
+from .dcp import load_dcp, save_dcp
+from .dedup import deduped_state_dict, load_deduped_state_dict
+from .merge import load_merged_state_dict, merge_state_dicts
+from .state import check_same_plan, describe, plan_info
+
+FORMATS = ("sharded", "deduped", "dcp")
+META = "checkpoint.json"
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    """torch.save to a temporary name in the same directory, then rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format: str = "sharded",
+                    extra: dict | None = None) -> Path:
+    """Save `pm` (and its optimizer) under `directory`; every rank calls it. `extra` (a step
+    count, RNG state, ...) comes back from load_checkpoint."""
+    if format not in FORMATS:
+        raise CheckpointError(f"format={format!r}; choose one of {FORMATS}")
+    rank, world = _rank_world()
+    target = Path(directory).absolute()
+    staging = target.with_name(f".{target.name}.partial")
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    _barrier()
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups] if optimizer is not None else []
+    if format == "sharded":
+        save_torch({"model": pm.state_dict(),
+                    "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                    "extra": extra}, staging / f"rank{rank}.pt")
+    elif format == "deduped":
+        model, opt = deduped_state_dict(pm, optimizer)
+        save_torch({"model": model, "optimizer": opt, "extra": extra}, staging / f"rank{rank}.pt")
+    else:
+        save_dcp(str(staging), pm, optimizer)
+        if rank == 0:
+            save_torch({"param_groups": groups, "extra": extra, "plan": plan_info(pm)},
+                       staging / "extra.pt")
+    _barrier()
+    if rank == 0:
+        info = plan_info(pm)
+        write_json(staging / META, {
+            "format": format, "world_size": world, "has_optimizer": optimizer is not None,
+            "plan": {k: info[k] for k in ("policy", "plan_ngpus", "runtime_ngpus",
+                                          "fingerprint")}})
+        replace_dir(staging, target)
+    _barrier()
+    return target
+
+
+def read_meta(directory: Path) -> dict:
+    meta = directory / META
+    if not meta.exists():
+        partial = directory.with_name(f".{directory.name}.partial")
+        hint = f" ({partial} is an unfinished save)" if partial.exists() else ""
+        raise CheckpointError(f"{directory} is not a complete nncompile checkpoint: it has no "
+                              f"{META}{hint}; load an earlier checkpoint")
+    return json.loads(meta.read_text())
+
+
+def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
+    """Load a checkpoint directory (any format) or a merged file into `pm` and its optimizer;
+    returns the `extra` it was saved with. Every rank calls it."""
+    path = Path(path).absolute()
+    if path.is_file():
+        merged = torch.load(path, map_location="cpu", weights_only=False)
+        if "model" not in merged:
+            raise CheckpointError(f"{path} is not a merged checkpoint (no 'model' entry); "
+                                  "make one with: python -m nncompile merge DIR -o FILE")
+        load_merged_state_dict(pm, merged["model"], optimizer,
+                               merged.get("optimizer") if optimizer is not None else None)
+        return merged.get("extra")
+    meta = read_meta(path)
+    rank, world = _rank_world()
+    if optimizer is not None and not meta.get("has_optimizer"):
+        raise CheckpointError(f"{path} was saved without optimizer state; pass optimizer=None")
+    if meta["format"] == "dcp":
+        load_dcp(str(path), pm, optimizer)
+        side = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+        if optimizer is not None:
+            for group, saved in zip(optimizer.param_groups, side["param_groups"]):
+                group.update(saved)
+        return side["extra"]
+    if meta["world_size"] != world or meta["plan"]["fingerprint"] != pm.FINGERPRINT:
+        raise CheckpointError(
+            f"{path} is a {meta['format']} checkpoint of plan [{describe(meta['plan'])}] on "
+            f"{meta['world_size']} ranks, but this module runs plan [{describe(plan_info(pm))}] "
+            f"on {world} ranks; {meta['format']} checkpoints only load into the plan that wrote "
+            f"them. Save with format='dcp' to load under another plan, or merge it "
+            f"(python -m nncompile merge {path} -o merged.pt) and load merged.pt")
+    blob = torch.load(path / f"rank{rank}.pt", map_location=pm.device, weights_only=False)
+    if meta["format"] == "sharded":
+        check_same_plan(blob["model"]["_extra_state"], pm, f"{path}/rank{rank}.pt")
+        pm.load_state_dict(blob["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(blob["optimizer"])
+    else:
+        load_deduped_state_dict(pm, blob["model"], optimizer, blob["optimizer"])
+    return blob["extra"]
+
+
+def rank_files(paths: list[str | os.PathLike]) -> list[Path]:
+    """Expand checkpoint directories into their per-rank files, in rank order."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(p.glob("rank*.pt"), key=lambda f: int(f.stem[4:] or 0))
+            if not found and not (p / ".metadata").exists():
+                raise CheckpointError(f"{p} has no rank*.pt files")
+            files += found if found else [p]
+        elif p.exists():
+            files.append(p)
+        else:
+            raise CheckpointError(f"{p} does not exist")
+    return files
+
+
+def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) -> Path:
+    """Per-rank files or checkpoint directories (sharded, deduped or dcp) -> one merged file
+    {"model", "optimizer", "extra"} that the original module, or any plan, loads. Runs in a
+    single process."""
+    files = rank_files(paths)
+    if len(files) == 1 and files[0].is_dir():
+        merged = _merge_dcp(files[0])
+    else:
+        blobs = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+        for f, b in zip(files, blobs):
+            if not isinstance(b, dict) or "model" not in b:
+                raise CheckpointError(f"{f} is not an nncompile rank file (no 'model' entry)")
+        opts = [b.get("optimizer") for b in blobs]
+        model, opt = merge_state_dicts([b["model"] for b in blobs],
+                                       opts if all(o is not None for o in opts) else None)
+        merged = {"model": model, "optimizer": opt, "extra": blobs[0].get("extra")}
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_torch(merged, out)
+    return out
+
+
+def _merge_dcp(directory: Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    side = torch.load(directory / "extra.pt", map_location="cpu", weights_only=False)
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    flat = {k: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+            for k, md in metadata.items() if isinstance(md, TensorStorageMetadata)}
+    nested: dict[str, dict] = {"model": {}, "optim": {}}
+    for key, t in flat.items():
+        kind, rest = key.split(".", 1)
+        if kind == "model":
+            nested["model"][rest] = t
+        else:
+            fqn, entry = rest.rsplit(".", 1)
+            nested["optim"].setdefault(fqn, {})[entry] = t
+    dcp.load(nested, checkpoint_id=str(directory), no_dist=True)
+    info = side["plan"]
+    model = {key: nested["model"][canon] for key, canon in info["state_keys"]
+             if canon in nested["model"]}
+    optimizer = None
+    if nested["optim"]:
+        order = info["param_order"]
+        optimizer = {"state": {order.index(fqn): st for fqn, st in nested["optim"].items()},
+                     "param_groups": [{**(side["param_groups"] or [{}])[0],
+                                       "params": list(range(len(order)))}]}
+    return {"model": model, "optimizer": optimizer, "extra": side["extra"]}

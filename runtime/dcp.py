@@ -1,0 +1,103 @@
+"""Resharding checkpoints through torch.distributed.checkpoint (DCP).
+
+Each shard is described to DCP as a DTensor on a (data-parallel, plan) device mesh, keyed by the
+original FQN, so DCP stores every distinct piece once and, on load, reads whatever pieces the
+new plan's shards overlap:
+
+    saved under tp, plan 2 x dp 1:   "model.h.0.mlp_fc.weight"  DTensor [128, 32], (R, S(0))
+    loaded under dp, plan 1 x dp 4:  each rank reads the full [128, 32] from both pieces
+
+Optimizer state tensors shaped like their parameter are sharded the same way; other entries
+(AdamW's step) are plain tensors. ZeRO state is gathered over its group before saving.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from nncompile.ir.placement import parse_placement
+
+from .state import load_local_optimizer_state, local_optimizer_state
+
+_MESHES: dict[tuple, Any] = {}
+
+
+def _mesh(pm):
+    from torch.distributed.device_mesh import init_device_mesh
+    dp = pm.RUNTIME_NGPUS // pm.PLAN_NGPUS
+    device = "cuda" if pm.device.type == "cuda" else "cpu"
+    key = (device, dp, pm.PLAN_NGPUS)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device, (dp, pm.PLAN_NGPUS),
+                                        mesh_dim_names=("dp", "plan"))
+    return _MESHES[key]
+
+
+def _dtensor(pm, local: torch.Tensor, full_shape, placement: str) -> DTensor:
+    p = parse_placement(placement)
+    shard = [Shard(p.dim)] if p.__class__.__name__ == "Shard" else [Replicate()]
+    shape = torch.Size(full_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.contiguous(), _mesh(pm), [Replicate()] + shard,
+                              run_check=False, shape=shape, stride=stride)
+
+
+def _model_state(pm) -> dict[str, DTensor]:
+    return {fqn: _dtensor(pm, getattr(pm, name).detach(), shape, place)
+            for name, fqn, shape, place, *_ in list(pm.PARAMS) + list(pm.BUFFERS)}
+
+
+def save_dcp(directory: str, pm, optimizer=None) -> None:
+    """Write this job's state into `directory` (every rank calls it)."""
+    state: dict[str, Any] = {"model": _model_state(pm)}
+    if optimizer is not None:
+        local = local_optimizer_state(pm, optimizer)["state"]
+        optim = {}
+        for name, fqn, shape, place, *_ in pm.PARAMS:
+            param = getattr(pm, name)
+            optim[fqn] = {k: _dtensor(pm, v, shape, place)
+                          if torch.is_tensor(v) and v.shape == param.shape and v.dim() else v
+                          for k, v in local.get(name, {}).items()}
+        state["optim"] = optim
+    dcp.save(state, checkpoint_id=directory)
+
+
+def load_dcp(directory: str, pm, optimizer=None) -> None:
+    """Fill this rank's shards (and optimizer state) from a DCP checkpoint of any plan."""
+    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    model = _model_state(pm)
+    missing = [f"model.{k}" for k in model if f"model.{k}" not in metadata]
+    if missing:
+        from nncompile.errors import CheckpointError
+        raise CheckpointError(f"the checkpoint in {directory} has no {missing[:3]}; it was saved "
+                              f"from another model")
+    state: dict[str, Any] = {"model": model}
+    if optimizer is not None:
+        optim: dict[str, dict[str, Any]] = {}
+        for name, fqn, shape, place, *_ in pm.PARAMS:
+            prefix = f"optim.{fqn}."
+            for key, md in metadata.items():
+                if not key.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
+                    continue
+                entry = key[len(prefix):]
+                if tuple(md.size) == tuple(shape) and len(md.size):
+                    target = _dtensor(pm, torch.zeros_like(getattr(pm, name)), shape, place)
+                else:
+                    target = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+                optim.setdefault(fqn, {})[entry] = target
+        state["optim"] = optim
+    dcp.load(state, checkpoint_id=directory)
+    with torch.no_grad():
+        for name, fqn, *_ in list(pm.PARAMS) + list(pm.BUFFERS):
+            getattr(pm, name).copy_(state["model"][fqn].to_local())
+    if optimizer is not None:
+        local = {}
+        for name, fqn, *_ in pm.PARAMS:
+            if fqn in state["optim"]:
+                local[name] = {k: v.to_local() if isinstance(v, DTensor) else v
+                               for k, v in state["optim"][fqn].items()}
+        load_local_optimizer_state(pm, optimizer, {"state": local, "param_groups": []})

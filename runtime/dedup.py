@@ -1,0 +1,92 @@
+"""Deduped checkpoints: every distinct shard stored once across the job.
+
+Ranks of different data-parallel units hold identical shards, and inside a unit a replicated
+tensor is identical on every rank. So only the first unit stores anything, and in it a
+replicated tensor is stored by plan rank 0 alone (state.is_owner):
+
+    before (sharded, plan 2 x dp 2): every rank stores its shards         4 copies of "R" weights
+    after  (deduped):                rank 0: its shards + replicated;  rank 1: its shards;
+                                     ranks 2, 3: plan metadata only      1 copy of everything
+
+Loading broadcasts each tensor from the rank that stored it to the ranks that hold the same
+shard (the data-parallel group for a sharded tensor, the world for a replicated one).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .state import (check_same_plan, is_owner, load_local_optimizer_state,
+                    local_optimizer_state, owner_rank, plan_info)
+
+
+def _rows(pm) -> list[tuple[str, str]]:
+    """(local name, placement) of every parameter and persistent buffer, in a fixed order."""
+    return [(r[0], r[3]) for r in list(pm.PARAMS) + list(pm.BUFFERS)]
+
+
+def deduped_state_dict(pm, optimizer=None) -> tuple[dict, dict | None]:
+    """(model state dict, optimizer state dict) of this rank holding only what it owns. Every
+    rank calls it (ZeRO state is gathered over its group first)."""
+    full = pm.state_dict()
+    owned = {name for name, place in _rows(pm) if is_owner(pm, place)}
+    model = {k: v for k, v in full.items() if k in owned or k == "_extra_state"}
+    if optimizer is None:
+        return model, None
+    local = local_optimizer_state(pm, optimizer)
+    placement = {r[0]: r[3] for r in pm.PARAMS}
+    local["state"] = {n: st for n, st in local["state"].items()
+                      if is_owner(pm, placement[n])}
+    return model, {**local, "nncompile": plan_info(pm)}
+
+
+def _group(pm, placement: str):
+    """The ranks holding the same copy: None when no other rank does."""
+    if placement.startswith("S"):
+        return pm.dp_group, pm.dp_group is not None
+    return dist.group.WORLD, dist.is_initialized() and dist.get_world_size() > 1
+
+
+def load_deduped_state_dict(pm, model_sd: dict, optimizer=None,
+                            optimizer_sd: dict | None = None) -> None:
+    """Load this rank's deduped state dicts; what it did not store arrives from its owner."""
+    check_same_plan(model_sd.get("_extra_state", {}), pm, "the deduped state dict")
+    with torch.no_grad():
+        for name, place in _rows(pm):
+            t = getattr(pm, name)
+            if is_owner(pm, place):
+                t.copy_(model_sd[name])
+            group, shared = _group(pm, place)
+            if shared:
+                dist.broadcast(t.data, src=owner_rank(pm, place), group=group)
+    if optimizer is None:
+        return
+    mine = (optimizer_sd or {}).get("state", {})
+    skeletons: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
+    skeleton = {n: {k: ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) else ("value", v)
+                    for k, v in st.items()} for n, st in mine.items()}
+    if dist.is_initialized():
+        dist.all_gather_object(skeletons, skeleton)
+    else:
+        skeletons = [skeleton]
+    state: dict[str, dict[str, Any]] = {}
+    for name, _, _, place, *_ in pm.PARAMS:
+        src = owner_rank(pm, place)
+        for key, (kind, *spec) in sorted(skeletons[src].get(name, {}).items()):
+            if kind == "value":
+                value = spec[0]
+            else:
+                value = mine[name][key].to(pm.device) if name in mine else \
+                    torch.empty(spec[0], dtype=spec[1], device=pm.device)
+                group, shared = _group(pm, place)
+                if shared:
+                    dist.broadcast(value, src=src, group=group)
+            state.setdefault(name, {})[key] = value
+    groups = (optimizer_sd or {}).get("param_groups", [])
+    if dist.is_initialized():
+        box = [groups]
+        dist.broadcast_object_list(box, src=0)
+        groups = box[0]
+    load_local_optimizer_state(pm, optimizer, {"state": state, "param_groups": groups})

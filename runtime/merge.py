@@ -1,0 +1,195 @@
+"""Merged checkpoints: per-rank shards -> the state dicts the original single-device module and
+its optimizer load, and back into any plan.
+
+    before: rank0 {"h0_mlp_fc_weight": [64, 32] (rows 0..63), "_extra_state": plan}, rank1 ...
+    after:  {"h.0.mlp_fc.weight": [128, 32], ...}          (every key of module.state_dict())
+            {"state": {i: {"exp_avg": full, ...}}, "param_groups": [...]}   i: module.parameters()
+
+Each shard is placed by the slices recorded in its rank's plan (the `_extra_state` entry), so
+sharded and deduped state dicts merge alike, and any set of ranks that covers every slice is
+enough.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nncompile.errors import CheckpointError
+
+from .state import (load_local_optimizer_state, optimizer_state_by_name, plan_info, pm_params)
+
+
+def _index(slices) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in slices)
+
+
+class _Assembler:
+    """Full tensors filled piece by piece; complains about what no rank provided."""
+
+    def __init__(self):
+        self.full: dict[str, torch.Tensor] = {}
+        self.covered: dict[str, torch.Tensor] = {}
+
+    def put(self, key: str, shape, slices, piece: torch.Tensor) -> None:
+        if key not in self.full:
+            self.full[key] = piece.new_zeros(tuple(shape))
+            self.covered[key] = torch.zeros(tuple(shape), dtype=torch.bool)
+        self.full[key][_index(slices)] = piece.detach().cpu()
+        self.covered[key][_index(slices)] = True
+
+    def result(self, what: str) -> dict[str, torch.Tensor]:
+        missing = [k for k, c in self.covered.items() if not bool(c.all())]
+        if missing:
+            raise CheckpointError(f"the given ranks do not cover every slice of {what} "
+                                  f"{missing[:5]}; pass the files of all ranks of one plan unit")
+        return self.full
+
+
+def _info(sd: dict, i: int) -> dict:
+    info = sd.get("_extra_state")
+    if not isinstance(info, dict) or "params" not in info:
+        raise CheckpointError(f"state dict #{i} is not a ParallelModule state dict (no plan "
+                              f"metadata under '_extra_state'); pass pm.state_dict() or "
+                              f"nncompile.deduped_state_dict(pm, opt)[0] of every rank")
+    return info
+
+
+def merge_state_dicts(model_sds: list[dict], opt_sds: list[dict] | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Per-rank model (and optimizer) state dicts of one plan -> (model state dict, optimizer
+    state dict) of the original single-device module (optimizer built over module.parameters()).
+    """
+    if not model_sds:
+        raise CheckpointError("merge_state_dicts needs at least one rank's state dict")
+    infos = [_info(sd, i) for i, sd in enumerate(model_sds)]
+    fingerprints = {info["fingerprint"] for info in infos}
+    if len(fingerprints) > 1:
+        raise CheckpointError(f"the state dicts come from {len(fingerprints)} different plans; "
+                              "merge the files of one checkpoint")
+    params = _Assembler()
+    for sd, info in zip(model_sds, infos):
+        for name, fqn, shape, _, slices, *_ in [tuple(p) for p in info["params"]] + \
+                [tuple(b) for b in info["buffers"]]:
+            if name in sd:
+                params.put(fqn, shape, slices, sd[name])
+    full = params.result("the parameters")
+    info = infos[0]
+    model = {key: full[canon] for key, canon in info["state_keys"] if canon in full}
+    if opt_sds is None:
+        return model, None
+    if len(opt_sds) != len(model_sds):
+        raise CheckpointError(f"got {len(model_sds)} model and {len(opt_sds)} optimizer state "
+                              "dicts; pass them rank by rank")
+    return model, _merge_optimizer(infos, opt_sds)
+
+
+def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
+    states = _unzero(infos, opt_sds)
+    scalars: dict[str, dict[str, Any]] = {}
+    tensors = _Assembler()
+    groups = None
+    for info, opt_sd, local in zip(infos, opt_sds, states):
+        local = local if local is not None else optimizer_state_by_name(info, opt_sd)
+        groups = groups or local["param_groups"]
+        rows = {p[0]: p for p in pm_params(info)}
+        for name, st in local["state"].items():
+            _, fqn, shape, _, slices, *_ = rows[name]
+            for key, v in st.items():
+                if torch.is_tensor(v) and tuple(v.shape) != () and \
+                        tuple(v.shape) == tuple(b - a for a, b in slices):
+                    tensors.put(f"{fqn}\0{key}", shape, slices, v)
+                else:
+                    scalars.setdefault(fqn, {})[key] = v
+    full = tensors.result("the optimizer state")
+    order = infos[0]["param_order"]
+    state: dict[int, dict[str, Any]] = {}
+    for i, fqn in enumerate(order):
+        st = dict(scalars.get(fqn, {}))
+        st.update({k.split("\0", 1)[1]: v for k, v in full.items() if k.split("\0", 1)[0] == fqn})
+        if st:
+            state[i] = st
+    hyper = (groups or [{}])[0]
+    return {"state": state, "param_groups": [{**hyper, "params": list(range(len(order)))}]}
+
+
+def _unzero(infos: list[dict], opt_sds: list[dict]) -> list[dict | None]:
+    """ZeRO pieces -> each rank's local-name state (None for non-ZeRO state dicts): the pieces
+    of ranks in one ZeRO group are concatenated back into the flat state."""
+    out: list[dict | None] = [None] * len(opt_sds)
+    groups: dict[tuple, list[int]] = {}
+    for i, sd in enumerate(opt_sds):
+        if "nncompile_zero" in sd:
+            layout = sd["nncompile_zero"]
+            groups.setdefault((tuple(layout["ranks"]), infos[i]["rank"] % infos[i]["plan_ngpus"]),
+                              []).append(i)
+    for members in groups.values():
+        layouts = {opt_sds[i]["nncompile_zero"]["zero_rank"]: i for i in members}
+        size = opt_sds[members[0]]["nncompile_zero"]["zero_size"]
+        if len(layouts) != size:
+            continue        # an incomplete group; another group of the same shard may cover it
+        ordered = [opt_sds[layouts[z]] for z in range(size)]
+        local: dict[str, dict[str, Any]] = {}
+        for k, shard in enumerate(ordered[0]["nncompile_zero"]["shards"]):
+            per_rank = [sd["state"].get(k, {}) for sd in ordered]
+            for key in per_rank[0]:
+                vals = [st[key] for st in per_rank]
+                if torch.is_tensor(vals[0]) and vals[0].dim() == 1:
+                    flat = torch.cat(vals)
+                    for name, piece in zip(shard["names"],
+                                           flat[:sum(shard["numels"])].split(shard["numels"])):
+                        local.setdefault(name, {})[key] = piece
+                else:
+                    for name in shard["names"]:
+                        local.setdefault(name, {})[key] = vals[0]
+        hyper = [{k: v for k, v in g.items() if k != "params"}
+                 for g in ordered[0].get("param_groups", [])]
+        for i in members:
+            rows = {p[0]: p for p in pm_params(infos[i])}
+            out[i] = {"state": {n: {k: (v.view(tuple(b - a for a, b in rows[n][4]))
+                                        if torch.is_tensor(v) and v.dim() == 1 else v)
+                                    for k, v in st.items()} for n, st in local.items()},
+                      "param_groups": hyper}
+    for i, sd in enumerate(opt_sds):
+        if "nncompile_zero" in sd and out[i] is None:
+            out[i] = {"state": {}, "param_groups": []}   # covered by a complete group
+    return out
+
+
+def load_merged_state_dict(pm, state_dict: dict[str, torch.Tensor], optimizer=None,
+                           optimizer_state_dict: dict | None = None) -> None:
+    """Load a full state dict (the original module's, or merge_state_dicts' output) into this
+    rank's shards, and the optimizer's full state (indexed like module.parameters())."""
+    by_canon = {}
+    for key, canon in pm.STATE_KEYS:
+        if key in state_dict:
+            by_canon.setdefault(canon, state_dict[key])
+    with torch.no_grad():
+        for name, fqn, _, _, slices, *_ in list(pm.PARAMS) + list(pm.BUFFERS):
+            full = by_canon.get(fqn, state_dict.get(fqn))
+            if full is None:
+                raise CheckpointError(f"the state dict has no {fqn!r} (it has "
+                                      f"{len(state_dict)} keys, e.g. {list(state_dict)[:3]})")
+            getattr(pm, name).copy_(full[_index(slices)])
+    if optimizer is None:
+        return
+    if optimizer_state_dict is None:
+        raise CheckpointError("pass optimizer_state_dict together with optimizer")
+    order = list(pm.PARAM_ORDER)
+    saved = optimizer_state_dict.get("state", {})
+    local: dict[str, dict[str, Any]] = {}
+    for name, fqn, full_shape, _, slices, *_ in pm.PARAMS:
+        st = saved.get(order.index(fqn)) if fqn in order else None
+        if st is None:
+            continue
+        local[name] = {}
+        for key, v in st.items():
+            if torch.is_tensor(v) and tuple(v.shape) == tuple(full_shape) and v.dim():
+                v = v[_index(slices)]
+            local[name][key] = v.clone() if torch.is_tensor(v) else v
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in optimizer_state_dict.get("param_groups", [])]
+    load_local_optimizer_state(pm, optimizer, {"state": local, "param_groups": groups})
+
+
+__all__ = ["merge_state_dicts", "load_merged_state_dict", "plan_info"]

@@ -1,0 +1,136 @@
+"""Bucketed gradient reduction, like DistributedDataParallel's reducer.
+
+Which group a gradient is summed over follows from the plan: a gradient that is a partial sum
+over the plan unit is summed there; every gradient is then averaged over the data-parallel
+units (one all-reduce over the world for partial gradients when both apply):
+
+    before backward:  p.grad = (nothing)            every rank: its local gradient g_r
+    after backward:   p.grad = scale * sum_{r in G} g_r      scale = 1 / data-parallel size
+
+Gradients are packed in reverse parameter order into buckets of about `bucket_cap_mb`, one
+flat all-reduce per bucket. With `async_=True` a bucket is launched as soon as its last
+gradient is accumulated, overlapping communication with the rest of backward; otherwise all
+buckets are reduced once backward ends. Buckets launch in index order on every rank so the
+collectives match. A callback queued on the autograd engine waits for them and writes the
+reduced values back into `.grad` before `loss.backward()` returns.
+
+`no_sync()` turns reduction off: gradients accumulate locally and the next synced backward
+reduces the accumulated sum. Accumulating *without* no_sync also matches DDP: the already
+reduced part A is identical across G, so it is pre-scaled by c = 1 / (|G| * scale) just
+before the next gradient is added (scale * sum_G(c*A + g_r) = A + scale * sum_G g_r); for
+plain data parallelism c is 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Bucket:
+    params: list[torch.nn.Parameter]
+    group: object
+    scale: float
+    dtype: torch.dtype
+    numel: int = 0
+    ready: set = field(default_factory=set)
+    work: object = None
+    flat: torch.Tensor | None = None
+
+
+class Reducer:
+    def __init__(self, params: list[tuple[torch.nn.Parameter, object, int, float]], *,
+                 bucket_cap_mb: float = 25.0, async_: bool = False,
+                 reduce_dtype: torch.dtype | None = None):
+        """params: (parameter, group, group size, scale) in registration order."""
+        self.async_ = async_
+        self.sync = True
+        self.buckets: list[Bucket] = []
+        self._where: dict[int, Bucket] = {}
+        self._reduced: dict[int, bool] = {}
+        self._next = 0
+        self._queued = False
+        cap = bucket_cap_mb * 2 ** 20
+        open_: dict[tuple, Bucket] = {}
+        for param, group, size, scale in reversed(params):
+            dtype = reduce_dtype or param.dtype
+            key = (id(group), param.dtype, dtype, scale)
+            b = open_.get(key)
+            if b is None or b.numel * dtype.itemsize >= cap:
+                b = open_[key] = Bucket([], group, scale, dtype)
+                self.buckets.append(b)
+            b.params.append(param)
+            b.numel += param.numel()
+            self._where[id(param)] = b
+            param.register_post_accumulate_grad_hook(self._on_grad)
+            prescale = 1.0 / (size * scale)
+            if abs(prescale - 1.0) > 1e-12:
+                param.register_hook(self._prescale_hook(param, prescale))
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _prescale_hook(self, param: torch.nn.Parameter, c: float):
+        def hook(grad: torch.Tensor):
+            if self._reduced.pop(id(param), False) and param.grad is not None:
+                with torch.no_grad():
+                    param.grad.mul_(c)
+            return None
+        return hook
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not self.sync:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b = self._where[id(param)]
+        b.ready.add(id(param))
+        if self.async_:
+            while self._next < len(self.buckets) and \
+                    len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+                self._launch(self.buckets[self._next])
+                self._next += 1
+
+    # ---- reduction -----------------------------------------------------------------------
+    def _launch(self, b: Bucket) -> None:
+        grads = [p.grad for p in b.params]
+        if all(g is None for g in grads):       # nothing flowed here on any rank of the group
+            return
+        b.flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                            for p, g in zip(b.params, grads)]).to(b.dtype)
+        b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
+
+    def _finish(self) -> None:
+        for b in self.buckets[self._next:]:
+            self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                if b.scale != 1.0:
+                    b.flat.mul_(b.scale)
+                offset = 0
+                for p in b.params:
+                    n = p.numel()
+                    value = b.flat[offset:offset + n].view_as(p).to(p.dtype)
+                    if p.grad is None:
+                        p.grad = value.clone()
+                    else:
+                        p.grad.copy_(value)
+                    offset += n
+                    self._reduced[id(p)] = True
+            b.ready.clear()
+            b.work = b.flat = None
+        self._next = 0
+        self._queued = False
+
+    def reset(self) -> None:
+        """Forget a backward that did not finish (it raised before the final callback)."""
+        if self._queued:
+            for b in self.buckets:
+                if b.work is not None:
+                    b.work.wait()
+                b.ready.clear()
+                b.work = b.flat = None
+            self._next = 0
+            self._queued = False

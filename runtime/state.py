@@ -1,0 +1,124 @@
+"""What a rank's state is made of: its plan, its shards, and its optimizer state by local name.
+
+The checkpoint formats (dedup.py, merge.py, dcp.py, checkpoint.py) all go through these
+helpers, so a plain torch optimizer and the ZeRO optimizer look the same to them:
+
+    local optimizer state = {local param name: {"exp_avg": tensor shaped like the shard, ...}}
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nncompile.errors import CheckpointError
+
+from .optimizer import ZeroOptimizer
+
+
+def plan_info(pm) -> dict[str, Any]:
+    """The plan a rank's shards belong to; stored with every per-rank state dict."""
+    return {"fingerprint": pm.FINGERPRINT, "policy": pm.POLICY, "rank": pm.RANK,
+            "plan_ngpus": pm.PLAN_NGPUS, "runtime_ngpus": pm.RUNTIME_NGPUS,
+            "params": [list(p) for p in pm.PARAMS], "buffers": [list(b) for b in pm.BUFFERS],
+            "param_order": list(pm.PARAM_ORDER),
+            "state_keys": [list(k) for k in pm.STATE_KEYS]}
+
+
+def describe(info: dict) -> str:
+    return (f"policy {info.get('policy')!r}, plan_ngpus {info.get('plan_ngpus')}, "
+            f"runtime_ngpus {info.get('runtime_ngpus')}, fingerprint "
+            f"{str(info.get('fingerprint'))[:12]}")
+
+
+def check_same_plan(saved: dict, pm, where: str) -> None:
+    """Refuse shards written under another plan (or by another rank)."""
+    mine = plan_info(pm)
+    if saved.get("fingerprint") != mine["fingerprint"] or \
+            saved.get("runtime_ngpus") != mine["runtime_ngpus"]:
+        raise CheckpointError(
+            f"{where} was saved under plan [{describe(saved)}] but this module runs plan "
+            f"[{describe(mine)}]; shards only load into the plan that wrote them. To load it "
+            f"here, save with format='dcp' (nncompile.save_checkpoint) which reshards on load, "
+            f"or merge it (python -m nncompile merge DIR -o merged.pt) and load the merged "
+            f"file with nncompile.load_checkpoint / nncompile.load_merged_state_dict")
+    if saved.get("rank") != mine["rank"]:
+        raise CheckpointError(f"{where} holds rank {saved.get('rank')}'s shards but this is rank "
+                              f"{mine['rank']}; load the file named after this rank")
+
+
+def is_owner(pm, placement: str) -> bool:
+    """Whether this rank stores a shard in a deduped checkpoint: the first data-parallel unit
+    stores everything, and inside it a replicated tensor is stored by plan rank 0 only."""
+    dp_index, plan_rank = divmod(pm.RANK, pm.PLAN_NGPUS)
+    return dp_index == 0 and (placement.startswith("S") or plan_rank == 0)
+
+
+def owner_rank(pm, placement: str) -> int:
+    """The global rank that stores a tensor with this placement (see is_owner)."""
+    return pm.RANK % pm.PLAN_NGPUS if placement.startswith("S") else 0
+
+
+def _trainable(pm) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
+
+
+def local_optimizer_state(pm, opt) -> dict[str, Any]:
+    """{"state": {local name: {key: value}}, "param_groups": [hyperparameters]} (for ZeRO a
+    collective over the ZeRO group)."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    if isinstance(opt, ZeroOptimizer):
+        return {"state": opt.local_state(), "param_groups": groups}
+    names = {id(p): n for n, p in _trainable(pm)}
+    state = {}
+    for p, st in opt.state.items():
+        if id(p) not in names:
+            raise CheckpointError("the optimizer holds a tensor that is not a parameter of this "
+                                  "ParallelModule; build it with nncompile.build_optimizer(pm, "
+                                  "...) or over pm.parameters()")
+        state[names[id(p)]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+    return {"state": state, "param_groups": groups}
+
+
+def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
+    """Inverse of local_optimizer_state."""
+    if len(local.get("param_groups", [])) not in (0, len(opt.param_groups)):
+        raise CheckpointError(f"the checkpoint has {len(local['param_groups'])} optimizer param "
+                              f"groups but the optimizer has {len(opt.param_groups)}")
+    for group, saved in zip(opt.param_groups, local.get("param_groups", [])):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    if isinstance(opt, ZeroOptimizer):
+        opt.load_local_state(local["state"])
+        return
+    params = dict(_trainable(pm))
+    for name, st in local["state"].items():
+        if name not in params:
+            raise CheckpointError(f"the checkpoint has optimizer state for {name!r}, which this "
+                                  f"module does not have")
+        p = params[name]
+        opt.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
+                        for k, v in st.items()}
+
+
+def optimizer_state_by_name(pm, opt_sd: dict) -> dict[str, Any]:
+    """Normalize one rank's optimizer state dict to the local-name form. Accepts the local form
+    itself or a plain torch optimizer's state_dict() built over pm.parameters()."""
+    if "nncompile_zero" in opt_sd:
+        raise CheckpointError("ZeRO optimizer state dicts are pieces of a flat vector; merge them "
+                              "with merge_state_dicts(model_sds, opt_sds) over all ranks")
+    state = opt_sd.get("state", {})
+    if all(isinstance(k, str) for k in state):
+        return {"state": state, "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in opt_sd.get("param_groups", [])]}
+    names = [n for n, *_ in pm_params(pm)]
+    return {"state": {names[i]: st for i, st in state.items()},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in opt_sd.get("param_groups", [])]}
+
+
+def pm_params(info_or_pm) -> list[tuple]:
+    """PARAMS rows (local name, FQN, full shape, placement, slices, partial) of a module or of a
+    saved plan_info."""
+    if isinstance(info_or_pm, dict):
+        return [tuple(p) for p in info_or_pm["params"]]
+    return list(info_or_pm.PARAMS)
