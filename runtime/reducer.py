@@ -11,8 +11,11 @@ Gradients are packed in reverse parameter order into buckets of about `bucket_ca
 flat all-reduce per bucket. With `async_=True` a bucket is launched as soon as its last
 gradient is accumulated, overlapping communication with the rest of backward; otherwise all
 buckets are reduced once backward ends. Buckets launch in index order on every rank so the
-collectives match. A callback queued on the autograd engine waits for them and writes the
-reduced values back into `.grad` before `loss.backward()` returns.
+collectives match. A callback queued on the autograd engine waits for them before
+`loss.backward()` returns. Each bucket keeps one flat buffer; after reduction `.grad` is a view
+into it (as DDP's gradient_as_bucket_view), so the reduced values are not copied back, and a
+gradient accumulated in place into its view is not copied in either. The buffer is reused by
+the next backward: clone a `.grad` you want to keep across steps.
 
 `no_sync()` turns reduction off: gradients accumulate locally and the next synced backward
 reduces the accumulated sum. Accumulating *without* no_sync also matches DDP: the already
@@ -37,7 +40,15 @@ class Bucket:
     numel: int = 0
     ready: set = field(default_factory=set)
     work: object = None
-    flat: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None
+    launched: bool = False
+
+    def views(self):
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            yield p, self.buffer[offset:offset + n].view_as(p)
+            offset += n
 
 
 class Reducer:
@@ -94,33 +105,34 @@ class Reducer:
 
     # ---- reduction -----------------------------------------------------------------------
     def _launch(self, b: Bucket) -> None:
-        grads = [p.grad for p in b.params]
-        if all(g is None for g in grads):       # nothing flowed here on any rank of the group
+        if all(p.grad is None for p in b.params):   # nothing flowed here on any rank of G
             return
-        b.flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                            for p, g in zip(b.params, grads)]).to(b.dtype)
-        b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
+        if b.buffer is None:
+            b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.params[0].device)
+        for p, view in b.views():
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.dtype != view.dtype:
+                view.copy_(p.grad.reshape(view.shape))
+        b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
+        b.launched = True
 
     def _finish(self) -> None:
         for b in self.buckets[self._next:]:
             self._launch(b)
         for b in self.buckets:
-            if b.work is not None:
+            if b.launched:
                 b.work.wait()
                 if b.scale != 1.0:
-                    b.flat.mul_(b.scale)
-                offset = 0
-                for p in b.params:
-                    n = p.numel()
-                    value = b.flat[offset:offset + n].view_as(p).to(p.dtype)
-                    if p.grad is None:
-                        p.grad = value.clone()
+                    b.buffer.mul_(b.scale)
+                for p, view in b.views():
+                    if view.dtype == p.dtype:
+                        p.grad = view
                     else:
-                        p.grad.copy_(value)
-                    offset += n
+                        p.grad = view.to(p.dtype)
                     self._reduced[id(p)] = True
             b.ready.clear()
-            b.work = b.flat = None
+            b.work, b.launched = None, False
         self._next = 0
         self._queued = False
 
@@ -131,6 +143,6 @@ class Reducer:
                 if b.work is not None:
                     b.work.wait()
                 b.ready.clear()
-                b.work = b.flat = None
+                b.work, b.launched = None, False
             self._next = 0
             self._queued = False
