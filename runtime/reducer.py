@@ -63,6 +63,7 @@ class Reducer:
         self._reduced: dict[int, bool] = {}
         self._next = 0
         self._queued = False
+        self.overlapped = 0        # buckets the last backward launched before it ended
         cap = bucket_cap_mb * 2 ** 20
         open_: dict[tuple, Bucket] = {}
         for param, group, size, scale in reversed(params):
@@ -118,6 +119,7 @@ class Reducer:
         b.launched = True
 
     def _finish(self) -> None:
+        self.overlapped = sum(b.launched for b in self.buckets)
         for b in self.buckets[self._next:]:
             self._launch(b)
         for b in self.buckets:

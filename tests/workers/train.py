@@ -7,6 +7,7 @@ final weights and optimizer state equal the single-device ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class Variant:
 
 VARIANTS = [
     Variant("sync"),
-    Variant("async+clip+small-buckets", use_async_reducer=True, clip=0.3, bucket_mb=0.002),
+    Variant("async+clip+small-buckets", use_async_reducer=True, clip=0.3, bucket_mb=0.0002),
     Variant("accum(no_sync)", accum=2),
     Variant("accum(reduce each)+async", use_async_reducer=True, accum=2, no_sync=False),
     Variant("zero", use_zero=True),
@@ -97,11 +98,16 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
         total = torch.zeros(())
         for micro in range(v.accum):
             last = micro == v.accum - 1
-            ctx = pm.no_sync() if v.no_sync and not last else _nullcontext()
+            ctx = pm.no_sync() if v.no_sync and not last else contextlib.nullcontext()
             with ctx:
                 loss = pm(**unit_batch(step, micro, unit, n_units)) / v.accum
                 loss.backward()
             total += loss.detach()
+        if v.use_async_reducer and v.bucket_mb < 0.001:
+            reducer = pm._reducer
+            assert reducer.overlapped >= len(reducer.buckets) // 2 and \
+                len(reducer.buckets) > 4, \
+                f"async reducer overlapped {reducer.overlapped} of {len(reducer.buckets)} buckets"
         if v.clip is not None:
             nncompile.clip_grad_norm_(pm, v.clip)
         opt.step()
@@ -109,14 +115,6 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
         dist.all_reduce(total)                  # each unit's loss counted `plan` times
         losses.append(float(total) / runtime)
     return pm, opt, losses
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def check(policy: str, plan: int, runtime: int, v: Variant, savedir: str) -> str:
