@@ -28,13 +28,9 @@ def batch(step: int):
 
 
 def main():
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
-        if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
+    rank, world = nncompile.init_distributed()        # NCCL on GPUs, gloo on CPUs
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     model = GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=4, n_embd=64).to(device)
     idx, targets = (t.to(device) for t in batch(0))

@@ -184,6 +184,12 @@ class ParallelModule(torch.nn.Module):
     def set_extra_state(self, state: dict) -> None:
         check_same_plan(state, self, "this state dict")
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Like nn.Module's, but checks the plan before touching any tensor."""
+        if "_extra_state" in state_dict:
+            check_same_plan(state_dict["_extra_state"], self, "this state dict")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
 
 def _full_state(module: torch.nn.Module | None) -> dict[str, torch.Tensor]:
     if module is None:

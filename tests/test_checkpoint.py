@@ -163,3 +163,27 @@ def test_a_hung_rank_fails_the_others_within_the_timeout(saved, tmp_path):
     assert codes[0] != 0, out0[-2000:]
     assert timeout - 1 < survivor_s < timeout + 20, f"failed after {survivor_s:.1f}s"
     assert "Timed out" in out0 or "timeout" in out0.lower(), out0[-2000:]
+
+
+def test_state_dict_of_another_plan_is_refused_before_any_tensor_changes(tmp_path):
+    model, batch = models.build("mlp"), models.batch("mlp", 0)
+    a = nncompile.parallelize(model, batch, nncompile.ComputeConfig(1), pas_policy="dp",
+                              gen_savedir=tmp_path)
+    b = nncompile.parallelize(model, batch, nncompile.ComputeConfig(1), pas_policy="data",
+                              gen_savedir=tmp_path, instance_name="other")
+    sd = a.state_dict()
+    assert sd["_extra_state"]["policy"] == "dp"
+    sd = {k: (v + 1 if torch.is_tensor(v) else v) for k, v in sd.items()}
+    before = {k: v.clone() for k, v in b.state_dict().items() if torch.is_tensor(v)}
+    with pytest.raises(nncompile.CheckpointError) as e:
+        b.load_state_dict(sd)
+    assert "policy 'dp', plan_ngpus 1" in str(e.value) and "policy 'data'" in str(e.value)
+    assert "format='dcp'" in str(e.value)
+    for k, v in b.state_dict().items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, before[k]), f"{k} changed before the plan check"
+    merged, _ = nncompile.merge_state_dicts([a.state_dict()])
+    assert set(merged) == set(model.state_dict())
+    nncompile.load_merged_state_dict(b, merged)          # a merged state dict loads anywhere
+    for k, v in b.gather_params().items():
+        torch.testing.assert_close(v, dict(model.named_parameters())[k].detach())

@@ -11,3 +11,4 @@ def test_training_parity(run_ranks, tmp_path, nproc):
     plans = {2: ["dp 1x2", "tp 2x2"], 4: ["tp 2x4"]}[nproc]
     for plan in plans:
         assert out.count(f"ok train {plan} ") == 6, out[-3000:]
+    assert "ok train fp32 reduction of bf16 grads" in out

@@ -92,7 +92,10 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
     pm = nncompile.parallelize(models.build("gpt"), unit_batch(0, 0, 0, n_units), cfg,
                                pas_policy=policy, gen_savedir=savedir,
                                instance_name=f"gpt_{policy}_{plan}x{runtime}")
-    opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+    if v.use_zero:
+        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+    else:       # a plain optimizer over pm.parameters() needs no extra call
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
     for step in range(STEPS):
         total = torch.zeros(())
@@ -149,6 +152,31 @@ def check(policy: str, plan: int, runtime: int, v: Variant, savedir: str) -> str
     return f"ok train {what}: final loss {losses[-1]:.5f}"
 
 
+def check_fp32_reduce(savedir: str) -> str:
+    """bf16 parameters with reduce_in_fp32: the reduced gradient is the float32 mean of the
+    ranks' bf16 gradients, rounded to bf16 once."""
+    world = dist.get_world_size()
+    model = models.build("mlp").to(torch.bfloat16)
+    batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+             for k, v in models.batch("mlp", dist.get_rank()).items()}
+    cfg = nncompile.ComputeConfig(1, world, reduce_in_fp32=True)
+    pm = nncompile.parallelize(model, batch, cfg, pas_policy="dp", gen_savedir=savedir,
+                               instance_name="mlp_bf16")
+    assert all(b.dtype == torch.float32 for b in pm._reducer.buckets)
+    with pm.no_sync():
+        pm(**batch).backward()
+    local = {n: p.grad.clone() for n, p in pm.named_parameters()}
+    pm.zero_grad()
+    pm(**batch).backward()
+    for n, p in pm.named_parameters():
+        parts = [torch.empty_like(local[n]) for _ in range(world)]
+        dist.all_gather(parts, local[n])
+        want = (sum(t.float() for t in parts) / world).to(torch.bfloat16)
+        assert p.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(p.grad, want, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+    return f"ok train fp32 reduction of bf16 grads on {world} ranks"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--savedir", default="./.nncompile/train")
@@ -163,6 +191,9 @@ def main() -> None:
                 line = check(policy, plan, runtime, v, args.savedir)
                 if dist.get_rank() == 0:
                     print(line, flush=True)
+    line = check_fp32_reduce(args.savedir)
+    if dist.get_rank() == 0:
+        print(line, flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
