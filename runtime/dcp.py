@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from nncompile.ir.placement import parse_placement
+from nncompile.errors import CheckpointError
+from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
 
 from .state import load_local_optimizer_state, local_optimizer_state
 
@@ -39,7 +40,7 @@ def _mesh(pm):
 
 def _dtensor(pm, local: torch.Tensor, full_shape, placement: str) -> DTensor:
     p = parse_placement(placement)
-    shard = [Shard(p.dim)] if p.__class__.__name__ == "Shard" else [Replicate()]
+    shard = [Shard(p.dim)] if isinstance(p, ShardPlacement) else [Replicate()]
     shape = torch.Size(full_shape)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local.contiguous(), _mesh(pm), [Replicate()] + shard,
@@ -72,7 +73,6 @@ def load_dcp(directory: str, pm, optimizer=None) -> None:
     model = _model_state(pm)
     missing = [f"model.{k}" for k in model if f"model.{k}" not in metadata]
     if missing:
-        from nncompile.errors import CheckpointError
         raise CheckpointError(f"the checkpoint in {directory} has no {missing[:3]}; it was saved "
                               f"from another model")
     state: dict[str, Any] = {"model": model}

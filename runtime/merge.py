@@ -17,7 +17,7 @@ import torch
 
 from nncompile.errors import CheckpointError
 
-from .state import (load_local_optimizer_state, optimizer_state_by_name, plan_info, pm_params)
+from .state import load_local_optimizer_state, optimizer_state_by_name, pm_params
 
 
 def _index(slices) -> tuple[slice, ...]:
@@ -190,6 +190,3 @@ def load_merged_state_dict(pm, state_dict: dict[str, torch.Tensor], optimizer=No
     groups = [{k: v for k, v in g.items() if k != "params"}
               for g in optimizer_state_dict.get("param_groups", [])]
     load_local_optimizer_state(pm, optimizer, {"state": local, "param_groups": groups})
-
-
-__all__ = ["merge_state_dicts", "load_merged_state_dict", "plan_info"]
