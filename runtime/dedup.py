@@ -30,16 +30,22 @@ def _rows(pm) -> list[tuple[str, str]]:
 def deduped_state_dict(pm, optimizer=None) -> tuple[dict, dict | None]:
     """(model state dict, optimizer state dict) of this rank holding only what it owns. Every
     rank calls it (ZeRO state is gathered over its group first)."""
+    return deduped_model_state(pm), \
+        deduped_optimizer_state(pm, optimizer) if optimizer is not None else None
+
+
+def deduped_model_state(pm) -> dict:
     full = pm.state_dict()
     owned = {name for name, place in _rows(pm) if is_owner(pm, place)}
-    model = {k: v for k, v in full.items() if k in owned or k == "_extra_state"}
-    if optimizer is None:
-        return model, None
+    return {k: v for k, v in full.items() if k in owned or k == "_extra_state"}
+
+
+def deduped_optimizer_state(pm, optimizer) -> dict:
     local = local_optimizer_state(pm, optimizer)
     placement = {r[0]: r[3] for r in pm.PARAMS}
     local["state"] = {n: st for n, st in local["state"].items()
                       if is_owner(pm, placement[n])}
-    return model, {**local, "nncompile": plan_info(pm)}
+    return {**local, "nncompile": plan_info(pm)}
 
 
 def _group(pm, placement: str):
@@ -52,6 +58,12 @@ def _group(pm, placement: str):
 def load_deduped_state_dict(pm, model_sd: dict, optimizer=None,
                             optimizer_sd: dict | None = None) -> None:
     """Load this rank's deduped state dicts; what it did not store arrives from its owner."""
+    load_deduped_model_state(pm, model_sd)
+    if optimizer is not None:
+        load_deduped_optimizer_state(pm, optimizer, optimizer_sd)
+
+
+def load_deduped_model_state(pm, model_sd: dict) -> None:
     check_same_plan(model_sd.get("_extra_state", {}), pm, "the deduped state dict")
     with torch.no_grad():
         for name, place in _rows(pm):
@@ -61,8 +73,9 @@ def load_deduped_state_dict(pm, model_sd: dict, optimizer=None,
             group, shared = _group(pm, place)
             if shared:
                 dist.broadcast(t.data, src=owner_rank(pm, place), group=group)
-    if optimizer is None:
-        return
+
+
+def load_deduped_optimizer_state(pm, optimizer, optimizer_sd: dict | None) -> None:
     mine = (optimizer_sd or {}).get("state", {})
     skeletons: list[Any] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     skeleton = {n: {k: ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) else ("value", v)

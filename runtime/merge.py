@@ -175,6 +175,11 @@ def load_merged_state_dict(pm, state_dict: dict[str, torch.Tensor], optimizer=No
         return
     if optimizer_state_dict is None:
         raise CheckpointError("pass optimizer_state_dict together with optimizer")
+    load_merged_optimizer_state(pm, optimizer, optimizer_state_dict)
+
+
+def load_merged_optimizer_state(pm, optimizer, optimizer_state_dict: dict) -> None:
+    """This rank's slices of a merged optimizer state dict (indexed like module.parameters())."""
     order = list(pm.PARAM_ORDER)
     saved = optimizer_state_dict.get("state", {})
     local: dict[str, dict[str, Any]] = {}

@@ -1,0 +1,1 @@
+"""Integrations of nncompile with training frameworks."""

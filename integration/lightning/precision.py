@@ -1,0 +1,118 @@
+"""NnCompilePrecision: Lightning's precision modes for a parallelized module.
+
+    32-true     float32 everywhere
+    16-true     module and floating inputs in float16 (a GradScaler may be passed)
+    bf16-true   module and floating inputs in bfloat16
+    16-mixed    float32 weights, forward under autocast(float16), a GradScaler
+    bf16-mixed  float32 weights, forward under autocast(bfloat16)
+
+Autocast applies to the generated code as to eager code: it calls aten ops, and autocast sits
+in the dispatcher. With a scaler, "found inf" is agreed across all ranks before the step, so
+ranks holding different shards skip or take a step together. Gradient clipping goes through
+nncompile.clip_grad_norm_ (the true global norm); clipping by value is refused.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from nncompile.errors import ConfigError
+from nncompile.runtime.clip import clip_grad_norm_
+
+MODES = {"32-true": None, "16-true": torch.float16, "bf16-true": torch.bfloat16,
+         "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+class NnCompilePrecision(Precision):
+    def __init__(self, precision: str = "32-true", scaler: Any = None):
+        precision = str(precision)
+        if precision not in MODES:
+            raise ConfigError(f"precision={precision!r}; NnCompilePrecision supports "
+                              f"{', '.join(MODES)}")
+        if scaler is not None and precision not in ("16-mixed", "16-true"):
+            raise ConfigError(f"a grad scaler is only used with 16-mixed or 16-true, not "
+                              f"{precision}")
+        self.precision = precision
+        self.dtype = MODES[precision]
+        self.mixed = precision.endswith("-mixed")
+        if scaler is None and precision == "16-mixed":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            scaler = torch.amp.GradScaler(device)
+        self.scaler = scaler
+        self.parallel_module = None          # set by NnCompileStrategy after parallelizing
+
+    # ---- dtypes -------------------------------------------------------------------------
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.dtype is not None and not self.mixed:
+            return module.to(self.dtype)
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        if self.dtype is None or self.mixed:
+            return data
+        from torch.utils._pytree import tree_map
+        return tree_map(lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor)
+                        and t.is_floating_point() else t, data)
+
+    def module_init_context(self):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        if not self.mixed:
+            yield
+            return
+        device = "cuda" if self.parallel_module is not None and \
+            self.parallel_module.device.type == "cuda" else "cpu"
+        with torch.autocast(device, dtype=self.dtype):
+            yield
+
+    # ---- backward and step --------------------------------------------------------------
+    def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        self.scaler.unscale_(optimizer)
+        self._agree_on_inf(optimizer)
+        self._after_closure(model, optimizer)
+        if closure_result is None and model.automatic_optimization:
+            return None          # backward was skipped (e.g. by returning None from the step)
+        out = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return out
+
+    def _agree_on_inf(self, optimizer) -> None:
+        """A non-finite gradient on any rank's shard must skip the step on every rank."""
+        if not dist.is_initialized():
+            return
+        state = self.scaler._per_optimizer_states[id(optimizer)]
+        for found in state["found_inf_per_device"].values():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        if self.parallel_module is None:
+            raise MisconfigurationException("NnCompilePrecision clips through NnCompileStrategy")
+        clip_grad_norm_(self.parallel_module, float(clip_val))
+
+    def clip_grad_by_value(self, optimizer, clip_val) -> None:
+        raise ConfigError("gradient_clip_algorithm='value' is not supported by nncompile "
+                          "(clipping each shard by value is fine, but the strategy only offers "
+                          "the global-norm clip); use gradient_clip_algorithm='norm'")
+
+    # ---- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)

@@ -1,0 +1,357 @@
+"""NnCompileStrategy: train a LightningModule with nncompile under Lightning's Trainer.
+
+    trainer = L.Trainer(strategy=NnCompileStrategy(ComputeConfig(2, 4), pas_policy="tp"),
+                        plugins=[NnCompilePrecision("bf16-mixed")], devices=4)
+
+At setup the LightningModule's `forward` is parallelized once (trace inputs from
+`dummy_forward_args`, `dummy_forward_args_fn(first training batch)` or
+`example_input_array`), `forward` is replaced by the parallel module's and the original
+trainable submodules are set to None, so `self.parameters()` in `configure_optimizers` yields
+the parallel module's shards. Ranks of one plan unit get the same batches (the sampler is
+sized by data-parallel units) and `sync_dist` logging averages over the data-parallel group.
+
+Checkpoints are directories with one `rank{r}.pt` per rank ("sharded" or "deduped"), written
+atomically; `merge_checkpoint` turns one into an ordinary Lightning checkpoint that another
+plan, or plain Lightning, loads.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.distributed import (_get_default_process_group_backend_for_device,
+                                                    _init_dist_connection,
+                                                    _sync_ddp_if_available)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+
+import nncompile
+from nncompile.errors import CheckpointError, ConfigError
+from nncompile.fileio import replace_dir, write_json
+from nncompile.runtime.checkpoint import save_torch
+from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_state,
+                                     load_deduped_model_state, load_deduped_optimizer_state)
+from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
+                                     merge_state_dicts)
+from nncompile.runtime.state import describe, plan_info
+
+from .precision import NnCompilePrecision
+
+STATE_DICT_TYPES = ("sharded", "deduped")
+
+
+class NnCompileStrategy(ParallelStrategy):
+    strategy_name = "nncompile"
+
+    def __init__(self, compute_config: nncompile.ComputeConfig | None = None, *,
+                 pas_policy: Any = "autodist", gen_savedir: str = "./.nncompile",
+                 reuse: str = "match", instance_name: str | None = None,
+                 state_dict_type: str = "sharded", accelerator=None,
+                 parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, checkpoint_io=None,
+                 precision_plugin=None, process_group_backend: str | None = None,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise ConfigError(f"state_dict_type={state_dict_type!r}; choose one of "
+                              f"{STATE_DICT_TYPES}")
+        self.compute_config = compute_config or nncompile.ComputeConfig(plan_ngpus=1)
+        if self.compute_config.use_zero:
+            raise ConfigError("use_zero is not available with NnCompileStrategy yet; train "
+                              "with nncompile.build_optimizer outside Lightning for ZeRO")
+        self.pas_policy, self.gen_savedir, self.reuse = pas_policy, gen_savedir, reuse
+        self.instance_name = instance_name
+        self.state_dict_type = state_dict_type
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.parallel_module = None
+
+    # ---- placement and processes ---------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, n: int) -> None:
+        self._num_nodes = n
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def plan_ngpus(self) -> int:
+        return self.compute_config.plan_ngpus
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Ranks of one plan unit read the same batches."""
+        return {"num_replicas": self.world_size // self.plan_ngpus,
+                "rank": self.global_rank // self.plan_ngpus}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True              # the shards exist only once forward is parallelized
+
+    def _configure_launcher(self) -> None:
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment,
+                                                       self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes
+                                                 + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+        rank_zero_only.rank = self.global_rank
+        if self.world_size % self.plan_ngpus:
+            raise ConfigError(f"{self.world_size} processes cannot run plan units of "
+                              f"plan_ngpus={self.plan_ngpus}; use devices * num_nodes = a "
+                              f"multiple of {self.plan_ngpus}")
+        backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    # ---- setup: parallelize once ---------------------------------------------------------
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._parallelize(trainer)
+        if isinstance(self.precision_plugin, NnCompilePrecision):
+            self.precision_plugin.parallel_module = self.parallel_module
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._check_optimizers()
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    def _setup_model(self, model):
+        return model
+
+    def _parallelize(self, trainer) -> None:
+        lm = self.lightning_module
+        if getattr(lm, "nncompile_module", None) is not None:
+            self.parallel_module = lm.nncompile_module       # validate/test after fit
+            return
+        dummy = self.precision_plugin.convert_input(self._dummy_args(trainer, lm))
+        config = self.compute_config.resolved(self.world_size)
+        pm = nncompile.parallelize(lm, dummy, config, pas_policy=self.pas_policy,
+                                   gen_savedir=self.gen_savedir, reuse=self.reuse,
+                                   instance_name=self.instance_name or type(lm).__name__,
+                                   device=self.root_device)
+        for name, child in list(lm.named_children()):
+            if any(p.requires_grad for p in child.parameters()):
+                setattr(lm, name, None)
+        for name, p in list(lm.named_parameters(recurse=False)):
+            delattr(lm, name)
+        lm.nncompile_module = pm
+        lm.forward = pm.__call__
+        self.parallel_module = pm
+
+    def _dummy_args(self, trainer, lm) -> Any:
+        args = getattr(lm, "dummy_forward_args", None)
+        if args is not None:
+            if not isinstance(args, dict):
+                raise ConfigError("dummy_forward_args must be a dict of forward's keyword "
+                                  f"arguments, got {type(args).__name__}")
+            return self.batch_to_device(args)
+        fn = getattr(lm, "dummy_forward_args_fn", None)
+        if fn is not None:
+            from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+            loader = _request_dataloader(trainer.fit_loop._data_source) \
+                if trainer.fit_loop._data_source.is_defined() else None
+            if loader is None:
+                raise ConfigError("dummy_forward_args_fn needs a training dataloader to take "
+                                  "the first batch from; define dummy_forward_args instead")
+            return fn(self.batch_to_device(next(iter(loader))))
+        if lm.example_input_array is not None:
+            return self.batch_to_device(lm.example_input_array)
+        raise ConfigError(
+            f"{type(lm).__name__} gives no inputs to trace forward with: add a "
+            "`dummy_forward_args` dict of forward's arguments, or `dummy_forward_args_fn(batch)` "
+            "that maps a training batch to that dict, or set `example_input_array`")
+
+    def _check_optimizers(self) -> None:
+        if len(self.optimizers) != 1:
+            raise ConfigError(f"NnCompileStrategy supports exactly one optimizer; "
+                              f"configure_optimizers returned {len(self.optimizers)}")
+        groups = self.optimizers[0].param_groups
+        if len(groups) != 1:
+            raise ConfigError(f"NnCompileStrategy supports one parameter group; the optimizer "
+                              f"has {len(groups)} (put every parameter in one group)")
+        if len(self.lr_scheduler_configs) > 1:
+            raise ConfigError(f"NnCompileStrategy supports at most one LR scheduler; got "
+                              f"{len(self.lr_scheduler_configs)}")
+
+    # ---- collectives ---------------------------------------------------------------------
+    def barrier(self, *args, **kwargs) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        """sync_dist logging: the ranks of a plan unit hold the same value, so reduce over the
+        data-parallel group (whatever group was asked for)."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if self.parallel_module is not None:
+            group = self.parallel_module.dp_group
+            if group is None:                 # one data-parallel unit: nothing to average
+                return tensor
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if not dist.is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag)
+        return bool(flag == self.world_size) if all else bool(flag > 0)
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        if self.parallel_module is None:
+            yield
+            return
+        with self.parallel_module.no_sync():
+            yield
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        pm = self.parallel_module
+        return pm.state_dict() if self.state_dict_type == "sharded" else deduped_model_state(pm)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self.state_dict_type == "sharded":
+            return optimizer.state_dict()
+        return deduped_optimizer_state(self.parallel_module, optimizer)
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """A directory `filepath` with one rank{r}.pt per rank, renamed into place at the end."""
+        target = Path(filepath).absolute()
+        staging = target.with_name(f".{target.name}.partial")
+        if self.is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        self.barrier()
+        save_torch(checkpoint, staging / f"rank{self.global_rank}.pt")
+        self.barrier()
+        if self.is_global_zero:
+            write_json(staging / "checkpoint.json", {
+                "format": f"lightning-{self.state_dict_type}", "world_size": self.world_size,
+                "plan": {k: v for k, v in plan_info(self.parallel_module).items()
+                         if k in ("policy", "plan_ngpus", "runtime_ngpus", "fingerprint")}})
+            replace_dir(staging, target)
+        self.barrier()
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        path = Path(checkpoint_path)
+        if path.is_file():                                  # merged or plain Lightning
+            return torch.load(path, map_location=self.root_device, weights_only=False)
+        meta_path = path / "checkpoint.json"
+        if not meta_path.exists():
+            raise CheckpointError(f"{path} is not a complete nncompile checkpoint (no "
+                                  "checkpoint.json); resume from an earlier one")
+        meta = json.loads(meta_path.read_text())
+        pm = self.parallel_module
+        if meta["world_size"] != self.world_size or \
+                meta["plan"]["fingerprint"] != pm.FINGERPRINT:
+            raise CheckpointError(
+                f"{path} was saved under plan [{describe(meta['plan'])}] on "
+                f"{meta['world_size']} ranks, but this run is plan [{describe(plan_info(pm))}] "
+                f"on {self.world_size} ranks. Merge it first: NnCompileStrategy."
+                f"merge_checkpoint(['{path}'], 'merged.ckpt'), then resume from merged.ckpt")
+        return torch.load(path / f"rank{self.global_rank}.pt", map_location=self.root_device,
+                          weights_only=False)
+
+    def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
+        sd, pm = checkpoint["state_dict"], self.parallel_module
+        if "_extra_state" not in sd:                      # merged / plain Lightning
+            load_merged_state_dict(pm, sd)
+        elif self._is_deduped(sd):
+            load_deduped_model_state(pm, sd)
+        else:
+            pm.load_state_dict(sd, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: dict) -> None:
+        opt_sd = checkpoint["optimizer_states"][0]
+        optimizer, pm = self.optimizers[0], self.parallel_module
+        if "_extra_state" not in checkpoint["state_dict"]:
+            load_merged_optimizer_state(pm, optimizer, opt_sd)
+        elif "nncompile" in opt_sd:
+            load_deduped_optimizer_state(pm, optimizer, opt_sd)
+        else:
+            optimizer.load_state_dict(opt_sd)
+
+    def _is_deduped(self, sd: dict) -> bool:
+        names = {r[0] for r in list(self.parallel_module.PARAMS) + list(self.parallel_module.BUFFERS)}
+        return not names <= set(sd)
+
+    @classmethod
+    def merge_checkpoint(cls, checkpoint_files: list[str], output_file: str) -> None:
+        """Merge a checkpoint directory (or its rank files) into one Lightning checkpoint that
+        any plan, or plain Lightning without nncompile, resumes from."""
+        from nncompile.runtime.checkpoint import rank_files
+        files = rank_files(checkpoint_files)
+        ckpts = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+        if any("state_dict" not in c or "_extra_state" not in c["state_dict"] for c in ckpts):
+            raise CheckpointError("merge_checkpoint takes the rank files of an NnCompileStrategy "
+                                  "checkpoint (each with a state_dict carrying its plan)")
+        opts = [c["optimizer_states"][0] for c in ckpts] if all(
+            c.get("optimizer_states") for c in ckpts) else None
+        model, opt = merge_state_dicts([c["state_dict"] for c in ckpts], opts)
+        merged = {**ckpts[0], "state_dict": model}       # the LightningModule's own keys
+        if opt is not None:
+            merged["optimizer_states"] = [opt]
+        out = Path(output_file)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_torch(merged, out)
+
+    @classmethod
+    def register_strategies(cls, registry) -> None:
+        registry.register("nncompile", cls, description="nncompile: compiled tensor/data "
+                          "parallel training")
+
+
+if "nncompile" not in StrategyRegistry:
+    NnCompileStrategy.register_strategies(StrategyRegistry)
