@@ -165,13 +165,18 @@ def rank_files(paths: list[str | os.PathLike]) -> list[Path]:
 
 def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) -> Path:
     """Per-rank files or checkpoint directories (sharded, deduped or dcp) -> one merged file
-    {"model", "optimizer", "extra"} that the original module, or any plan, loads. Runs in a
-    single process."""
+    {"model", "optimizer", "extra"} that the original module, or any plan, loads. A Lightning
+    checkpoint of NnCompileStrategy becomes an ordinary Lightning checkpoint. Runs in a single
+    process."""
     files = rank_files(paths)
     if len(files) == 1 and files[0].is_dir():
         merged = _merge_dcp(files[0])
     else:
         blobs = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+        if all(isinstance(b, dict) and "pytorch-lightning_version" in b for b in blobs):
+            from nncompile.integration.lightning import NnCompileStrategy
+            NnCompileStrategy.merge_checkpoint([str(f) for f in files], str(output))
+            return Path(output)
         for f, b in zip(files, blobs):
             if not isinstance(b, dict) or "model" not in b:
                 raise CheckpointError(f"{f} is not an nncompile rank file (no 'model' entry)")

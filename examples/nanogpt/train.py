@@ -197,7 +197,7 @@ def build_trainer(args, cfg) -> L.Trainer:
         kwargs["strategy"] = "ddp" if world > 1 else "auto"
         kwargs["precision"] = args.precision
     ckpt = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=Path(args.out_dir) / "ckpt", filename="step{step}", save_last=True,
+        dirpath=Path(args.out_dir) / "ckpt", filename="{step}", save_last=True,
         every_n_train_steps=args.ckpt_interval, save_top_k=-1)
     return L.Trainer(
         accelerator=accelerator, devices=world, num_nodes=1, max_steps=args.max_iters,

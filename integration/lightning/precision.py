@@ -105,9 +105,9 @@ class NnCompilePrecision(Precision):
         clip_grad_norm_(self.parallel_module, float(clip_val))
 
     def clip_grad_by_value(self, optimizer, clip_val) -> None:
-        raise ConfigError("gradient_clip_algorithm='value' is not supported by nncompile "
-                          "(clipping each shard by value is fine, but the strategy only offers "
-                          "the global-norm clip); use gradient_clip_algorithm='norm'")
+        raise ConfigError("gradient_clip_algorithm='value' is not supported by "
+                          "NnCompileStrategy; clip by the global norm with "
+                          "gradient_clip_algorithm='norm'")
 
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,144 @@
+"""Lightning: NnCompileStrategy + NnCompilePrecision against Lightning's own training on the
+nanoGPT example (CPU config, --deterministic): per-step losses, resume, merge, bad input and
+the loss-curve PNG. Each run is a fresh `train.py` process (torchrun for 2 ranks)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, torchrun
+
+EXAMPLE = "examples/nanogpt/train.py"
+STEPS = 30
+RTOL = 1e-5
+# bf16-mixed: bfloat16 keeps 8 significant bits (relative rounding up to 2**-8); the two runs
+# round partial sums in different orders, measured up to 3.4e-4 apart in 30 steps
+RTOL_BF16 = 2e-3
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shakespeare")
+    subprocess.run([sys.executable, "examples/nanogpt/prepare.py", "--out", str(out)],
+                   cwd=ROOT, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+def train(data, runs, name, nproc=1, *args):
+    log = runs / f"{name}.jsonl"
+    if log.exists():
+        log.unlink()
+    argv = ["--data_dir", str(data), "--out_dir", str(runs / name), "--max_iters", str(STEPS),
+            "--deterministic", "true", "--eval_interval", "15", "--loss_log", str(log), *args]
+    if nproc == 1:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
+        proc = subprocess.run([sys.executable, EXAMPLE, *argv], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    else:
+        torchrun(EXAMPLE, nproc, *argv)
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def losses(records, after_step=-1):
+    return [(r["step"], "train_loss" in r, r.get("train_loss", r.get("val_loss")))
+            for r in records if r["step"] > after_step]
+
+
+def same(got, want, rtol=RTOL):
+    assert len(got) == len(want) and got, (len(got), len(want))
+    for (s1, t1, a), (s2, t2, b) in zip(got, want):
+        assert (s1, t1) == (s2, t2)
+        assert abs(a - b) <= rtol * abs(b), f"step {s1}: {a} vs {b}"
+
+
+def test_one_rank_and_tensor_parallel_match_lightning(data, runs):
+    plain = train(data, runs, "plain1")
+    assert len(losses(plain)) == STEPS + 2                        # 30 train + 2 val
+    same(losses(train(data, runs, "nnc1")), losses(plain))
+    same(losses(logged(data, runs, "tp2", 2, *TP2)), losses(plain))
+
+
+def test_data_parallel_with_accumulation_matches_ddp(data, runs):
+    ddp = train(data, runs, "ddp2", 2, "--use_nncompile", "false", "--accumulate", "2")
+    ours = train(data, runs, "dp2", 2, "--plan_ngpus", "1", "--accumulate", "2")
+    assert len(losses(ddp)) == 2 * STEPS + 2                      # a record per micro-batch
+    same(losses(ours), losses(ddp))
+
+
+def test_bf16_mixed_with_accumulation_matches_lightning(data, runs):
+    args = ("--precision", "bf16-mixed", "--accumulate", "2")
+    plain = train(data, runs, "plain_bf16", 1, "--use_nncompile", "false", *args)
+    ours = train(data, runs, "tp2_bf16", 2, "--plan_ngpus", "2", "--policy", "tp", *args)
+    same(losses(ours), losses(plain), RTOL_BF16)
+
+
+TP2 = ("--plan_ngpus", "2", "--policy", "tp")
+
+
+def logged(data, runs, name, *args):
+    """The records of a run, trained once per module."""
+    if not (runs / f"{name}.jsonl").exists():
+        return train(data, runs, name, *args)
+    return [json.loads(x) for x in (runs / f"{name}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def stopped(data, runs):
+    """tp plan 2 stopped after 15 of 30 steps, with its step-15 checkpoint."""
+    first = train(data, runs, "stop15", 2, *TP2, "--ckpt_interval", "15", "--max_iters", "15")
+    assert max(r["step"] for r in first) == 15
+    ckpt = runs / "stop15" / "ckpt" / "step=15.ckpt"
+    assert (ckpt / "checkpoint.json").exists() and (ckpt / "rank1.pt").exists()
+    return ckpt
+
+
+def test_resume_continues_at_the_saved_step(data, runs, stopped):
+    full = logged(data, runs, "tp2", 2, *TP2)
+    resumed = train(data, runs, "stop15", 2, *TP2, "--ckpt_interval", "15",
+                    "--init_from", "resume")
+    assert min(r["step"] for r in resumed) == 16, "resume must continue at step 16, not 0"
+    same(losses(resumed), losses(full, after_step=15))
+
+
+def test_merged_checkpoint_loads_under_plan_1_and_plain_lightning(data, runs, stopped):
+    merged = runs / "merged.ckpt"
+    proc = subprocess.run([sys.executable, "-m", "nncompile", "merge", str(stopped), "-o",
+                           str(merged)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    want = losses(logged(data, runs, "tp2", 2, *TP2), after_step=15)
+    for name, extra in (("merged_plan1", ()), ("merged_plain", ("--use_nncompile", "false"))):
+        got = train(data, runs, name, 1, "--init_from", str(merged), "--max_iters", "16",
+                    *extra)
+        assert min(r["step"] for r in got) == 16
+        same(losses(got)[:1], want[:1])
+
+
+def test_bad_lightning_setups_get_clear_errors(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
+    proc = subprocess.run([sys.executable, "tests/workers/lightning_errors.py", "--savedir",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for what in ("two optimizers", "two param groups", "no dummy args", "clip by value"):
+        assert f"ok error {what}" in proc.stdout, proc.stdout
+
+
+def test_loss_curve_png(data, runs, tmp_path):
+    logged(data, runs, "nnc1", 1)
+    logged(data, runs, "plain1", 1, "--use_nncompile", "false")
+    png = tmp_path / "curves.png"
+    proc = subprocess.run([sys.executable, "examples/nanogpt/plot_losses.py",
+                           str(runs / "nnc1.jsonl"), str(runs / "plain1.jsonl"), "--labels",
+                           "nncompile", "lightning", "-o", str(png)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "final val loss" in proc.stdout
