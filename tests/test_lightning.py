@@ -129,6 +129,8 @@ def test_bad_lightning_setups_get_clear_errors(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for what in ("two optimizers", "two param groups", "no dummy args", "clip by value"):
         assert f"ok error {what}" in proc.stdout, proc.stdout
+    for precision in ("16-true", "bf16-true", "16-mixed", "bf16-mixed"):
+        assert f"ok precision {precision}" in proc.stdout, proc.stdout
 
 
 def test_loss_curve_png(data, runs, tmp_path):

@@ -47,11 +47,11 @@ class Lit(L.LightningModule):
         return torch.optim.SGD(ps, lr=0.1)
 
 
-def fit(lit, savedir, **kwargs):
+def fit(lit, savedir, precision="32-true", **kwargs):
     strategy = NnCompileStrategy(nncompile.ComputeConfig(1), pas_policy="dp",
                                  gen_savedir=savedir, reuse="moo")
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2,
-                        plugins=[NnCompilePrecision("32-true")], logger=False,
+                        plugins=[NnCompilePrecision(precision)], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, **kwargs)
     trainer.fit(lit)
@@ -84,6 +84,14 @@ def main() -> None:
     assert {n for n, _ in lm.named_parameters()} == \
         {f"nncompile_module.{n}" for n, _ in lm.nncompile_module.named_parameters()}
     print("ok lightning set-up: trainable modules replaced, clipping by norm", flush=True)
+    for precision in ("16-true", "bf16-true", "16-mixed", "bf16-mixed"):
+        trainer = fit(Lit(), f"{d}/{precision}", precision=precision, gradient_clip_val=1.0)
+        pm = trainer.lightning_module.nncompile_module
+        dtype = {"16-true": torch.float16, "bf16-true": torch.bfloat16}.get(precision,
+                                                                            torch.float32)
+        assert all(p.dtype == dtype for p in pm.parameters()), precision
+        assert trainer.global_step == 2 and all(torch.isfinite(p).all() for p in pm.parameters())
+        print(f"ok precision {precision}: 2 steps, parameters in {dtype}", flush=True)
     expect("state_dict_type", lambda: NnCompileStrategy(state_dict_type="full"), "sharded")
     expect("precision", lambda: NnCompilePrecision("64-true"), "supports")
 
