@@ -18,6 +18,7 @@ untouched and the partial directory without `checkpoint.json`, which load_checkp
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,7 +34,7 @@ from nncompile.fileio import replace_dir, write_json
 from .dcp import load_dcp, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
 from .merge import load_merged_state_dict, merge_state_dicts
-from .state import check_same_plan, describe, plan_info
+from .state import describe, plan_info
 
 FORMATS = ("sharded", "deduped", "dcp")
 META = "checkpoint.json"
@@ -57,12 +58,10 @@ def save_torch(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format: str = "sharded",
-                    extra: dict | None = None) -> Path:
-    """Save `pm` (and its optimizer) under `directory`; every rank calls it. `extra` (a step
-    count, RNG state, ...) comes back from load_checkpoint."""
-    if format not in FORMATS:
-        raise CheckpointError(f"format={format!r}; choose one of {FORMATS}")
+@contextlib.contextmanager
+def staged_directory(directory: str | os.PathLike, pm, meta: dict):
+    """Every rank writes into the yielded `.<name>.partial/`; once all have, rank 0 adds
+    checkpoint.json (`meta` plus the world size and the plan) and renames it to `directory`."""
     rank, world = _rank_world()
     target = Path(directory).absolute()
     staging = target.with_name(f".{target.name}.partial")
@@ -70,30 +69,43 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
-    groups = [{k: v for k, v in g.items() if k != "params"}
-              for g in optimizer.param_groups] if optimizer is not None else []
-    if format == "sharded":
-        save_torch({"model": pm.state_dict(),
-                    "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                    "extra": extra}, staging / f"rank{rank}.pt")
-    elif format == "deduped":
-        model, opt = deduped_state_dict(pm, optimizer)
-        save_torch({"model": model, "optimizer": opt, "extra": extra}, staging / f"rank{rank}.pt")
-    else:
-        save_dcp(str(staging), pm, optimizer)
-        if rank == 0:
-            save_torch({"param_groups": groups, "extra": extra, "plan": plan_info(pm)},
-                       staging / "extra.pt")
+    yield staging
     _barrier()
     if rank == 0:
         info = plan_info(pm)
         write_json(staging / META, {
-            "format": format, "world_size": world, "has_optimizer": optimizer is not None,
+            **meta, "world_size": world,
             "plan": {k: info[k] for k in ("policy", "plan_ngpus", "runtime_ngpus",
                                           "fingerprint")}})
         replace_dir(staging, target)
     _barrier()
-    return target
+
+
+def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format: str = "sharded",
+                    extra: dict | None = None) -> Path:
+    """Save `pm` (and its optimizer) under `directory`; every rank calls it. `extra` (a step
+    count, RNG state, ...) comes back from load_checkpoint."""
+    if format not in FORMATS:
+        raise CheckpointError(f"format={format!r}; choose one of {FORMATS}")
+    rank, _ = _rank_world()
+    meta = {"format": format, "has_optimizer": optimizer is not None}
+    with staged_directory(directory, pm, meta) as staging:
+        if format == "sharded":
+            save_torch({"model": pm.state_dict(),
+                        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                        "extra": extra}, staging / f"rank{rank}.pt")
+        elif format == "deduped":
+            model, opt = deduped_state_dict(pm, optimizer)
+            save_torch({"model": model, "optimizer": opt, "extra": extra},
+                       staging / f"rank{rank}.pt")
+        else:
+            save_dcp(str(staging), pm, optimizer)
+            if rank == 0:
+                groups = [{k: v for k, v in g.items() if k != "params"}
+                          for g in optimizer.param_groups] if optimizer is not None else []
+                save_torch({"param_groups": groups, "extra": extra, "plan": plan_info(pm)},
+                           staging / "extra.pt")
+    return Path(directory).absolute()
 
 
 def read_meta(directory: Path) -> dict:
@@ -138,8 +150,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
             f"(python -m nncompile merge {path} -o merged.pt) and load merged.pt")
     blob = torch.load(path / f"rank{rank}.pt", map_location=pm.device, weights_only=False)
     if meta["format"] == "sharded":
-        check_same_plan(blob["model"]["_extra_state"], pm, f"{path}/rank{rank}.pt")
-        pm.load_state_dict(blob["model"])
+        pm.load_state_dict(blob["model"])                # checks the plan first
         if optimizer is not None:
             optimizer.load_state_dict(blob["optimizer"])
     else:
@@ -174,16 +185,17 @@ def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) 
     else:
         blobs = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
         if all(isinstance(b, dict) and "pytorch-lightning_version" in b for b in blobs):
-            from nncompile.integration.lightning import NnCompileStrategy
-            NnCompileStrategy.merge_checkpoint([str(f) for f in files], str(output))
-            return Path(output)
-        for f, b in zip(files, blobs):
-            if not isinstance(b, dict) or "model" not in b:
-                raise CheckpointError(f"{f} is not an nncompile rank file (no 'model' entry)")
-        opts = [b.get("optimizer") for b in blobs]
-        model, opt = merge_state_dicts([b["model"] for b in blobs],
-                                       opts if all(o is not None for o in opts) else None)
-        merged = {"model": model, "optimizer": opt, "extra": blobs[0].get("extra")}
+            from nncompile.integration.lightning.strategy import merge_lightning_checkpoints
+            merged = merge_lightning_checkpoints(blobs)
+        else:
+            for f, b in zip(files, blobs):
+                if not isinstance(b, dict) or "model" not in b:
+                    raise CheckpointError(f"{f} is not an nncompile rank file (no 'model' "
+                                          "entry)")
+            opts = [b.get("optimizer") for b in blobs]
+            model, opt = merge_state_dicts([b["model"] for b in blobs],
+                                           opts if all(o is not None for o in opts) else None)
+            merged = {"model": model, "optimizer": opt, "extra": blobs[0].get("extra")}
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_torch(merged, out)

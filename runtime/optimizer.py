@@ -58,13 +58,20 @@ class _FlatShard:
         self.chunk = -(-self.total // size)
         self.lo = min(rank * self.chunk, self.total)
         self.hi = min(self.lo + self.chunk, self.total)
-        self.param = torch.nn.Parameter(self.flat_params()[self.lo:self.hi].clone())
+        self.param = torch.nn.Parameter(self.owned([p.detach() for p in params]))
 
-    def flat(self, tensors: list) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in tensors])
-
-    def flat_params(self) -> torch.Tensor:
-        return self.flat([p.detach() for p in self.params])
+    def owned(self, tensors: list) -> torch.Tensor:
+        """Elements [lo, hi) of the flattened `tensors` (shaped like the parameters), copying
+        only the tensors that overlap them."""
+        pieces, offset = [], 0
+        for t, n in zip(tensors, self.numels):
+            a, b = max(self.lo, offset), min(self.hi, offset + n)
+            if a < b:
+                pieces.append(t.reshape(-1)[a - offset:b - offset])
+            offset += n
+        if not pieces:
+            return self.params[0].new_zeros(0)
+        return torch.cat(pieces)
 
     def padded(self, local: torch.Tensor) -> torch.Tensor:
         out = local.new_zeros(self.chunk)
@@ -106,9 +113,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for s in self.shards:
-            s.param.copy_(s.flat_params()[s.lo:s.hi])       # pm's weights are authoritative
+            s.param.copy_(s.owned([p.detach() for p in s.params]))  # pm's weights rule
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in s.params]
-            s.param.grad = s.flat(grads)[s.lo:s.hi].to(s.param.dtype)
+            s.param.grad = s.owned(grads).to(s.param.dtype)
         self.inner.step()
         for s in self.shards:
             s.param.grad = None
@@ -179,7 +186,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 vals = [st.get(key) for st in per_param]
                 if all(torch.is_tensor(v) and v.shape == p.shape
                        for v, p in zip(vals, s.params)):
-                    new[key] = s.flat([v.to(s.param.device) for v in vals])[s.lo:s.hi].clone()
+                    new[key] = s.owned([v.to(s.param.device) for v in vals]).clone()
                 else:
                     v = vals[0]
                     new[key] = v.clone() if torch.is_tensor(v) else v

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import nncompile
 from nncompile.errors import CheckpointError, ConfigError
-from nncompile.fileio import replace_dir, write_json
-from nncompile.runtime.checkpoint import save_torch
+from nncompile.runtime.checkpoint import rank_files, read_meta, save_torch, staged_directory
 from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_state,
                                      load_deduped_model_state, load_deduped_optimizer_state)
 from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
@@ -263,21 +261,9 @@ class NnCompileStrategy(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """A directory `filepath` with one rank{r}.pt per rank, renamed into place at the end."""
-        target = Path(filepath).absolute()
-        staging = target.with_name(f".{target.name}.partial")
-        if self.is_global_zero:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        self.barrier()
-        save_torch(checkpoint, staging / f"rank{self.global_rank}.pt")
-        self.barrier()
-        if self.is_global_zero:
-            write_json(staging / "checkpoint.json", {
-                "format": f"lightning-{self.state_dict_type}", "world_size": self.world_size,
-                "plan": {k: v for k, v in plan_info(self.parallel_module).items()
-                         if k in ("policy", "plan_ngpus", "runtime_ngpus", "fingerprint")}})
-            replace_dir(staging, target)
-        self.barrier()
+        meta = {"format": f"lightning-{self.state_dict_type}"}
+        with staged_directory(filepath, self.parallel_module, meta) as staging:
+            save_torch(checkpoint, staging / f"rank{self.global_rank}.pt")
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
@@ -288,11 +274,7 @@ class NnCompileStrategy(ParallelStrategy):
         path = Path(checkpoint_path)
         if path.is_file():                                  # merged or plain Lightning
             return torch.load(path, map_location=self.root_device, weights_only=False)
-        meta_path = path / "checkpoint.json"
-        if not meta_path.exists():
-            raise CheckpointError(f"{path} is not a complete nncompile checkpoint (no "
-                                  "checkpoint.json); resume from an earlier one")
-        meta = json.loads(meta_path.read_text())
+        meta = read_meta(path)
         pm = self.parallel_module
         if meta["world_size"] != self.world_size or \
                 meta["plan"]["fingerprint"] != pm.FINGERPRINT:
@@ -331,26 +313,31 @@ class NnCompileStrategy(ParallelStrategy):
     def merge_checkpoint(cls, checkpoint_files: list[str], output_file: str) -> None:
         """Merge a checkpoint directory (or its rank files) into one Lightning checkpoint that
         any plan, or plain Lightning without nncompile, resumes from."""
-        from nncompile.runtime.checkpoint import rank_files
-        files = rank_files(checkpoint_files)
-        ckpts = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-        if any("state_dict" not in c or "_extra_state" not in c["state_dict"] for c in ckpts):
-            raise CheckpointError("merge_checkpoint takes the rank files of an NnCompileStrategy "
-                                  "checkpoint (each with a state_dict carrying its plan)")
-        opts = [c["optimizer_states"][0] for c in ckpts] if all(
-            c.get("optimizer_states") for c in ckpts) else None
-        model, opt = merge_state_dicts([c["state_dict"] for c in ckpts], opts)
-        merged = {**ckpts[0], "state_dict": model}       # the LightningModule's own keys
-        if opt is not None:
-            merged["optimizer_states"] = [opt]
+        ckpts = [torch.load(f, map_location="cpu", weights_only=False)
+                 for f in rank_files(checkpoint_files)]
         out = Path(output_file)
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_torch(merged, out)
+        save_torch(merge_lightning_checkpoints(ckpts), out)
 
     @classmethod
     def register_strategies(cls, registry) -> None:
         registry.register("nncompile", cls, description="nncompile: compiled tensor/data "
                           "parallel training")
+
+
+def merge_lightning_checkpoints(ckpts: list[dict]) -> dict:
+    """The rank files of one NnCompileStrategy checkpoint -> an ordinary Lightning checkpoint:
+    the LightningModule's own state_dict keys, the optimizer indexed like its parameters()."""
+    if any("state_dict" not in c or "_extra_state" not in c["state_dict"] for c in ckpts):
+        raise CheckpointError("merge_checkpoint takes the rank files of an NnCompileStrategy "
+                              "checkpoint (each with a state_dict carrying its plan)")
+    opts = [c["optimizer_states"][0] for c in ckpts] if all(
+        c.get("optimizer_states") for c in ckpts) else None
+    model, opt = merge_state_dicts([c["state_dict"] for c in ckpts], opts)
+    merged = {**ckpts[0], "state_dict": model}
+    if opt is not None:
+        merged["optimizer_states"] = [opt]
+    return merged
 
 
 if "nncompile" not in StrategyRegistry:
