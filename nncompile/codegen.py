@@ -11,6 +11,7 @@ import collections
 from typing import Any
 
 from . import __version__
+from .comm_stats import collective_rows
 from .ir import (Graph, Value, fmt_literal, print_graph, shard_slices)
 from .ir.printer import fmt_body
 
@@ -148,12 +149,14 @@ def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
 
 def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[str, Any]:
     ranks = {}
+    dtypes = {v.fqn: str(v.meta.dtype).replace("torch.", "") for v in g.params}
     for r in range(config.runtime_ngpus):
         t = rank_tables(g, r)
         ranks[str(r)] = {
             "file": f"gencode{r}.py",
             "params": [{"local": name, "fqn": fqn, "full_shape": list(shape),
-                        "placement": place, "slices": [list(s) for s in slices],
+                        "dtype": dtypes[fqn], "placement": place,
+                        "slices": [list(s) for s in slices],
                         "partial_sum_count": g.plan_ngpus if partial else 1}
                        for name, fqn, shape, place, slices, partial in t["params"]],
         }
@@ -190,6 +193,7 @@ def plan_json(g: Graph) -> dict[str, Any]:
         "params": {v.fqn: repr(v.placement) for v in g.params},
         "partial_grad_params": g.meta.get("partial_grad_params", []),
         "collectives": dict(comm),
+        "collective_ops": collective_rows(g),
         "ops": ops,
         "autodist": g.meta.get("autodist"),
     }

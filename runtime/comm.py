@@ -19,6 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+# forward collective -> what its backward runs (the table above; all_gather with
+# reduce_grad=True reduce-scatters instead). "chunk" and "identity" move no data.
+BACKWARD_DUAL = {"all_reduce": "identity", "chunk": "all_gather", "all_gather": "chunk",
+                 "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+                 "to_partial": "identity", "sync_grad": "all_reduce"}
+LOCAL_ONLY = ("chunk", "identity", "to_partial")
+
 
 def _size(group) -> int:
     return dist.get_world_size(group)

@@ -1,0 +1,73 @@
+"""What the generated program communicates: one row per inserted collective, with its backward
+dual and the bytes each rank moves, and the gradient reduction the runtime adds per step.
+
+Bytes are payload bytes per rank: the size of the tensor a collective reduces, gathers into,
+scatters from or exchanges (a ring all-reduce puts about twice that on the wire). Local steps
+(chunk, to_partial, identity) move nothing. Ops that run a local implementation with a
+scalar reduction inside (cross_entropy_rows) are not listed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .ir import Graph, Shard, Value
+from nncompile.runtime.comm import BACKWARD_DUAL, LOCAL_ONLY
+
+
+def _local_bytes(v: Value, placement, n: int) -> int:
+    numel = v.meta.numel // (n if isinstance(placement, Shard) else 1)
+    return numel * v.meta.dtype.itemsize
+
+
+def collective_rows(g: Graph) -> list[dict[str, Any]]:
+    """Every collective of a graph after insert_comm, in program order."""
+    n = g.plan_ngpus
+    training = not g.meta.get("inference_only", False)
+    rows = []
+    for op in g.ops:
+        if not op.target_name.startswith("comm."):
+            continue
+        kind = op.target_name[len("comm."):]
+        if kind not in BACKWARD_DUAL:     # a local implementation (cross_entropy_rows)
+            continue
+        x, out = op.tensor_inputs()[0], op.outputs[0]
+        full = x.meta.numel * x.meta.dtype.itemsize
+        fwd = {"all_reduce": _local_bytes(x, x.placement, n), "all_gather": full,
+               "reduce_scatter": full, "all_to_all": _local_bytes(x, x.placement, n)}.get(kind, 0)
+        back = BACKWARD_DUAL.get(kind, "identity")
+        if kind == "all_gather" and op.kwargs.get("reduce_grad"):
+            back = "reduce_scatter"
+        if not (training and out.requires_grad):
+            back = "-"
+        bwd = 0 if back in LOCAL_ONLY or back == "-" else \
+            (_local_bytes(x, x.placement, n) if back == "all_to_all" else full)
+        rows.append({"name": out.name, "kind": kind, "input": x.name,
+                     "from": repr(x.placement), "to": repr(out.placement),
+                     "shape": list(x.meta.shape), "dtype": str(x.meta.dtype).replace("torch.", ""),
+                     "forward_bytes": fwd, "backward": back, "backward_bytes": bwd,
+                     "module": op.module_path,
+                     "source": str(op.source) if op.source else None})
+    return rows
+
+
+def fmt_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(b) < 1024 or unit == "GiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return f"{b:.1f} GiB"
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """The collectives as an aligned text table with a total line."""
+    head = ("collective", "value", "placement", "shape", "fwd bytes", "backward", "bwd bytes")
+    body = [(r["kind"], r["input"], f"{r['from']} -> {r['to']}", "x".join(map(str, r["shape"])),
+             fmt_bytes(r["forward_bytes"]), r["backward"], fmt_bytes(r["backward_bytes"]))
+            for r in rows]
+    total = ("total", f"{len(rows)} collectives", "", "",
+             fmt_bytes(sum(r["forward_bytes"] for r in rows)), "",
+             fmt_bytes(sum(r["backward_bytes"] for r in rows)))
+    table = [head] + body + [total]
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in table)
