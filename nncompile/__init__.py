@@ -10,8 +10,8 @@ it across many devices.
 __version__ = "0.1.0"
 
 from .config import ComputeConfig  # noqa: E402
-from .errors import (CheckpointError, ConfigError, GraphError, InputMismatchError,  # noqa: E402
-                     NNCompileError, PolicyError, ReuseError, TraceError)
+from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError,  # noqa: E402
+                     InputMismatchError, NNCompileError, PolicyError, ReuseError, TraceError)
 from .api import parallelize  # noqa: E402
 from .check import verify  # noqa: E402
 from nncompile.passes.autodist import explain, report_table as plan_report  # noqa: E402
@@ -28,7 +28,7 @@ __all__ = ["parallelize", "verify", "explain", "plan_report", "ComputeConfig",
            "init_distributed", "build_optimizer", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint",
            "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",
-           "load_merged_state_dict", "CheckpointError",
+           "load_merged_state_dict", "CheckpointError", "EditedCodeWarning",
            "NNCompileError", "ConfigError", "TraceError", "PolicyError", "ReuseError",
            "GraphError", "InputMismatchError", "PlanInfeasibleError",
            "__version__"]

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ import torch.distributed as dist
 
 from . import __version__, codegen
 from .config import ComputeConfig
-from .errors import ConfigError, NNCompileError, ReuseError
+from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
+from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, replace_dir, write_json, write_text
 from .frontend import trace
 from .ir import print_graph
@@ -57,11 +59,13 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
          + json.dumps(config.plan_json(), sort_keys=True) + "\n" + traced_text).encode()
     ).hexdigest()
     manifest_path = outdir / "manifest.json"
-    if reuse != "override" and manifest_path.exists():
-        old = json.loads(manifest_path.read_text())
+    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    if reuse != "override" and old:
         complete = all((outdir / f"gencode{r}.py").exists() for r in range(config.runtime_ngpus))
         if old.get("fingerprint") == fingerprint and complete:
-            _log(f"reusing generated code in {outdir}")
+            edited = edited_files(outdir, old)
+            _log(f"reusing generated code in {outdir}"
+                 + (f" (edited: {', '.join(edited)})" if edited else ""))
             return "reused"
         if reuse == "match":
             raise ReuseError(_what_changed(old, config, traced_text, _policy_name(pas_policy),
@@ -82,6 +86,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         for r in range(config.runtime_ngpus):
             write_text(staging / f"gencode{r}.py",
                        codegen.gencode(final, r, config.runtime_ngpus, fingerprint))
+        kept = keep_edited(outdir, old, staging) if old else []
         (staging / "graphs").mkdir()
         for fname, text in codegen.graph_dumps(result.history).items():
             write_text(staging / "graphs" / fname, text)
@@ -93,11 +98,17 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         seconds["total"] = time.perf_counter() - start
         write_json(staging / "manifest.json",
                    {**codegen.manifest(final, config, fingerprint, traced_text),
-                    "compile_seconds": seconds})
+                    "compile_seconds": seconds,
+                    "files": {f"gencode{r}.py": file_sha256(staging / f"gencode{r}.py")
+                              for r in range(config.runtime_ngpus)}})
         replace_dir(staging, outdir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if kept:
+        warnings.warn(f"regenerating {outdir} replaced edited file(s) {', '.join(kept)}; "
+                      f"the edited versions are kept in {outdir / 'edited'}",
+                      EditedCodeWarning, stacklevel=3)
     _log(f"generated {config.runtime_ngpus} rank file(s) in {outdir} "
          f"({time.perf_counter() - start:.1f}s total)"
          + ("; why each placement: plan_report.txt, nncompile.explain()"
@@ -119,16 +130,22 @@ def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: st
                        + "\n".join("      " + d for d in diff))
     if not changes:
         changes.append("generated files are incomplete or from another nncompile version")
+    edited = edited_files(outdir, old)
+    kept = (f"\nEdited file(s) {', '.join(edited)} would be replaced; regenerating keeps them "
+            f"in {outdir / 'edited'}.") if edited else ""
     return (f"generated code in {outdir} does not match this call (reuse='match'):\n  - "
             + "\n  - ".join(changes)
             + "\nUse reuse='override' to regenerate, reuse='moo' to regenerate only when it "
-              "differs, or another instance_name.")
+              "differs, or another instance_name." + kept)
 
 
 def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, device=None,
                      compute_config: ComputeConfig | None = None):
     """Import `gencode{rank}.py` from outdir and build its GenModel from `module`'s weights."""
     path = outdir / f"gencode{rank}.py"
+    manifest_path = outdir / "manifest.json"
+    if manifest_path.exists():
+        warn_if_edited(path, json.loads(manifest_path.read_text()))
     name = f"nncompile_gen_{abs(hash(str(outdir)))}_{rank}"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)

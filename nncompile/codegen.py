@@ -18,7 +18,8 @@ from .ir.printer import fmt_body
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} (plan unit {unit}, shard {shard} of {plan}).
 
 model: {model}   policy: {policy}   fingerprint: {fingerprint}
-Readable and editable; parallelize(..., reuse="override") regenerates it.
+Readable and editable: an edited file runs (with one EditedCodeWarning per process);
+parallelize(..., reuse="override") regenerates it and keeps your version in edited/.
 """
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -31,3 +31,7 @@ class InputMismatchError(NNCompileError, ValueError):
 
 class CheckpointError(NNCompileError):
     """A checkpoint is incomplete, or was written under a plan this module cannot load."""
+
+
+class EditedCodeWarning(UserWarning):
+    """A generated file was edited after nncompile wrote it; the edited file runs."""
