@@ -14,6 +14,7 @@ from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError
                      InputMismatchError, NNCompileError, PolicyError, ReuseError, TraceError)
 from .api import parallelize  # noqa: E402
 from .check import verify  # noqa: E402
+from .custom_ops import register_op  # noqa: E402
 from nncompile.passes.autodist import explain, report_table as plan_report  # noqa: E402
 from nncompile.passes.autodist import PlanInfeasibleError  # noqa: E402
 from nncompile.runtime.clip import clip_grad_norm_  # noqa: E402
@@ -24,7 +25,7 @@ from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  #
 from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # noqa: E402
                                           save_checkpoint)
 
-__all__ = ["parallelize", "verify", "explain", "plan_report", "ComputeConfig",
+__all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
            "init_distributed", "build_optimizer", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint",
            "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from nncompile.runtime import comm
 from nncompile.runtime.module import ParallelModule
-
+{custom_imports}
 aten = torch.ops.aten
 
 
@@ -81,6 +81,7 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
     n = g.plan_ngpus
     t = rank_tables(g, rank)
     text = HEADER.format(
+        custom_imports=_custom_imports(g),
         rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
         inference_only=g.meta.get("inference_only", False),
         model=g.meta.get("model", "?"), policy=g.meta.get("policy", "?"),
@@ -113,6 +114,21 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
     finally:
         for v, name in renamed:
             v.name = name
+    return "\n".join(lines) + "\n"
+
+
+def _custom_imports(g: Graph) -> str:
+    """The import of register_op's namespace, with what each custom op the code calls runs."""
+    from .custom_ops import REGISTRY
+    names = sorted({op.target._opname for op in g.ops
+                    if getattr(op.target, "namespace", None) == "nncompile"})
+    if not names:
+        return ""
+    lines = ["from nncompile.custom_ops import custom  # ops made with nncompile.register_op:"]
+    for name in names:
+        op = REGISTRY.get(name)
+        rule = op.annotation if op and isinstance(op.annotation, str) else "custom rule"
+        lines.append(f"#   custom.{name} = {op.origin if op else '?'}   [{rule}]")
     return "\n".join(lines) + "\n"
 
 

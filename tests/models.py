@@ -1,5 +1,6 @@
-"""Models the tests compile: an MLP, a nanoGPT-style GPT and Hugging Face GPT-2 / Llama
-wrappers built from small configs (no weight download)."""
+"""Models the tests compile: an MLP, a nanoGPT-style GPT, Hugging Face GPT-2 / Llama
+wrappers built from small configs (no weight download) and an MLP of custom ops
+(custom_model.py)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402
+
+import custom_model  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -56,7 +59,8 @@ def hf_llama(vocab=64, hidden=32, inter=64, n_layer=2, n_head=4, n_kv=2, max_pos
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    model = {"mlp": MLP, "gpt": GPT, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama}[name]()
+    model = {"mlp": MLP, "gpt": GPT, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama,
+             "custom": custom_model.CustomMLP}[name]()
     return model.train()
 
 
@@ -66,6 +70,8 @@ def batch(name: str, seed: int, batch_size: int = 4, seq: int = 16) -> dict[str,
     if name == "mlp":
         return {"x": torch.randn(batch_size, 16, generator=g),
                 "y": torch.randint(0, 8, (batch_size,), generator=g)}
+    if name == "custom":
+        return custom_model.batch(g, batch_size)
     ids = torch.randint(0, 64, (batch_size, seq), generator=g)
     tgt = torch.randint(0, 64, (batch_size, seq), generator=g)
     tgt[0, :3] = -1 if name == "gpt" else -100          # some ignored targets

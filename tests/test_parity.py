@@ -1,6 +1,7 @@
 """Multi-process (gloo) parity: loss and every gathered gradient equal a single-device run,
 for the MLP, the nanoGPT-style GPT and the Hugging Face GPT-2 and Llama wrappers, with
-policies dp, data and tp at (plan, runtime) in (1,1), (1,2), (2,2), (2,4), (4,4); and autodist
+policies dp, data and tp at (plan, runtime) in (1,1), (1,2), (2,2), (2,4), (4,4); a model of
+custom ops (nncompile.register_op, tests/custom_model.py) under the same policies; and autodist
 (plain, and under a memory limit that forces weights to be split, with recomputed blocks) for
 the GPT and Llama at plan 2 and 4.
 Tolerances are in tests/workers/parity.py (float32, rtol 1e-5, atol 1e-6)."""
@@ -16,7 +17,7 @@ EXPECTED = {
 AUTODIST = {2: [("autodist", 2, 2), ("autodist_mem", 2, 2)],
             4: [("autodist", 2, 4), ("autodist_mem", 2, 4), ("autodist", 4, 4),
                 ("autodist_mem", 4, 4)]}
-MODELS = ["mlp", "gpt", "hf_gpt2", "hf_llama"]
+MODELS = ["mlp", "gpt", "hf_gpt2", "hf_llama", "custom"]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -32,6 +33,14 @@ def test_parity(world, run_ranks, tmp_path):
     for r in results:
         if r["policy"] == "autodist_mem":      # the memory limit made it split and recompute
             assert r["sharded_params"] > 0 and r["recompute"] > 0, r
+    for r in results:
+        if r["model"] == "custom" and r["policy"] == "tp" and r["plan"] > 1:
+            # the custom autograd linear runs Megatron-style: column- then row-split
+            assert r["custom_ops"] == [["custom.my_linear", "split n"],
+                                       ["custom.my_linear", "split k"],
+                                       ["custom.row_softmax", "split *1"]], r["custom_ops"]
+        if r["model"] == "custom" and r["policy"] == "data" and r["plan"] > 1:
+            assert all(s == "split *0" for _, s in r["custom_ops"]), r["custom_ops"]
     if world >= 2:
         # tp on the GPT exercises every transition of the table
         gpt_tp = next(r for r in results if r["model"] == "gpt" and r["policy"] == "tp"

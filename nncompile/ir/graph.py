@@ -134,6 +134,8 @@ def target_name(target: Any) -> str:
     if isinstance(target, str):
         return target
     if isinstance(target, torch._ops.OpOverload):
+        if target.namespace == "nncompile":             # nncompile.register_op
+            return f"custom.{target._opname}"
         return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" \
             else f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
     if getattr(torch, getattr(target, "__name__", ""), None) is target:

@@ -7,7 +7,8 @@
         return (loss,)
 
 Names the code refers to but does not define: `aten` (torch.ops.aten), `torch`, `comm`
-(nncompile.runtime.comm), `PLAN_GROUP` (the plan unit's process group) and `DEVICE`.
+(nncompile.runtime.comm), `custom` (ops made with nncompile.register_op), `PLAN_GROUP` (the
+plan unit's process group) and `DEVICE`.
 """
 from __future__ import annotations
 

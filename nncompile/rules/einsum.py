@@ -3,9 +3,10 @@
     "* k+, n k+, =n -> * n"     linear(x, weight, bias)
 
 Operands are separated by commas, dims by spaces. `*` stands for the leading dims an operand
-has beyond its named ones; `k+` is a contracted dim (splitting it leaves partial sums);
-an operand marked `=` is added to the result, so when a contracted dim is split it must be
-Partial (one rank holds it, the others hold zeros).
+has beyond its named ones; `k+` is a contracted dim (splitting it leaves partial sums); `d^`
+is never split (e.g. the dim a softmax normalizes); an operand marked `=` is added to the
+result, so when a contracted dim is split it must be Partial (one rank holds it, the others
+hold zeros). Custom ops (nncompile.register_op) use the same annotations.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _labels(spec: str, rank: int) -> list[str]:
         if name == "*":
             out += [f"*{i}" for i in range(star_count)]
         else:
-            out.append(name.rstrip("+"))
+            out.append(name.rstrip("+^"))
     # an operand with fewer dims than named (e.g. a 1-D bias) keeps its trailing names
     return out[len(out) - rank:] if len(out) > rank else out
 
@@ -33,6 +34,7 @@ def einsum_strategies(op: Op, operands: list, spec: str, n: int) -> list[Strateg
     out_v = op.outputs[0]
     out_rank = len(out_v.meta.shape)
     contracted = {x.rstrip("+") for s in specs for x in s.split() if x.endswith("+")}
+    frozen = {x.rstrip("^") for s in specs + [rhs] for x in s.split() if x.endswith("^")}
     additive = [s.startswith("=") for s in specs]
     labels = []
     for s, v in zip(specs, operands):
@@ -43,6 +45,8 @@ def einsum_strategies(op: Op, operands: list, spec: str, n: int) -> list[Strateg
     out_labels = _labels(rhs, out_rank)
     strategies = []
     for label in dict.fromkeys(out_labels + sorted(contracted)):
+        if label in frozen:
+            continue
         places = {}
         ok = True
         for v, labs, add in zip(operands, labels, additive):

@@ -35,11 +35,23 @@ def make(op: Op, places: dict[Value, Placement], outputs: Iterable[Placement], n
     return Strategy(ins, tuple(outputs), note, local_target)
 
 
+def register_custom(key: str, annotation) -> None:
+    """The rule of a custom op ('nncompile::my_op'): an einsum-like annotation or a rule."""
+    if callable(annotation):
+        RULES[key] = annotation
+    else:
+        from .einsum import einsum_strategies
+        RULES[key] = lambda op, n: einsum_strategies(op, op.tensor_inputs(), annotation, n)
+
+
 def lookup(op: Op) -> Rule | None:
     target = op.target
     if isinstance(target, str):
         return None
     name = getattr(target, "_opname", None)
+    namespace = getattr(target, "namespace", "aten")
+    if namespace != "aten":
+        return RULES.get(f"{namespace}::{name}")
     overload = f"{name}.{getattr(target, '_overloadname', '')}"
     return RULES.get(overload) or RULES.get(name)
 

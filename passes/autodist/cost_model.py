@@ -72,6 +72,11 @@ def flops(op: Op) -> float:
         return 4.0 * q.meta.numel * k.meta.shape[-2] * causal
     if name in VIEWS or name == "embedding":
         return 0.0
+    if getattr(op.target, "namespace", "aten") == "nncompile":     # register_op
+        from nncompile.custom_ops import annotation_flops
+        f = annotation_flops(name, [v.meta.shape for v in op.tensor_inputs()])
+        if f is not None:
+            return f
     return float(sum(v.meta.numel for v in outs))
 
 

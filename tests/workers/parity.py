@@ -86,12 +86,14 @@ def check(name: str, policy: str, plan: int, runtime: int, savedir: str) -> dict
             "loss": float(loss.detach()), "max_grad_err": worst,
             "collectives": plan_file["collectives"],
             "sharded_params": sum(p != "R" for p in plan_file["params"].values()),
+            "custom_ops": [(op["op"], op["strategy"]) for op in plan_file["ops"]
+                           if op["op"].startswith("custom.")],
             "recompute": open(pm.gencode_path).read().count("= checkpoint(")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="mlp,gpt,hf_gpt2,hf_llama")
+    ap.add_argument("--models", default="mlp,gpt,hf_gpt2,hf_llama,custom")
     ap.add_argument("--policies", default="dp,data,tp,autodist,autodist_mem")
     ap.add_argument("--autodist-models", default="gpt,hf_llama")
     ap.add_argument("--savedir", default="./.nncompile/parity")
