@@ -1,6 +1,5 @@
-"""Models the tests compile: an MLP, a nanoGPT-style GPT, Hugging Face GPT-2 / Llama
-wrappers built from small configs (no weight download) and an MLP of custom ops
-(custom_model.py)."""
+"""Models the tests compile: an MLP, a nanoGPT-style GPT, Hugging Face GPT-2 / Llama wrappers
+from small configs (no weight download) and an MLP of custom ops (custom_model.py)."""
 from __future__ import annotations
 
 import os
@@ -12,8 +11,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402
-
-import custom_model  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -58,6 +55,7 @@ def hf_llama(vocab=64, hidden=32, inter=64, n_layer=2, n_head=4, n_kv=2, max_pos
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
+    import custom_model
     torch.manual_seed(seed)
     model = {"mlp": MLP, "gpt": GPT, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama,
              "custom": custom_model.CustomMLP}[name]()
@@ -71,6 +69,7 @@ def batch(name: str, seed: int, batch_size: int = 4, seq: int = 16) -> dict[str,
         return {"x": torch.randn(batch_size, 16, generator=g),
                 "y": torch.randint(0, 8, (batch_size,), generator=g)}
     if name == "custom":
+        import custom_model
         return custom_model.batch(g, batch_size)
     ids = torch.randint(0, 64, (batch_size, seq), generator=g)
     tgt = torch.randint(0, 64, (batch_size, seq), generator=g)
