@@ -104,7 +104,7 @@ def fmt_body(ops: list[Op], indent: str = "    ", local_n: int | None = None) ->
     lines, last = [], None
     for op in ops:
         lines += fmt_op(op, indent, local_n, source=op.source != last)
-        last = op.source
+        last = op.source or last        # inserted collectives (no source) do not repeat it
     return lines
 
 

@@ -17,14 +17,12 @@ def forward(
     # tests/models.py:25  h = torch.tanh(self.fc2(h))
     fc2_linear = aten.linear.default(relu, fc2_weight, fc2_bias_to_partial)  # f32[4, 64] of [4, 64] P  [split k]
     fc2_linear_reduce_scatter = comm.reduce_scatter(fc2_linear, dim=1, group=PLAN_GROUP)  # f32[4, 32] of [4, 64] S(1)  [reduce_scatter]
-    # tests/models.py:25  h = torch.tanh(self.fc2(h))
     tanh = aten.tanh.default(fc2_linear_reduce_scatter)  # f32[4, 32] of [4, 64] S(1)  [split dim 1]
     head_bias_to_partial = comm.to_partial(head_bias, group=PLAN_GROUP)  # f32[8] of [8] P  [to_partial]
     # tests/models.py:26  return F.cross_entropy(self.head(h), y)
     head_linear = aten.linear.default(tanh, head_weight, head_bias_to_partial)  # f32[4, 8] of [4, 8] P  [split k]
     head_linear_reduce_scatter = comm.reduce_scatter(head_linear, dim=0, group=PLAN_GROUP)  # f32[2, 8] of [4, 8] S(0)  [reduce_scatter]
     y_chunk = comm.chunk(y, dim=0, group=PLAN_GROUP)  # i64[2] of [4] S(0)  [chunk]
-    # tests/models.py:26  return F.cross_entropy(self.head(h), y)
     cross_entropy_loss = comm.cross_entropy_rows(head_linear_reduce_scatter, y_chunk, group=PLAN_GROUP)  # f32[] of [] P  [split rows]
     cross_entropy_loss_all_reduce = comm.all_reduce(cross_entropy_loss, group=PLAN_GROUP)  # f32[] of [] R  [all_reduce]
     return (cross_entropy_loss_all_reduce,)
