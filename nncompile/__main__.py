@@ -6,6 +6,16 @@
     merge FILES_OR_DIRS -o FILE     merge a checkpoint (per-rank files or its directory; sharded,
                                     deduped or dcp) into one file the original module and any
                                     plan load (nncompile.load_checkpoint)
+    show DIR                        per rank: parameters, collectives and gradient reduction per
+                                    step; the plan summary (policy, placements, autodist estimate)
+    ir DIR [--after PASS]           the IR after a pass (name or number); without --after, the
+                                    passes with their line counts
+    diff DIR_A DIR_B [--code [--rank R]]
+                                    what differs between two plans: config, placements,
+                                    collectives, bytes per rank; --code adds gencode{R}.py's diff
+    plot DIR -o FILE                draw the op graph coloured by placement (png, svg, pdf)
+
+DIR is a gen_savedir (holding one instance) or an instance directory (holding manifest.json).
 """
 from __future__ import annotations
 
@@ -44,6 +54,24 @@ def _merge(args) -> int:
     return 0
 
 
+def _inspect(args) -> int:
+    from nncompile import inspection
+    from nncompile.errors import NNCompileError
+    try:
+        if args.command == "show":
+            print(inspection.show(args.dir))
+        elif args.command == "ir":
+            print(inspection.ir_after(args.dir, args.after), end="" if args.after else "\n")
+        elif args.command == "diff":
+            print(inspection.diff(args.a, args.b, code=args.code, rank=args.rank))
+        else:
+            print(f"wrote {inspection.plot(args.dir, args.output)}")
+    except NNCompileError as e:
+        print(f"nncompile {args.command}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nncompile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +84,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", help="rank*.pt files or checkpoint directories")
     p.add_argument("-o", "--output", required=True, help="merged .pt file to write")
     p.set_defaults(func=_merge)
+    p = sub.add_parser("show", help="per-rank parameters, collectives and the plan summary")
+    p.add_argument("dir", help="gen_savedir or instance directory")
+    p.set_defaults(func=_inspect)
+    p = sub.add_parser("ir", help="the IR after a pass, or the list of passes")
+    p.add_argument("dir", help="gen_savedir or instance directory")
+    p.add_argument("--after", metavar="PASS", help="pass name (e.g. constant_fold) or number")
+    p.set_defaults(func=_inspect)
+    p = sub.add_parser("diff", help="what differs between two plans")
+    p.add_argument("a", help="first gen_savedir or instance directory")
+    p.add_argument("b", help="second gen_savedir or instance directory")
+    p.add_argument("--code", action="store_true", help="add a unified diff of gencode{R}.py")
+    p.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="the rank file --code compares (default 0)")
+    p.set_defaults(func=_inspect)
+    p = sub.add_parser("plot", help="draw the op graph coloured by placement")
+    p.add_argument("dir", help="gen_savedir or instance directory")
+    p.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, .pdf)")
+    p.set_defaults(func=_inspect)
     args = ap.parse_args(argv)
+    if args.command == "diff":
+        if args.rank is not None and not args.code:
+            ap.error("--rank selects the file --code compares; add --code")
+        args.rank = args.rank or 0
     return args.func(args)
 
 
