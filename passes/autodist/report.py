@@ -135,5 +135,5 @@ def report_table(target: Any, width: int = 120) -> str:
         t.add_row(ch["name"] + more, str(ch["count"]), o["label"], f"{o['compute_ms']:.4f}",
                   f"{o['comm_ms']:.4f}", f"{o['memory_mb']:.2f}")
     buf = io.StringIO()
-    Console(file=buf, width=width, force_terminal=False).print(t)
+    Console(file=buf, width=width, force_terminal=False, force_jupyter=False).print(t)
     return buf.getvalue()
