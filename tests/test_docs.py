@@ -1,0 +1,104 @@
+"""Every code block of docs/ runs: one test per page (tests/doc_runner.py in a fresh directory),
+plus checks that the index links every page and that the runner refuses what it cannot run."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import doc_runner
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+RUNNER = Path(doc_runner.__file__).resolve()
+# the pages in reading order; docs/README.md links them in this order
+PAGES = ["quickstart.md", "concepts.md", "policies.md", "autodist.md", "custom_ops.md",
+         "gen_savedir.md", "checkpoints.md", "lightning.md", "troubleshooting.md"]
+OWN_PAGES = [p for p in PAGES if p != "custom_ops.md"]     # must exist
+
+
+def _pages() -> list[str]:
+    found = {p.name for p in DOCS.glob("*.md")} - {"README.md"}
+    return [p for p in PAGES if p in found or p in OWN_PAGES] + sorted(found - set(PAGES))
+
+
+def _env() -> dict[str, str]:
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1",
+            "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _run(page: Path, workdir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RUNNER), str(page), "--workdir", str(workdir)],
+                          cwd=workdir, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("name", _pages())
+def test_page(name, tmp_path):
+    page = DOCS / name
+    assert page.exists(), f"docs/{name} is missing"
+    blocks = doc_runner.parse(page)            # raises on a block it would not run
+    n = doc_runner.counts(blocks)
+    assert n["python"] + n["bash"] > 0
+    proc = _run(page, tmp_path)
+    out = proc.stdout
+    if proc.returncode != 0:
+        at = out.find("doc_runner: FAILED")
+        report = out[at:] if at >= 0 else "(no failing block reported)"
+        pytest.fail(f"docs/{name} failed (exit {proc.returncode})\n{report[-8000:]}\n"
+                    f"---- output tail ----\n{out[-3000:]}", pytrace=False)
+    summary = f"ok: {n['python']} python, {n['bash']} bash, {n['file']} file blocks"
+    assert summary in out, f"the runner did not run every block of docs/{name}:\n{out[-3000:]}"
+    ran = len(re.findall(r"^doc_runner: \S+:\d+ (python|bash|python file=\S+) ok ", out, re.M))
+    assert ran == n["python"] + n["bash"] + n["file"]
+
+
+def test_index_links_every_page_in_order():
+    index = (DOCS / "README.md").read_text()
+    links = re.findall(r"\]\(([\w.-]+\.md)\)", index)
+    assert [p for p in links if p in PAGES] == PAGES, links
+    for link in set(links) - {"custom_ops.md"}:
+        assert (DOCS / link).exists(), f"docs/README.md links the missing docs/{link}"
+    for page in DOCS.glob("*.md"):
+        assert page.name == "README.md" or page.name in links, \
+            f"docs/{page.name} is not linked from docs/README.md"
+        for target in re.findall(r"\]\(([\w.-]+\.md)(?:#[\w-]+)?\)", page.read_text()):
+            assert target == "custom_ops.md" or (DOCS / target).exists(), \
+                f"docs/{page.name} links the missing docs/{target}"
+
+
+@pytest.mark.parametrize("text, error", [
+    ("```py\nprint(1)\n```\n", "info string 'py'"),
+    ("```\nprint(1)\n```\n", "info string ''"),
+    ("  ```sh\n  echo hi\n  ```\n", "info string 'sh'"),
+    ("```text\nshown\n```\n", "no python or bash block"),
+    ("```python\nprint(1)\n", "never closed"),
+    ("```python\nx = 1\n```\n\n```bash\necho ok\n```\n\n```python\nassert x == 2, 'x is 1'\n```\n",
+     "FAILED page.md:10 (python block)"),
+    ("```bash\nfalse\necho unre\"\"achable\n```\n", "FAILED page.md:2 (bash block)"),
+])
+def test_runner_refuses_what_it_cannot_run(tmp_path, text, error):
+    (tmp_path / "page.md").write_text(text)
+    proc = subprocess.run([sys.executable, str(RUNNER), "page.md", "--workdir", "."],
+                          cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert proc.returncode == 1 and error in proc.stdout, proc.stdout
+    assert "unreachable" not in proc.stdout           # nothing after a failure runs
+
+
+def test_runner_shares_one_namespace_and_writes_files(tmp_path):
+    (tmp_path / "page.md").write_text(
+        "```python file=sub/hello.py\nprint('hello from', __file__)\n```\n\n"
+        "```bash\npython sub/hello.py > said.txt\ntest \"$NNCOMPILE_REPO\" = "
+        f"{ROOT}\n```\n\n```python\nx = open('said.txt').read()\n```\n\n"
+        "```python\nassert x.startswith('hello from'), x\nimport examples.gpt\n```\n")
+    proc = subprocess.run([sys.executable, str(RUNNER), "page.md", "--workdir", "."],
+                          cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    assert "ok: 2 python, 1 bash, 1 file blocks" in proc.stdout
