@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,11 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(f"{path} was saved without optimizer state; pass optimizer=None")
     if meta["format"] == "dcp":
+        if not dist.is_initialized():
+            raise CheckpointError(
+                f"{path} is a dcp checkpoint, which loads through torch.distributed: launch "
+                "with torchrun (also for one rank) and init_distributed() first, or merge it "
+                "with `python -m nncompile merge DIR -o FILE` and load the merged file")
         load_dcp(str(path), pm, optimizer)
         side = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
         if optimizer is not None:
@@ -217,7 +223,9 @@ def _merge_dcp(directory: Path) -> dict:
         else:
             fqn, entry = rest.rsplit(".", 1)
             nested["optim"].setdefault(fqn, {})[entry] = t
-    dcp.load(nested, checkpoint_id=str(directory), no_dist=True)
+    with warnings.catch_warnings():     # loading in one process is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(nested, checkpoint_id=str(directory), no_dist=True)
     info = side["plan"]
     model = {key: nested["model"][canon] for key, canon in info["state_keys"]
              if canon in nested["model"]}

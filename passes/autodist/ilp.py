@@ -110,7 +110,7 @@ def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -
     status, name, secs = _run(m, time_limit)
     if status == "Infeasible":
         lean = leanest_memory(prob, time_limit)
-        need = "an unknown amount" if lean is None else f"{lean / GB:.3f} GB"
+        need = "an unknown amount" if lean is None else f"{lean / GB:.4g} GB"
         raise PlanInfeasibleError(
             f"autodist: no plan fits mem_limit_gb={mem_limit_gb:g} GB per rank; the leanest "
             f"plan needs {need} per rank (parameters, gradients, optimizer state and saved "

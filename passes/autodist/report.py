@@ -113,7 +113,9 @@ def explain(target: Any, op: str) -> str:
                      f"{o['step_ms'] - chosen['step_ms']:+.4f} ms, memory "
                      f"{o['step_memory_mb'] - chosen['step_memory_mb']:+.2f} MB")
     if len(ch["options"]) == 1:
-        lines.append("    none: no rule splits this op (it runs replicated)")
+        lines.append("    none: no rule splits this op (it runs replicated)"
+                     if chosen["label"] == "replicate" else
+                     "    none: pas_config['constraints'] leave this op only this option")
     return "\n".join(lines)
 
 
