@@ -86,7 +86,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         for r in range(config.runtime_ngpus):
             write_text(staging / f"gencode{r}.py",
                        codegen.gencode(final, r, config.runtime_ngpus, fingerprint))
-        kept = keep_edited(outdir, old, staging) if old else []
+        kept = keep_edited(outdir, old, staging)
         (staging / "graphs").mkdir()
         for fname, text in codegen.graph_dumps(result.history).items():
             write_text(staging / "graphs" / fname, text)

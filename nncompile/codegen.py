@@ -12,6 +12,7 @@ from typing import Any
 
 from . import __version__
 from .comm_stats import collective_rows
+from .custom_ops import REGISTRY, is_custom_op
 from .ir import (Graph, Value, fmt_literal, print_graph, shard_slices)
 from .ir.printer import fmt_body
 
@@ -119,9 +120,7 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
 
 def _custom_imports(g: Graph) -> str:
     """The import of register_op's namespace, with what each custom op the code calls runs."""
-    from .custom_ops import REGISTRY
-    names = sorted({op.target._opname for op in g.ops
-                    if getattr(op.target, "namespace", None) == "nncompile"})
+    names = sorted({op.target._opname for op in g.ops if is_custom_op(op.target)})
     if not names:
         return ""
     lines = ["from nncompile.custom_ops import custom  # ops made with nncompile.register_op:"]

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .ir import Graph, Shard, Value
+from .ir import Graph
+from nncompile.passes.autodist.cost_model import nbytes
 from nncompile.runtime.comm import BACKWARD_DUAL, LOCAL_ONLY
-
-
-def _local_bytes(v: Value, placement, n: int) -> int:
-    numel = v.meta.numel // (n if isinstance(placement, Shard) else 1)
-    return numel * v.meta.dtype.itemsize
 
 
 def collective_rows(g: Graph) -> list[dict[str, Any]]:
@@ -31,16 +27,16 @@ def collective_rows(g: Graph) -> list[dict[str, Any]]:
         if kind not in BACKWARD_DUAL:     # a local implementation (cross_entropy_rows)
             continue
         x, out = op.tensor_inputs()[0], op.outputs[0]
-        full = x.meta.numel * x.meta.dtype.itemsize
-        fwd = {"all_reduce": _local_bytes(x, x.placement, n), "all_gather": full,
-               "reduce_scatter": full, "all_to_all": _local_bytes(x, x.placement, n)}.get(kind, 0)
+        full, local = int(nbytes(x)), int(nbytes(x, x.placement, n))
+        fwd = {"all_reduce": local, "all_gather": full, "reduce_scatter": full,
+               "all_to_all": local}.get(kind, 0)
         back = BACKWARD_DUAL.get(kind, "identity")
         if kind == "all_gather" and op.kwargs.get("reduce_grad"):
             back = "reduce_scatter"
         if not (training and out.requires_grad):
             back = "-"
         bwd = 0 if back in LOCAL_ONLY or back == "-" else \
-            (_local_bytes(x, x.placement, n) if back == "all_to_all" else full)
+            (local if back == "all_to_all" else full)
         rows.append({"name": out.name, "kind": kind, "input": x.name,
                      "from": repr(x.placement), "to": repr(out.placement),
                      "shape": list(x.meta.shape), "dtype": str(x.meta.dtype).replace("torch.", ""),
@@ -67,7 +63,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     total = ("total", f"{len(rows)} collectives", "", "",
              fmt_bytes(sum(r["forward_bytes"] for r in rows)), "",
              fmt_bytes(sum(r["backward_bytes"] for r in rows)))
-    table = [head] + body + [total]
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
-                     for row in table)
+    return "\n".join(align([head] + body + [total], indent=""))
+
+
+def align(rows: list[tuple], indent: str = "  ") -> list[str]:
+    """Rows of cells as left-aligned text columns."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+            for r in rows]

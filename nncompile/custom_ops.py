@@ -43,6 +43,11 @@ class CustomOp:
 REGISTRY: dict[str, CustomOp] = {}
 
 
+def is_custom_op(target: Any) -> bool:
+    """Whether an IR op's target is an op made with register_op."""
+    return getattr(target, "namespace", None) == NAMESPACE
+
+
 def _signature(fn: Callable, is_function: bool) -> list[tuple[str, str]]:
     """[(argument name, schema type)]: annotated or defaulted ints/floats/bools/strs are
     scalars, everything else a Tensor."""
@@ -68,7 +73,7 @@ def _check_annotation(annotation: Any, args: list[tuple[str, str]], name: str) -
                           "such as '* k+, n k+ -> * n' or a rule(op, n) -> strategies, got "
                           f"{annotation!r}")
     lhs, rhs = annotation.split("->")
-    operands = [s for s in lhs.split(",")]
+    operands = lhs.split(",")
     tensors = [a for a, t in args if t == "Tensor"]
     if len(operands) != len(tensors):
         raise ConfigError(f"register_op({name!r}): the annotation {annotation!r} names "
@@ -146,21 +151,13 @@ custom = _Namespace()
 def annotation_flops(op_name: str, shapes: list[tuple[int, ...]]) -> float | None:
     """Forward FLOPs of an annotated custom op from its operand shapes: 2 x the product of
     every label's size when something is contracted, else None (the caller's default)."""
+    from .rules.einsum import _labels
     op = REGISTRY.get(op_name)
-    if op is None or not isinstance(op.annotation, str):
-        return None
-    lhs = op.annotation.split("->")[0].split(",")
-    if "+" not in op.annotation:
+    if op is None or not isinstance(op.annotation, str) or "+" not in op.annotation:
         return None
     sizes: dict[str, int] = {}
-    for spec, shape in zip(lhs, shapes):
-        names = [x.strip("=+^") for x in spec.split()]
-        stars = len(shape) - (len(names) - 1) if "*" in names else 0
-        labels = []
-        for x in names:
-            labels += [f"*{i}" for i in range(stars)] if x == "*" else [x]
-        for label, size in zip(labels[len(labels) - len(shape):], shape):
-            sizes[label] = size
+    for spec, shape in zip(op.annotation.split("->")[0].split(","), shapes):
+        sizes.update(zip(_labels(spec.strip().lstrip("="), len(shape)), shape))
     total = 2.0
     for size in sizes.values():
         total *= size

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-from .comm_stats import fmt_bytes, format_rows
+from .comm_stats import align, fmt_bytes, format_rows
 from .edits import edited_files
 from .errors import ConfigError, NNCompileError
 
@@ -108,6 +108,7 @@ class Instance:
             self.dp = self.runtime_ngpus // self.plan_ngpus
             self.training = not cfg.get("inference_only", False)
             self.ranks = {int(r): e for r, e in self.manifest["ranks"].items()}
+            self.edited_names = set(edited_files(self.dir, self.manifest))
             self.rank_stats = {r: self._rank_stats(e) for r, e in sorted(self.ranks.items())}
 
     def _rank_stats(self, entry: dict) -> dict[str, int]:
@@ -146,13 +147,14 @@ class Instance:
         rows = self.plan["collective_ops"]
         return (sum(r["forward_bytes"] for r in rows), sum(r["backward_bytes"] for r in rows))
 
+    def file(self, rank: int) -> str:
+        return self.ranks[rank].get("file", f"gencode{rank}.py")
+
     def edited(self, rank: int) -> str:
         """'' when gencode{rank}.py is as generated (or unrecorded), else why not."""
-        name = self.ranks[rank].get("file", f"gencode{rank}.py")
-        path = self.dir / name
-        if not path.is_file():
+        if not (self.dir / self.file(rank)).is_file():
             return " (missing)"
-        return " (edited)" if name in edited_files(self.dir, self.manifest) else ""
+        return " (edited)" if self.file(rank) in self.edited_names else ""
 
 
 def _placement_name(p: str) -> str:
@@ -165,12 +167,6 @@ def _placement_name(p: str) -> str:
 
 def _nbytes(b: int) -> str:
     return f"{b:,} B" if b < 1024 else f"{b:,} B ({fmt_bytes(b)})"
-
-
-def _table(rows: list[tuple], indent: str = "  ") -> list[str]:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-            for r in rows]
 
 
 # ---- show ------------------------------------------------------------------------------------
@@ -216,11 +212,11 @@ def _ranks(p: Instance) -> list[str]:
     rows = [("rank", "file", "params", "elements", "param bytes", "collectives/step",
              "grad reduction/step")]
     for r, s in p.rank_stats.items():
-        rows.append((r, p.ranks[r].get("file", f"gencode{r}.py") + p.edited(r), s["params"],
+        rows.append((r, p.file(r) + p.edited(r), s["params"],
                      f"{s['elements']:,}", _nbytes(s["bytes"]), fmt_bytes(fwd + bwd),
                      fmt_bytes(s["grad_partial"] + s["grad_dp"])))
     lines = ["Ranks (collectives and gradient reduction: payload bytes per rank per step)"]
-    lines += _table(rows)
+    lines += align(rows)
     full = p.full_model()[2]
     for unit in range(p.dp):
         members = [r for r in p.rank_stats if r // p.plan_ngpus == unit]
@@ -288,7 +284,7 @@ def ir_after(path: str | Path, pass_name: str | None = None) -> str:
         rows = [(number, name, f"{len(f.read_text().splitlines())} lines")
                 for number, name, f in passes]
         return "\n".join([f"IR after each pass in {inst / 'graphs'} "
-                          "(nncompile ir DIR --after NAME|NUMBER):"] + _table(rows))
+                          "(nncompile ir DIR --after NAME|NUMBER):"] + align(rows))
     want = str(pass_name).strip()
     for number, name, f in passes:
         if want == name or (want.isdigit() and int(want) == int(number)):
@@ -336,7 +332,7 @@ def _plan_changes(pa: Instance, pb: Instance) -> list[str]:
         rows += [(k, ka.get(k, 0), kb.get(k, 0)) for k in sorted(set(ka) | set(kb))]
         rows += [("forward bytes/rank", fmt_bytes(fa), fmt_bytes(fb)),
                  ("backward bytes/rank", fmt_bytes(ba), fmt_bytes(bb))]
-        out += ["", "collectives per step (count by kind, payload bytes):"] + _table(rows)
+        out += ["", "collectives per step (count by kind, payload bytes):"] + align(rows)
 
     def per_rank(s):
         return s and (s["params"], s["bytes"], s["grad_partial"] + s["grad_dp"])
@@ -350,7 +346,7 @@ def _plan_changes(pa: Instance, pb: Instance) -> list[str]:
                          *(_nbytes(s["bytes"]) if s else "-" for s in pair),
                          *(fmt_bytes(s["grad_partial"] + s["grad_dp"]) if s else "-"
                            for s in pair)))
-        out += ["", "per rank: local parameters, gradient reduction per step:"] + _table(rows)
+        out += ["", "per rank: local parameters, gradient reduction per step:"] + align(rows)
     return out
 
 
@@ -360,7 +356,7 @@ def _code_diff(pa: Instance, pb: Instance, rank: int) -> list[str]:
         if rank not in p.ranks:
             raise ConfigError(f"{p.dir} has no rank {rank}; its ranks are "
                               f"0..{max(p.ranks)}")
-        f = p.dir / p.ranks[rank].get("file", f"gencode{rank}.py")
+        f = p.dir / p.file(rank)
         if not f.is_file():
             raise ConfigError(f"{f} is missing; regenerate with parallelize(..., "
                               "reuse='override')")

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..custom_ops import is_custom_op
 from .placement import Placement, Replicate, local_shape
 
 
@@ -134,7 +135,7 @@ def target_name(target: Any) -> str:
     if isinstance(target, str):
         return target
     if isinstance(target, torch._ops.OpOverload):
-        if target.namespace == "nncompile":             # nncompile.register_op
+        if is_custom_op(target):                          # nncompile.register_op
             return f"custom.{target._opname}"
         return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" \
             else f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"

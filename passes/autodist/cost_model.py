@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nncompile.custom_ops import annotation_flops, is_custom_op
 from nncompile.ir import Op, Placement, Replicate, Shard, Value, local_shape
 
 from ..insert_comm import transition
@@ -72,8 +73,7 @@ def flops(op: Op) -> float:
         return 4.0 * q.meta.numel * k.meta.shape[-2] * causal
     if name in VIEWS or name == "embedding":
         return 0.0
-    if getattr(op.target, "namespace", "aten") == "nncompile":     # register_op
-        from nncompile.custom_ops import annotation_flops
+    if is_custom_op(op.target):
         f = annotation_flops(name, [v.meta.shape for v in op.tensor_inputs()])
         if f is not None:
             return f
