@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
 from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, replace_dir, write_json, write_text
 from .frontend import trace
-from .ir import print_graph
+from .ir import Graph, print_graph
 from .log import log as _log
 from nncompile.passes import build_pipeline, get_policy, run_pipeline
 from nncompile.passes.autodist import report_table as plan_report
@@ -40,10 +41,18 @@ def _policy_name(policy: Any) -> str:
         f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', repr(policy))}"
 
 
+@dataclass
+class Compiled:
+    """What compile_module did: 'generated' (with the traced and final graphs) or 'reused'."""
+    status: str
+    traced: Graph | None = None
+    final: Graph | None = None
+
+
 def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConfig, *,
                    pas_policy: Any, outdir: Path, reuse: str = "match",
-                   check: bool = False) -> str:
-    """Compile into `outdir` (or reuse what is there). Returns 'generated' or 'reused'."""
+                   check: bool = False) -> Compiled:
+    """Compile into `outdir` (or reuse what is there)."""
     policy = get_policy(pas_policy)
     check_writable(outdir.parent)
     start = time.perf_counter()
@@ -66,7 +75,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
             edited = edited_files(outdir, old)
             _log(f"reusing generated code in {outdir}"
                  + (f" (edited: {', '.join(edited)})" if edited else ""))
-            return "reused"
+            return Compiled("reused")
         if reuse == "match":
             raise ReuseError(_what_changed(old, config, traced_text, _policy_name(pas_policy),
                                            outdir))
@@ -109,11 +118,17 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         warnings.warn(f"regenerating {outdir} replaced edited file(s) {', '.join(kept)}; "
                       f"the edited versions are kept in {outdir / 'edited'}",
                       EditedCodeWarning, stacklevel=3)
+    if config.check:
+        from .check import refuse_if_diverges
+        _log(f"checking the plan: {config.runtime_ngpus} rank(s) in one process vs eager ...")
+        report = refuse_if_diverges(module, dummy_args, config, Compiled("generated", graph, final),
+                                    outdir)
+        _log(f"plan check passed (largest error {report.max_error:.2e} relative to scale)")
     _log(f"generated {config.runtime_ngpus} rank file(s) in {outdir} "
          f"({time.perf_counter() - start:.1f}s total)"
          + ("; why each placement: plan_report.txt, nncompile.explain()"
             if final.meta.get("autodist") else ""))
-    return "generated"
+    return Compiled("generated", graph, final)
 
 
 def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: str,

@@ -1,20 +1,36 @@
-"""nncompile.verify: run the parallel module and a single-device copy on the same batch and
+"""nncompile.verify: run the parallel program and a single-device copy on the same batch and
 report the largest errors of the loss and of every gradient.
 
-Run it under torchrun (every rank calls it); each plan unit gets the same dummy batch, so the
-data-parallel average equals the single-device gradient.
+Two ways to run it:
+- in one process (no process group): every rank's generated program runs in its own thread
+  over PyTorch's threaded process group (nncompile/simulate.py), and the report also names the
+  first op whose output or gradient diverges (nncompile/divergence.py);
+- under torchrun (every rank calls it): the real job's ranks run it; each plan unit gets the
+  same dummy batch, so the data-parallel average equals the single-device gradient.
+
+`ComputeConfig(check=True)` runs the one-process check once after compiling and refuses a plan
+that diverges (PlanCheckError).
 """
 from __future__ import annotations
 
 import copy
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from .config import ComputeConfig
+from .divergence import Capture, Divergence, first_divergence, reference_run
+from .errors import ConfigError, NNCompileError
 from .frontend import normalize_args
+
+
+class PlanCheckError(NNCompileError):
+    """ComputeConfig(check=True): the compiled plan does not compute what the model does."""
 
 
 @dataclass
@@ -25,10 +41,18 @@ class VerifyReport:
     atol: float = 1e-6
     loss_ref: float = 0.0                                    # |single-device loss|
     ref_max: dict[str, float] = field(default_factory=dict)  # fqn: max |single-device grad|
+    divergence: Divergence | None = None                     # one-process runs only
+    ranks: int = 0                                           # how many ranks ran
 
     @property
     def ok(self) -> bool:
-        return all(a <= self.atol + self.rtol * r for a, r in self._bounds())
+        return self.divergence is None and \
+            all(a <= self.atol + self.rtol * r for a, r in self._bounds())
+
+    @property
+    def max_error(self) -> float:
+        """The largest error relative to its tensor's scale (max(1, max |reference|))."""
+        return max([a / max(1.0, r) for a, r in self._bounds()], default=0.0)
 
     def _bounds(self):
         """(error, reference magnitude) pairs."""
@@ -42,10 +66,13 @@ class VerifyReport:
 
     def __str__(self) -> str:
         lines = [f"nncompile.verify: {'OK' if self.ok else 'MISMATCH'} "
-                 f"(rtol={self.rtol:g}, atol={self.atol:g})",
+                 f"(rtol={self.rtol:g}, atol={self.atol:g}"
+                 + (f", {self.ranks} ranks in one process" if self.ranks else "") + ")",
                  f"  loss       abs err {self.loss_error:.3e}"]
         for fqn, a, r in self.worst(len(self.errors)):
             lines.append(f"  {fqn:<40} max abs err {a:.3e}  max rel err {r:.3e}")
+        if self.divergence is not None:
+            lines.append("  " + str(self.divergence).replace("\n", "\n  "))
         return "\n".join(lines)
 
 
@@ -54,29 +81,100 @@ def _scalar_loss(out: Any) -> torch.Tensor:
     return leaves[0] if leaves[0].dim() == 0 else leaves[0].float().sum()
 
 
-def verify(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig,
-           pas_policy: Any, *, gen_savedir: str = "./.nncompile", rtol: float = 1e-5,
-           atol: float = 1e-6) -> VerifyReport:
-    """Compare parallel loss and gradients with a single-device run; return the report."""
-    from .api import parallelize
-
-    args, kwargs = normalize_args(module, dummy_args)
+def _eager(module: torch.nn.Module, args: tuple, kwargs: dict):
     ref = copy.deepcopy(module)
-    ref_loss = _scalar_loss(ref(*args, **kwargs))
-    ref_loss.backward()
-    ref_grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p))
-                 for name, p in ref.named_parameters()}
-    pm = parallelize(copy.deepcopy(module), dummy_args, compute_config, pas_policy=pas_policy,
-                     gen_savedir=gen_savedir, reuse="override",
-                     instance_name=f"verify_{type(module).__name__}")
-    loss = _scalar_loss(pm(*args, **kwargs))
+    loss = _scalar_loss(ref(*args, **kwargs))
     loss.backward()
-    grads = pm.gather_grads()
-    report = VerifyReport(float((loss.detach() - ref_loss.detach()).abs()), rtol=rtol, atol=atol)
-    report.loss_ref = float(ref_loss.detach().abs())
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p))
+             for name, p in ref.named_parameters()}
+    return loss.detach(), grads
+
+
+def _report(loss, ref_loss, grads, ref_grads, rtol, atol) -> VerifyReport:
+    report = VerifyReport(float((loss.detach() - ref_loss).abs()), rtol=rtol, atol=atol)
+    report.loss_ref = float(ref_loss.abs())
     for fqn, g in grads.items():
         want = ref_grads[fqn]
         diff = (g - want).abs()
         report.errors[fqn] = (float(diff.max()), float((diff / want.abs().clamp_min(1e-12)).max()))
         report.ref_max[fqn] = float(want.abs().max())
+    return report
+
+
+def verify(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig,
+           pas_policy: Any, *, gen_savedir: str = "./.nncompile", rtol: float = 1e-5,
+           atol: float = 1e-6) -> VerifyReport:
+    """Compare parallel loss and gradients with a single-device run; return the report.
+    Without a process group every rank runs in this process (threads)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return verify_in_process(module, dummy_args, compute_config, pas_policy,
+                                 gen_savedir=gen_savedir, rtol=rtol, atol=atol)
+    from .api import parallelize
+
+    args, kwargs = normalize_args(module, dummy_args)
+    ref_loss, ref_grads = _eager(module, args, kwargs)
+    pm = parallelize(copy.deepcopy(module), dummy_args, compute_config, pas_policy=pas_policy,
+                     gen_savedir=gen_savedir, reuse="override",
+                     instance_name=f"verify_{type(module).__name__}")
+    loss = _scalar_loss(pm(*args, **kwargs))
+    loss.backward()
+    return _report(loss, ref_loss, pm.gather_grads(), ref_grads, rtol, atol)
+
+
+def verify_in_process(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig,
+                      pas_policy: Any, *, gen_savedir: str = "./.nncompile",
+                      rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
+    """Compile, then run every rank's generated program in one process and compare."""
+    from .api import compile_module
+
+    config = compute_config.resolved(compute_config.plan_ngpus)
+    outdir = Path(gen_savedir).absolute() / f"verify_{type(module).__name__}"
+    compiled = compile_module(module, dummy_args, config, pas_policy=pas_policy,
+                              outdir=outdir, reuse="override")
+    return check_compiled(module, dummy_args, config, compiled, outdir, rtol=rtol, atol=atol)
+
+
+def check_compiled(module: torch.nn.Module, dummy_args: Any, config: ComputeConfig, compiled,
+                   outdir: Path, rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
+    """Run the generated files in `outdir` on threads against eager `module`."""
+    from .api import load_rank_module
+    from .simulate import run_ranks
+
+    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        raise ConfigError("checking a plan needs the model's real weights, but it is on the "
+                          "meta device; run nncompile.verify on a small real instance, or "
+                          "drop check=True")
+    args, kwargs = normalize_args(module, dummy_args)
+    ref_loss, ref_grads = _eager(module, args, kwargs)
+    names = [v.name for v in compiled.traced.inputs]
+    bound = {**dict(zip(names, args)), **kwargs}
+    ref_cap, _ = reference_run(compiled.traced, module, [bound[n] for n in names],
+                               _scalar_loss)
+
+    def rank_fn(rank: int):
+        pm = load_rank_module(outdir, rank, module, None, config)
+        with Capture(pm.gencode_path) as cap:
+            out = pm(*args, **kwargs)
+        cap.watch_grads()
+        loss = _scalar_loss(out)
+        loss.backward()
+        return loss.detach(), pm.gather_grads(), cap
+
+    results = run_ranks(config.runtime_ngpus, rank_fn)
+    loss, grads, _ = results[0]
+    report = _report(loss, ref_loss, grads, ref_grads, rtol, atol)
+    report.ranks = config.runtime_ngpus
+    report.divergence = first_divergence(compiled.final, ref_cap, [c for *_, c in results])
+    return report
+
+
+def refuse_if_diverges(module, dummy_args, config: ComputeConfig, compiled, outdir: Path):
+    """ComputeConfig(check=True): run the one-process check; remove the files and raise when
+    the plan computes something else than the model."""
+    report = check_compiled(module, dummy_args, config, compiled, outdir)
+    if not report.ok:
+        shutil.rmtree(outdir, ignore_errors=True)
+        raise PlanCheckError(f"the plan for {type(module).__name__} (policy "
+                             f"{compiled.final.meta.get('policy')}) does not compute what the "
+                             f"model does; nothing was kept in {outdir}.\n{report}")
     return report

@@ -26,6 +26,8 @@ class ComputeConfig:
     reduce_in_fp32: bool = False         # reduce low-precision gradients in float32
     use_zero: bool = False               # ZeRO-1: shard optimizer state over data-parallel ranks
     zero_ngroups: int = 1                # shard within this many groups of data-parallel ranks
+    check: bool = False                  # after compiling, run every rank in one process and
+                                         # refuse a plan whose loss or gradients differ
 
     def __post_init__(self):
         if not isinstance(self.plan_ngpus, int) or self.plan_ngpus < 1:
@@ -76,4 +78,4 @@ class ComputeConfig:
 
 
 RUNTIME_FIELDS = ("use_async_reducer", "reducer_bucket_cap_mb", "reduce_in_fp32", "use_zero",
-                  "zero_ngroups")
+                  "zero_ngroups", "check")

@@ -278,13 +278,31 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
 
 
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    for mod in gm.modules():
+        for node in getattr(mod, "graph", torch.fx.Graph()).nodes:
+            t = node.target
+            if isinstance(t, torch._ops.OpOverload) and t._opname not in _DROPPED \
+                    and t._opname != "detach_" and t._schema.is_mutable:
+                return True
+    return False
+
+
+def functionalize(ep: ExportedProgram) -> ExportedProgram:
+    """In-place ops (`z[:, 1:] = y`, `masked_fill_`) become functional ones (`slice_scatter`,
+    `masked_fill`) through torch.export's own functionalization; high-level ops (linear,
+    layer_norm, sdpa) are kept. Passes may then convert any value without breaking an alias:
+    a collective between a view and its base would otherwise write into a copy."""
+    return ep.run_decompositions({}) if _mutates(ep.graph_module) else ep
+
+
 def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
     """torch.export with errors translated into TraceError naming the user's file:line."""
     on_meta = any(p.is_meta for p in module.parameters())
     if on_meta:
         args, kwargs = _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
     try:
-        return torch.export.export(module, args, kwargs, strict=False)
+        return functionalize(torch.export.export(module, args, kwargs, strict=False))
     except Exception as e:  # noqa: BLE001 - translated below
         text = str(e) + "\n" + "".join(traceback.format_exception(e))
         where = _user_frame_from_text(text)

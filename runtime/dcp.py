@@ -12,9 +12,11 @@ Optimizer state tensors shaped like their parameter are sharded the same way; ot
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -24,7 +26,7 @@ from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
 
 from .state import load_local_optimizer_state, local_optimizer_state
 
-_MESHES: dict[tuple, Any] = {}
+_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> meshes
 
 
 def _mesh(pm):
@@ -32,10 +34,11 @@ def _mesh(pm):
     dp = pm.RUNTIME_NGPUS // pm.PLAN_NGPUS
     device = "cuda" if pm.device.type == "cuda" else "cpu"
     key = (device, dp, pm.PLAN_NGPUS)
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device, (dp, pm.PLAN_NGPUS),
-                                        mesh_dim_names=("dp", "plan"))
-    return _MESHES[key]
+    meshes = _MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if key not in meshes:
+        meshes[key] = init_device_mesh(device, (dp, pm.PLAN_NGPUS),
+                                       mesh_dim_names=("dp", "plan"))
+    return meshes[key]
 
 
 def _dtensor(pm, local: torch.Tensor, full_shape, placement: str) -> DTensor:

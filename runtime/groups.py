@@ -10,11 +10,12 @@ New groups take the default group's timeout (torch would otherwise give them its
 from __future__ import annotations
 
 import datetime
+import weakref
 
 import torch
 import torch.distributed as dist
 
-_CACHE: dict[tuple, list] = {}
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> groups
 
 
 def unit_ranks(rank: int, plan: int) -> list[int]:
@@ -50,10 +51,13 @@ def _new_group(ranks: list[int]):
 
 
 def _cached(key: tuple, all_ranks: list[list[int]]) -> list:
-    if key not in _CACHE:
-        _CACHE[key] = [(ranks, _new_group(ranks)) for ranks in all_ranks]
+    # per default group: a new process group (or a simulated rank's thread, see
+    # nncompile.simulate) gets groups of its own
+    cache = _CACHE.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if key not in cache:
+        cache[key] = [(ranks, _new_group(ranks)) for ranks in all_ranks]
     rank = dist.get_rank()
-    return next(g for ranks, g in _CACHE[key] if rank in ranks)
+    return next(g for ranks, g in cache[key] if rank in ranks)
 
 
 def get_groups(plan: int, runtime: int):

@@ -10,12 +10,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..custom_ops import REGISTRY, is_custom_op
 from .graph import Graph, Value
 from .printer import DEVICE, Symbol
 
 
-def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any]) -> list[Any]:
-    """Evaluate `graph` with full parameters/buffers `state` (by FQN) on `inputs`."""
+def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any],
+              record: dict[str, Any] | None = None) -> list[Any]:
+    """Evaluate `graph` with full parameters/buffers `state` (by FQN) on `inputs`; `record`,
+    when given, receives every value by name."""
     if graph.meta.get("localized") and graph.plan_ngpus > 1:
         raise ValueError("a localized graph runs per rank; interpret the graph before localize")
     env: dict[int, Any] = {}
@@ -37,6 +40,10 @@ def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any]) -
         args, kwargs = pytree.tree_map(get, (op.args, op.kwargs))
         if isinstance(op.target, str):                 # a collective: identity on full tensors
             out = args[0]
+        elif is_custom_op(op.target):                   # the user's function, its autograd
+            out = REGISTRY[op.target._opname].impl(*args, **kwargs)
+        elif op.target is torch.ops.aten.view.default:  # same value; layout may differ
+            out = torch.ops.aten.reshape.default(*args, **kwargs)
         else:
             out = op.target(*args, **kwargs)
         if op.multi_output:
@@ -44,4 +51,7 @@ def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any]) -
                 env[id(v)] = o
         elif op.outputs:
             env[id(op.outputs[0])] = out
+    if record is not None:
+        names = {id(v): v.name for v in graph.values()}
+        record.update({names[k]: x for k, x in env.items() if k in names})
     return [get(v) for v in graph.outputs]
