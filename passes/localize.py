@@ -28,19 +28,23 @@ def localize(graph: Graph) -> Graph:
     if graph.meta.get("localized"):
         return graph
     g = graph.clone()
-    n = g.plan_ngpus
     for op in g.ops:
-        s = op.strategy
-        if s is not None and s.local_target is not None:
-            op.target = s.local_target
-            op.kwargs = {**op.kwargs, "group": PLAN_GROUP}
-        name = getattr(op.target, "_opname", None)
-        if n > 1 and name in ("view", "_unsafe_view"):
-            op.target, name = torch.ops.aten.reshape.default, "reshape"
-        idx = _SIZE_ARG.get(name)
-        if idx is not None and len(op.args) > idx and op.outputs[0].is_tensor:
-            args = list(op.args)
-            args[idx] = list(op.outputs[0].local_shape(n))
-            op.args = tuple(args)
+        localize_op(op, g.plan_ngpus)
     g.meta["localized"] = True
     return g
+
+
+def localize_op(op, n: int) -> None:
+    """Rewrite one op (in place) to run on one rank's shards of a plan unit of n ranks."""
+    s = op.strategy
+    if s is not None and s.local_target is not None:
+        op.target = s.local_target
+        op.kwargs = {**op.kwargs, "group": PLAN_GROUP}
+    name = getattr(op.target, "_opname", None)
+    if n > 1 and name in ("view", "_unsafe_view"):
+        op.target, name = torch.ops.aten.reshape.default, "reshape"
+    idx = _SIZE_ARG.get(name)
+    if idx is not None and len(op.args) > idx and op.outputs[0].is_tensor:
+        args = list(op.args)
+        args[idx] = list(op.outputs[0].local_shape(n))
+        op.args = tuple(args)

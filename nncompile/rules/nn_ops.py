@@ -55,7 +55,7 @@ def _reduced_dims(op: Op) -> tuple[list[int], bool]:
 def reduction(op: Op, n: int):
     """Split a kept dim (follows), or a summed dim (sum only: leaves a partial sum)."""
     x, out = op.args[0], op.outputs[0]
-    if not x.is_tensor:
+    if not x.is_tensor or not x.meta.shape:
         return []
     reduced, keep = _reduced_dims(op)
     name = op.target._opname

@@ -1,0 +1,154 @@
+"""Hand-written samples for the op-rule checker (nncompile/rule_check.py): for every rule, at
+least one call whose dims divide by 2 and 4, so each rule offers split strategies to check.
+OpInfo's samples (PyTorch's op database) come on top of these where the op has an entry.
+
+A sample is `(fn, args)`: the checker traces `fn(*args)` and checks every op of the rule's
+name in the trace. Tensors are float64 unless the op needs another dtype.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Sample = tuple[Callable, tuple]
+
+
+def _r(*shape, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _pos(*shape, g: torch.Generator) -> torch.Tensor:
+    return torch.rand(*shape, generator=g, dtype=torch.float64) + 0.5
+
+
+_UNARY_FN = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "softplus": F.softplus,
+             "mish": F.mish, "leaky_relu": F.leaky_relu, "hardtanh": F.hardtanh, "elu": F.elu,
+             "clone": torch.clone,
+             "contiguous": lambda x: x.transpose(0, 1).contiguous(),
+             "alias": torch.ops.aten.alias.default, "detach": torch.detach,
+             "lift_fresh_copy": torch.ops.aten.lift_fresh_copy.default,
+             "to": lambda x: x.to(torch.float32),
+             "_to_copy": lambda x: torch.ops.aten._to_copy.default(x, dtype=torch.float32),
+             "type_as": lambda x: x.type_as(torch.ones(1, dtype=torch.float32)),
+             "dropout": lambda x: F.dropout(x, 0.0, True),
+             "native_dropout": lambda x: torch.ops.aten.native_dropout.default(x, 0.0, False)[0],
+             "pow": lambda x: torch.pow(x, 2), "clamp": lambda x: torch.clamp(x, -0.5, 0.5),
+             "clamp_min": lambda x: torch.clamp_min(x, 0.1),
+             "clamp_max": lambda x: torch.clamp_max(x, 0.1),
+             "full_like": lambda x: torch.full_like(x, 3.0),
+             "logical_not": lambda x: torch.logical_not(x > 0),
+             "bitwise_not": lambda x: torch.bitwise_not(x > 0),
+             "triu": lambda x: torch.triu(x), "tril": lambda x: torch.tril(x, -1)}
+_POSITIVE = {"log", "sqrt", "rsqrt", "reciprocal", "log1p"}
+_BINARY_FN = {"rsub": lambda a, b: torch.rsub(a, b),
+              "where": lambda a, b: torch.where(a > 0, a, b),
+              "masked_fill": lambda a, b: a.masked_fill(b > 0, 2.0),
+              "lerp": lambda a, b: torch.lerp(a, b, 0.3),
+              "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.5),
+              "addcdiv": lambda a, b: torch.addcdiv(a, a, b.abs() + 1, value=0.5),
+              "logical_and": lambda a, b: torch.logical_and(a > 0, b > 0),
+              "logical_or": lambda a, b: torch.logical_or(a > 0, b > 0),
+              "bitwise_and": lambda a, b: torch.bitwise_and(a > 0, b > 0),
+              "bitwise_or": lambda a, b: torch.bitwise_or(a > 0, b > 0),
+              "fmod": lambda a, b: torch.fmod(a, b.abs() + 1),
+              "remainder": lambda a, b: torch.remainder(a, b.abs() + 1)}
+
+
+def unary(name: str, g: torch.Generator) -> list[Sample]:
+    fn = _UNARY_FN.get(name) or getattr(torch, name)
+    x = _pos(4, 8, 4, g=g) if name in _POSITIVE else _r(4, 8, 4, g=g)
+    return [(fn, (x,))]
+
+
+def binary(name: str, g: torch.Generator) -> list[Sample]:
+    fn = _BINARY_FN.get(name) or getattr(torch, name)
+    out = [(fn, (_r(4, 8, 4, g=g), _r(4, 8, 4, g=g))),       # same shapes
+           (fn, (_r(4, 8, 4, g=g), _r(8, 1, g=g)))]          # broadcast, size-1 dim
+    if name in ("add", "sub", "mul", "div"):
+        out.append((lambda a: fn(a, 2.0), (_r(4, 8, g=g),)))  # a scalar operand
+    return out
+
+
+def _sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _ce(logits, target, reduction):
+    return F.cross_entropy(logits, target, reduction=reduction, ignore_index=1)
+
+
+def model_ops(name: str, g: torch.Generator) -> list[Sample]:
+    """Samples of contraction, model-level, reduction and layout ops."""
+    r = lambda *s: _r(*s, g=g)                                                  # noqa: E731
+    idx = torch.randint(0, 8, (4, 8), generator=g)
+    tgt = torch.randint(0, 8, (8,), generator=g)
+    table: dict[str, list[Sample]] = {
+        "linear": [(F.linear, (r(4, 8, 8), r(4, 8), r(4))), (F.linear, (r(8, 4), r(8, 4)))],
+        "addmm": [(torch.addmm, (r(8), r(4, 8), r(8, 8)))],
+        "mm": [(torch.mm, (r(4, 8), r(8, 4)))],
+        "bmm": [(torch.bmm, (r(4, 8, 4), r(4, 4, 8)))],
+        "matmul": [(torch.matmul, (r(4, 4, 8), r(4, 8, 4)))],
+        "embedding": [(lambda i, w: F.embedding(i, w), (idx, r(8, 8)))],
+        "scaled_dot_product_attention": [(_sdpa, (r(4, 4, 8, 8), r(4, 4, 8, 8), r(4, 4, 8, 8),
+                                                  r(4, 1, 8, 8))),
+                                         (_sdpa_causal, (r(4, 4, 8, 8), r(4, 4, 8, 8),
+                                                         r(4, 4, 8, 8)))],
+        "sum": [(lambda x: x.sum(1), (r(4, 8, 4),)), (lambda x: x.sum(), (r(4, 8),)),
+                (lambda x: x.sum(-1, keepdim=True), (r(4, 8),))],
+        "mean": [(lambda x: x.mean(0), (r(4, 8, 4),)), (lambda x: x.mean(), (r(4, 8),))],
+        "amax": [(lambda x: x.amax(1), (r(4, 8, 4),))],
+        "amin": [(lambda x: x.amin(-1, keepdim=True), (r(4, 8, 4),))],
+        "var": [(lambda x: x.var(1), (r(4, 8, 4),))],
+        "std": [(lambda x: x.std(-1), (r(4, 8, 4),))],
+        "cross_entropy_loss": [(lambda x, t: _ce(x, t, "mean"), (r(8, 8), tgt)),
+                               (lambda x, t: _ce(x, t, "sum"), (r(8, 8), tgt)),
+                               (lambda x, t: _ce(x, t, "none"), (r(8, 8), tgt))],
+        "softmax": [(lambda x: torch.softmax(x, -1), (r(4, 8, 4),))],
+        "log_softmax": [(lambda x: torch.log_softmax(x, 1), (r(4, 8, 4),))],
+        "_softmax": [(lambda x: torch.ops.aten._softmax.default(x, -1, False), (r(4, 8, 4),))],
+        "_log_softmax": [(lambda x: torch.ops.aten._log_softmax.default(x, 0, False),
+                          (r(4, 8, 4),))],
+        "layer_norm": [(lambda x, w, b: F.layer_norm(x, (8,), w, b), (r(4, 4, 8), r(8), r(8)))],
+        "rms_norm": [(lambda x, w: F.rms_norm(x, (8,), w), (r(4, 4, 8), r(8)))],
+        "view": [(lambda x: x.view(4, 8, 2, 4), (r(4, 8, 8),)),
+                 (lambda x: x.view(32, 8), (r(4, 8, 8),))],
+        "reshape": [(lambda x: x.reshape(4, 4, 2, 8), (r(4, 8, 8),))],
+        "_unsafe_view": [(lambda x: torch.ops.aten._unsafe_view.default(x, [4, 8, 2, 4]),
+                          (r(4, 8, 8),))],
+        "flatten": [(lambda x: torch.ops.aten.flatten.using_ints(x, 1, 2), (r(4, 8, 4, 2),))],
+        "transpose": [(lambda x: x.transpose(0, 2), (r(4, 8, 4),))],
+        "swapaxes": [(lambda x: torch.ops.aten.swapaxes.default(x, 1, 2), (r(4, 8, 4),))],
+        "t": [(lambda x: x.t(), (r(4, 8),))],
+        "permute": [(lambda x: x.permute(2, 0, 1), (r(4, 8, 4),))],
+        "unsqueeze": [(lambda x: x.unsqueeze(1), (r(4, 8),))],
+        "squeeze": [(lambda x: x.squeeze(1), (r(4, 1, 8),))],
+        "expand": [(lambda x: x.expand(4, 8, 8), (r(8, 1),))],
+        "split": [(lambda x: x.split(4, dim=1), (r(4, 8, 4),))],
+        "split_with_sizes": [(lambda x: x.split([2, 6], dim=1), (r(4, 8, 4),))],
+        "unsafe_split": [(lambda x: torch.ops.aten.unsafe_split.Tensor(x, 4, 1),
+                          (r(4, 8, 4),))],
+        "chunk": [(lambda x: x.chunk(2, dim=-1), (r(4, 8, 4),))],
+        "slice": [(lambda x: x[:, 2:6], (r(4, 8, 4),))],
+        "narrow": [(lambda x: x.narrow(2, 1, 2), (r(4, 8, 4),))],
+        "select": [(lambda x: x[:, 3], (r(4, 8, 4),))],
+        "cat": [(lambda a, b: torch.cat([a, b], 1), (r(4, 8, 4), r(4, 4, 4)))],
+    }
+    return table.get(name, [])
+
+
+def samples(name: str, g: torch.Generator) -> list[Sample]:
+    """Hand-written samples of the rule registered under `name` (an op name, maybe with an
+    overload: 'split.Tensor')."""
+    from .rules.pointwise import BINARY, UNARY
+    base = name.split(".")[0]
+    if base in UNARY:
+        return unary(base, g)
+    if base in BINARY:
+        return binary(base, g)
+    return model_ops(base, g)

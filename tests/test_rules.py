@@ -1,0 +1,49 @@
+"""Every op rule checked numerically against the unsplit op (nncompile/rule_check.py): OpInfo
+samples plus hand-written ones, every split strategy at n = 2 and 4, forward and backward, on
+simulated ranks. A deliberately broken rule must be caught."""
+import functools
+
+import pytest
+
+from nncompile.rule_check import check_rules, collect_cases
+from nncompile.rules import RULES
+from nncompile.rules.einsum import einsum_strategies
+from nncompile.rules.pointwise import elementwise
+
+
+@functools.lru_cache(maxsize=1)
+def _all_cases():
+    return collect_cases()
+
+
+def test_every_rule_is_checked_and_sound(capsys):
+    report = check_rules(cases=_all_cases())
+    with capsys.disabled():
+        print("\n" + str(report))
+    assert report.ok, str(report)
+    builtin = {name for name in RULES if "::" not in name}
+    assert set(report.checked) == builtin
+    for rule, seen in report.checked.items():
+        assert {n for n, _ in seen} == {2, 4}, (rule, seen)
+
+
+def _cases(rule):
+    return [c for c in _all_cases() if c.rule == rule]
+
+
+def test_a_flipped_contraction_annotation_is_caught(monkeypatch):
+    # the bias no longer marked additive ('=n' -> 'n'): when k is split it stays replicated
+    # instead of partial, so every rank adds it and the sum counts it n times
+    monkeypatch.setitem(RULES, "linear", lambda op, n: einsum_strategies(
+        op, [op.args[0], op.args[1], op.args[2] if len(op.args) > 2 else None],
+        "* k+, n k+, n -> * n", n))
+    report = check_rules(["linear"], cases=_cases("linear"))
+    assert not report.ok
+    assert any("linear [split k]" in f and "output 0 (P)" in f for f in report.failures), report
+
+
+def test_splitting_the_softmax_dim_is_caught(monkeypatch):
+    monkeypatch.setitem(RULES, "softmax", lambda op, n: elementwise(op, n))
+    report = check_rules(["softmax"], cases=_cases("softmax"))
+    assert not report.ok
+    assert any("softmax [split dim" in f for f in report.failures), report
