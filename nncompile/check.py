@@ -25,12 +25,8 @@ from torch.utils import _pytree as pytree
 
 from .config import ComputeConfig
 from .divergence import Capture, Divergence, first_divergence, reference_run
-from .errors import ConfigError, NNCompileError
+from .errors import ConfigError, PlanCheckError
 from .frontend import normalize_args
-
-
-class PlanCheckError(NNCompileError):
-    """ComputeConfig(check=True): the compiled plan does not compute what the model does."""
 
 
 @dataclass

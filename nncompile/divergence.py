@@ -123,7 +123,7 @@ def _error(a: torch.Tensor, ref: torch.Tensor) -> float | None:
     if ref.numel() == 0:
         return None
     err = float((a.detach().double() - ref.detach().double()).abs().max())
-    bound = VALUE_ATOL + VALUE_RTOL * float(ref.abs().max())
+    bound = VALUE_ATOL + VALUE_RTOL * float(ref.detach().abs().max())
     return None if err <= bound and err == err else err
 
 
@@ -170,7 +170,7 @@ def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Diverg
         readers = [t for t in users.get(v.name, [])]
         refx = (ref.grads if phase == "backward" else ref.values)[v.name]
         return Divergence(phase, v.name, op.target_name, hit[0], repr(v.placement), hit[1],
-                          float(refx.abs().max()) if refx.is_floating_point() and refx.numel()
+                          float(refx.detach().abs().max()) if refx.is_floating_point() and refx.numel()
                           else 0.0, src, sorted(set(readers)))
 
     for v in order:

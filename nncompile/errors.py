@@ -33,5 +33,9 @@ class CheckpointError(NNCompileError):
     """A checkpoint is incomplete, or was written under a plan this module cannot load."""
 
 
+class PlanCheckError(NNCompileError):
+    """ComputeConfig(check=True): the compiled plan does not compute what the model does."""
+
+
 class EditedCodeWarning(UserWarning):
     """A generated file was edited after nncompile wrote it; the edited file runs."""

@@ -1,5 +1,5 @@
-"""Models the tests compile: an MLP, a nanoGPT-style GPT, Hugging Face GPT-2 / Llama wrappers
-from small configs (no weight download) and an MLP of custom ops (custom_model.py)."""
+"""Models the tests compile: an MLP, a nanoGPT-style GPT, Hugging Face GPT-2 / Llama / T5 / BART
+wrappers from small configs (no weight download) and an MLP of custom ops (custom_model.py)."""
 from __future__ import annotations
 
 import os
@@ -54,11 +54,42 @@ def hf_llama(vocab=64, hidden=32, inter=64, n_layer=2, n_head=4, n_kv=2, max_pos
     return HFCausalLM(LlamaForCausalLM(cfg))
 
 
+class HFSeq2Seq(nn.Module):
+    """A Hugging Face encoder-decoder returning its loss; the decoder's inputs are the labels
+    shifted right inside the model (an in-place write into a new tensor)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return self.model(input_ids=x, labels=y, use_cache=False).loss
+
+
+def hf_t5(vocab=64, d_model=32, n_layer=2, n_head=4):
+    from transformers import T5Config, T5ForConditionalGeneration
+    cfg = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_model // n_head, d_ff=2 * d_model,
+                   num_layers=n_layer, num_decoder_layers=n_layer, num_heads=n_head,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return HFSeq2Seq(T5ForConditionalGeneration(cfg))
+
+
+def hf_bart(vocab=64, d_model=32, n_layer=2, n_head=4):
+    from transformers import BartConfig, BartForConditionalGeneration
+    cfg = BartConfig(vocab_size=vocab, d_model=d_model, encoder_layers=n_layer,
+                     decoder_layers=n_layer, encoder_attention_heads=n_head,
+                     decoder_attention_heads=n_head, encoder_ffn_dim=2 * d_model,
+                     decoder_ffn_dim=2 * d_model, max_position_embeddings=32, dropout=0.0,
+                     attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
+                     bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    return HFSeq2Seq(BartForConditionalGeneration(cfg))
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     import custom_model
     torch.manual_seed(seed)
     model = {"mlp": MLP, "gpt": GPT, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama,
-             "custom": custom_model.CustomMLP}[name]()
+             "hf_t5": hf_t5, "hf_bart": hf_bart, "custom": custom_model.CustomMLP}[name]()
     return model.train()
 
 
@@ -71,6 +102,9 @@ def batch(name: str, seed: int, batch_size: int = 4, seq: int = 16) -> dict[str,
     if name == "custom":
         import custom_model
         return custom_model.batch(g, batch_size)
+    if name in ("hf_t5", "hf_bart"):
+        return {"x": torch.randint(3, 64, (batch_size, seq), generator=g),
+                "y": torch.randint(3, 64, (batch_size, seq), generator=g)}
     ids = torch.randint(0, 64, (batch_size, seq), generator=g)
     tgt = torch.randint(0, 64, (batch_size, seq), generator=g)
     tgt[0, :3] = -1 if name == "gpt" else -100          # some ignored targets

@@ -1,7 +1,9 @@
 """Multi-process (gloo) parity: loss and every gathered gradient equal a single-device run,
 for the MLP, the nanoGPT-style GPT and the Hugging Face GPT-2 and Llama wrappers, with
 policies dp, data and tp at (plan, runtime) in (1,1), (1,2), (2,2), (2,4), (4,4); a model of
-custom ops (nncompile.register_op, tests/custom_model.py) under the same policies; and autodist
+custom ops (nncompile.register_op, tests/custom_model.py) under the same policies; Hugging Face
+T5 and BART (encoder-decoders whose decoder inputs are built in place) under tp, data and
+autodist at plan 2 and plan 2 x 4 ranks; and autodist
 (plain, and under a memory limit that forces weights to be split, with recomputed blocks) for
 the GPT and Llama at plan 2 and 4.
 Tolerances are in tests/workers/parity.py (float32, rtol 1e-5, atol 1e-6)."""
@@ -18,6 +20,7 @@ AUTODIST = {2: [("autodist", 2, 2), ("autodist_mem", 2, 2)],
             4: [("autodist", 2, 4), ("autodist_mem", 2, 4), ("autodist", 4, 4),
                 ("autodist_mem", 4, 4)]}
 MODELS = ["mlp", "gpt", "hf_gpt2", "hf_llama", "custom"]
+SEQ2SEQ = ["hf_t5", "hf_bart"]      # encoder-decoders: every policy at plan 2
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -29,6 +32,8 @@ def test_parity(world, run_ranks, tmp_path):
     seen = {(r["model"], r["policy"], r["plan"], r["runtime"]) for r in results}
     want = {(m, p, n, w) for p, n, w in EXPECTED[world] for m in MODELS}
     want |= {(m, p, n, w) for p, n, w in AUTODIST.get(world, []) for m in ("gpt", "hf_llama")}
+    want |= {(m, p, 2, w) for p, n, w in EXPECTED[world] + AUTODIST.get(world, [])
+             if n == 2 and p != "dp" for m in SEQ2SEQ}
     assert seen == want
     for r in results:
         if r["policy"] == "autodist_mem":      # the memory limit made it split and recompute

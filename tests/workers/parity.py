@@ -38,7 +38,7 @@ def reference(name: str, n_units: int):
     return losses, {k: v / n_units for k, v in grads.items()}
 
 
-RECOMPUTE = ["Block", "LlamaDecoderLayer"]
+RECOMPUTE = ["Block", "LlamaDecoderLayer", "T5Block", "BartEncoderLayer", "BartDecoderLayer"]
 
 
 def pas_config(name: str, policy: str, plan: int, runtime: int) -> dict:
@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,gpt,hf_gpt2,hf_llama,custom")
     ap.add_argument("--policies", default="dp,data,tp,autodist,autodist_mem")
     ap.add_argument("--autodist-models", default="gpt,hf_llama")
+    ap.add_argument("--seq2seq-models", default="hf_t5,hf_bart",
+                    help="encoder-decoder models, checked under tp/data/autodist at plan 2")
     ap.add_argument("--savedir", default="./.nncompile/parity")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -107,8 +109,12 @@ def main() -> None:
         for policy in args.policies.split(","):
             if policy == "dp" and plan != 1 or policy.startswith("autodist") and plan == 1:
                 continue
-            for name in args.models.split(","):
-                if policy.startswith("autodist") and name not in args.autodist_models:
+            names = args.models.split(",")
+            if plan == 2 and policy in ("tp", "data", "autodist", "autodist_mem"):
+                names += [m for m in args.seq2seq_models.split(",") if m]
+            for name in names:
+                if policy.startswith("autodist") and name not in args.autodist_models \
+                        and name not in args.seq2seq_models.split(","):
                     continue
                 results.append(check(name, policy, plan, runtime, args.savedir))
     if dist.get_rank() == 0:
