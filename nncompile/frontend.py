@@ -324,6 +324,12 @@ def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
     args, kwargs = normalize_args(module, dummy_args)
     ep = export(module, args, kwargs)
     graph = _Lowering(ep, module).run()
+    for op in graph.ops:
+        if getattr(op.target, "_schema", None) is not None and op.target._schema.is_mutable:
+            where = f" at {op.source.file}:{op.source.line}" if op.source else ""
+            raise TraceError(f"{op.target_name}{where} writes into a tensor in place and could "
+                             "not be made functional; rewrite it out of place (x = x.add(y)) or "
+                             "wrap it in nncompile.register_op")
     graph.meta["model"] = f"{type(module).__module__}.{type(module).__qualname__}"
     graph.meta["input_names"] = [v.name for v in graph.inputs]
     # what the original module's state_dict() and parameters() look like, so checkpoints can

@@ -165,17 +165,19 @@ def _random(op: Op) -> bool:
     return False
 
 
-def collect_cases(rules: list[str] | None = None, opinfo_limit: int = 4,
-                  seed: int = 0) -> list[Case]:
-    """Traced cases for `rules` (default: every registered rule but custom ops')."""
+def collect_cases(rules: list[str] | None = None, opinfo_limit: int = 4, seed: int = 0,
+                  extra: dict[str, list[tuple[Callable, tuple]]] | None = None) -> list[Case]:
+    """Traced cases for `rules` (default: every built-in rule). `extra` adds samples
+    `{rule: [(fn, args), ...]}`, e.g. for a custom op's rule ('nncompile::my_op')."""
     from .rule_samples import samples
-    names = [r for r in (rules or sorted(RULES)) if "::" not in r]
-    index = _opinfo_index()
+    names = list(rules) if rules else [r for r in sorted(RULES) if "::" not in r]
+    index = _opinfo_index() if any("::" not in r for r in names) else {}
     cases = []
     for rule in names:
         g = torch.Generator().manual_seed(seed + zlib.crc32(rule.encode()))
         base = rule.split(".")[0]
         calls = [("hand", fn, args, {}) for fn, args in samples(rule, g)]
+        calls += [("given", fn, args, {}) for fn, args in (extra or {}).get(rule, [])]
         calls += _opinfo_samples(index.get(base, []), opinfo_limit)
         for origin, fn, args, kwargs in calls:
             cases += _trace_cases(rule, origin, fn, args, kwargs)
@@ -341,10 +343,13 @@ def _compare_grads(case, s, n, ranks, ref) -> str | None:
 
 
 def check_rules(rules: list[str] | None = None, ns: tuple[int, ...] = NS,
-                opinfo_limit: int = 4, cases: list[Case] | None = None) -> RuleReport:
-    """Check every split strategy of `rules` (default: all) at each n in `ns`."""
+                opinfo_limit: int = 4, cases: list[Case] | None = None,
+                samples: dict[str, list[tuple[Callable, tuple]]] | None = None) -> RuleReport:
+    """Check every split strategy of `rules` (default: every built-in rule) at each n in
+    `ns`; `samples` adds calls per rule, e.g. `{"nncompile::my_linear": [(my_linear, (x, w))]}`
+    for a rule given to register_op."""
     from .simulate import run_ranks
-    cases = collect_cases(rules, opinfo_limit) if cases is None else cases
+    cases = collect_cases(rules, opinfo_limit, extra=samples) if cases is None else cases
     report = RuleReport(cases=len(cases))
     for rule in {c.rule for c in cases} | set(rules or [r for r in RULES if "::" not in r]):
         report.checked.setdefault(rule, set())

@@ -82,3 +82,45 @@ def test_check_true_needs_real_weights(tmp_path):
         nncompile.parallelize(model, models.batch("mlp", 0),
                               nncompile.ComputeConfig(2, check=True), pas_policy="tp",
                               gen_savedir=str(tmp_path), load_module=False)
+
+
+class ShiftRight(torch.nn.Module):
+    """Decoder inputs built in place, as T5/BART's `_shift_right` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, y):
+        d = y.new_zeros(y.shape)
+        d[:, 1:] = y[:, :-1].clone()
+        d[:, 0] = 2
+        d.masked_fill_(d == -100, 0)
+        h = self.emb(d)
+        h.mul_(2.0)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("policy", ["tp", "data"])
+def test_in_place_writes_are_functionalized(tmp_path, policy):
+    from nncompile.frontend import trace
+    torch.manual_seed(0)
+    y = torch.randint(3, 16, (4, 8))
+    graph = trace(ShiftRight(), (y,))
+    assert not [op for op in graph.ops if getattr(op.target, "_schema", None) is not None
+                and op.target._schema.is_mutable]
+    assert any(op.target_name == "aten.slice_scatter.default" for op in graph.ops)
+    report = nncompile.verify(ShiftRight(), (y,), nncompile.ComputeConfig(2), policy,
+                              gen_savedir=str(tmp_path))
+    assert report.ok, str(report)
+
+
+def test_the_ir_verifier_rejects_in_place_ops():
+    from nncompile.frontend import trace
+    from nncompile.ir import verify
+    graph = trace(models.build("mlp"), models.batch("mlp", 0))
+    op = next(o for o in graph.ops if o.target_name == "aten.relu.default")
+    op.target = torch.ops.aten.relu_.default
+    with pytest.raises(nncompile.GraphError, match="in place"):
+        verify(graph)

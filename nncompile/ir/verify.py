@@ -1,6 +1,8 @@
 """`verify(graph)`: one reusable checker run after any pass (tests run it after every pass).
 
-Checks: unique names; every use is defined before it; every Shard placement names a real
+Checks: unique names; every use is defined before it; no op writes into its input (the IR is
+functional: a collective between a view and its base would write into a copy, see
+frontend.functionalize); every Shard placement names a real
 dimension divisible by plan_ngpus; once communication is inserted (graph.meta['comm_inserted']),
 every op's inputs already have the placements its strategy asks for and every output is
 Replicate.
@@ -23,6 +25,11 @@ def _check_placement(v: Value, n: int, where: str) -> None:
         if v.meta.shape[p.dim] % n:
             raise GraphError(f"{where}: %{v.name} dim {p.dim} of {list(v.meta.shape)} "
                              f"is not divisible by plan_ngpus={n}")
+
+
+def _mutates(op) -> bool:
+    schema = getattr(op.target, "_schema", None)
+    return schema is not None and schema.is_mutable and op.target._opname != "detach_"
 
 
 def verify(graph: Graph) -> Graph:
@@ -48,6 +55,9 @@ def verify(graph: Graph) -> Graph:
             for v in ins:
                 if id(v) not in defined:
                     raise GraphError(f"{where}: uses %{v.name} before it is defined")
+            if _mutates(op):
+                raise GraphError(f"{where}: writes into its input in place; the IR must be "
+                                 "functional (trace through nncompile.frontend.trace)")
             for v in op.outputs:
                 define(v, where)
             if comm_done and op.strategy is not None:
