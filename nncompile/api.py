@@ -6,7 +6,6 @@ wait for it and load their own `gencode{rank}.py`.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib.util
 import json
 import os
@@ -22,11 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__, codegen
+from . import codegen
 from .config import ComputeConfig
 from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
 from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, replace_dir, write_json, write_text
+from .fingerprint import compute_fingerprint
 from .frontend import trace
 from .ir import Graph, print_graph
 from .log import log as _log
@@ -63,10 +63,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         for v in graph.values():
             v.requires_grad = False
     traced_text = print_graph(graph)
-    fingerprint = hashlib.sha256(
-        (__version__ + _policy_name(pas_policy) + "\n"
-         + json.dumps(config.plan_json(), sort_keys=True) + "\n" + traced_text).encode()
-    ).hexdigest()
+    fingerprint, fp_parts = compute_fingerprint(graph, config, pas_policy)
     manifest_path = outdir / "manifest.json"
     old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     if reuse != "override" and old:
@@ -78,7 +75,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
             return Compiled("reused")
         if reuse == "match":
             raise ReuseError(_what_changed(old, config, traced_text, _policy_name(pas_policy),
-                                           outdir))
+                                           outdir, fp_parts))
     _log(f"traced {graph.meta['model']}: {len(graph.ops)} ops, {len(graph.params)} params "
          f"({(time.perf_counter() - start):.1f}s)")
     seconds = {"trace": time.perf_counter() - start}
@@ -107,6 +104,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         seconds["total"] = time.perf_counter() - start
         write_json(staging / "manifest.json",
                    {**codegen.manifest(final, config, fingerprint, traced_text),
+                    "fingerprint_parts": fp_parts,
                     "compile_seconds": seconds,
                     "files": {f"gencode{r}.py": file_sha256(staging / f"gencode{r}.py")
                               for r in range(config.runtime_ngpus)}})
@@ -131,18 +129,31 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     return Compiled("generated", graph, final)
 
 
+def _code_lines(text: str) -> list[str]:
+    """A printed graph without its comment lines (source lines move with unrelated edits)."""
+    return [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+
+
+_PART_CHANGES = {"policy": "the policy's code changed",
+                 "device": "the autodist device profile (or load_plan_path file) changed",
+                 "custom_ops": "a custom op's register_op annotation changed",
+                 "version": "the nncompile version changed"}
+
+
 def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: str,
-                  outdir: Path) -> str:
+                  outdir: Path, parts: dict[str, str] | None = None) -> str:
     changes = config.diff(old.get("config", {}))
-    if old.get("policy") and old.get("policy") != policy and not policy.startswith(
-            old.get("policy", "")):
+    if old.get("policy") and old["policy"] not in (policy, policy.rsplit(".", 1)[-1]):
         changes.append(f"pas_policy: {old.get('policy')!r} -> {policy!r}")
-    if old.get("traced_graph", "") != traced_text:
-        diff = list(difflib.unified_diff(old.get("traced_graph", "").splitlines(),
-                                         traced_text.splitlines(), "saved", "now", n=0,
-                                         lineterm=""))[2:12]
+    saved, now = _code_lines(old.get("traced_graph", "")), _code_lines(traced_text)
+    if saved != now:
+        diff = list(difflib.unified_diff(saved, now, "saved", "now", n=0, lineterm=""))[2:12]
         changes.append("the traced graph changed (the model's code, shapes or parameters):\n"
                        + "\n".join("      " + d for d in diff))
+    old_parts = old.get("fingerprint_parts") or {}
+    changes += [why for key, why in _PART_CHANGES.items()
+                if key in old_parts and parts and old_parts[key] != parts.get(key)
+                and not (key == "policy" and any(c.startswith("pas_policy") for c in changes))]
     if not changes:
         changes.append("generated files are incomplete or from another nncompile version")
     edited = edited_files(outdir, old)
@@ -214,4 +225,8 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
         raise error
     if not load_module:
         return outdir
+    from .distribute import require_rank_file, share_generated
+    if distributed:
+        share_generated(outdir)     # nodes that do not share gen_savedir get rank 0's files
+    require_rank_file(outdir, rank)
     return load_rank_module(outdir, rank, module, device, config)

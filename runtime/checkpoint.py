@@ -5,9 +5,10 @@
 
 Formats (`checkpoint.json` in the directory says which):
     sharded  rank{r}.pt = {"model": pm.state_dict(), "optimizer": opt.state_dict(), "extra"}
-             loads only into the plan that wrote it (same code, same world size)
+             loads into a plan whose every rank holds the same shards (per parameter: full
+             shape, placement, slices; same world size), wherever it was compiled
     deduped  rank{r}.pt, each distinct shard stored once across the job (dedup.py);
-             same plan on load
+             same shards on load
     dcp      torch.distributed.checkpoint files (dcp.py); loads under any plan, policy or
              world size
 A merged file (`python -m nncompile merge`, or merge_state_dicts) loads under any plan too.
@@ -35,7 +36,7 @@ from nncompile.fileio import replace_dir, write_json
 from .dcp import load_dcp, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
 from .merge import load_merged_state_dict, merge_state_dicts
-from .state import describe, plan_info
+from .state import describe, plan_info, plan_mismatch
 
 FORMATS = ("sharded", "deduped", "dcp")
 META = "checkpoint.json"
@@ -147,14 +148,10 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
             for group, saved in zip(optimizer.param_groups, side["param_groups"]):
                 group.update(saved)
         return side["extra"]
-    if meta["world_size"] != world or meta["plan"]["fingerprint"] != pm.FINGERPRINT:
-        raise CheckpointError(
-            f"{path} is a {meta['format']} checkpoint of plan [{describe(meta['plan'])}] on "
-            f"{meta['world_size']} ranks, but this module runs plan [{describe(plan_info(pm))}] "
-            f"on {world} ranks; {meta['format']} checkpoints only load into the plan that wrote "
-            f"them. Save with format='dcp' to load under another plan, or merge it "
-            f"(python -m nncompile merge {path} -o merged.pt) and load merged.pt")
+    if meta["world_size"] != world:
+        _refuse(path, meta, pm, f"it was saved by {meta['world_size']} ranks")
     blob = torch.load(path / f"rank{rank}.pt", map_location=pm.device, weights_only=False)
+    check_shards(path, meta, pm, blob["model"].get("_extra_state") or {})
     if meta["format"] == "sharded":
         pm.load_state_dict(blob["model"])                # checks the plan first
         if optimizer is not None:
@@ -162,6 +159,30 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     else:
         load_deduped_state_dict(pm, blob["model"], optimizer, blob["optimizer"])
     return blob["extra"]
+
+
+def check_shards(path: Path, meta: dict, pm, saved: dict) -> None:
+    """Every rank compares the plan of its file's shards (`saved`, a plan_info) with its own
+    (state.plan_mismatch); if any rank's differ, every rank raises, so none is left waiting in
+    a collective. The plan fingerprint is not compared."""
+    why = plan_mismatch(saved, plan_info(pm))
+    whys = [why]
+    if dist.is_initialized():
+        whys = [None] * dist.get_world_size()
+        dist.all_gather_object(whys, why)
+    bad = next(((r, w) for r, w in enumerate(whys) if w is not None), None)
+    if bad is not None:
+        _refuse(path, meta, pm, f"rank {bad[0]}'s shards differ: {bad[1]}")
+
+
+def _refuse(path: Path, meta: dict, pm, why: str) -> None:
+    fmt = meta["format"]
+    raise CheckpointError(
+        f"{path} is a {fmt} checkpoint of plan [{describe(meta['plan'])}] on "
+        f"{meta['world_size']} ranks, but this module runs plan [{describe(plan_info(pm))}] "
+        f"on {_rank_world()[1]} ranks; {why}. {fmt} checkpoints only load into a plan whose "
+        f"ranks hold the same shards. Save with format='dcp' to load under another plan, or "
+        f"merge it (python -m nncompile merge {path} -o merged.pt) and load merged.pt")
 
 
 def rank_files(paths: list[str | os.PathLike]) -> list[Path]:

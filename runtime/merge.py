@@ -17,7 +17,8 @@ import torch
 
 from nncompile.errors import CheckpointError
 
-from .state import load_local_optimizer_state, optimizer_state_by_name, pm_params
+from .state import (load_local_optimizer_state, optimizer_state_by_name, pm_params,
+                    shard_layout)
 
 
 def _index(slices) -> tuple[slice, ...]:
@@ -55,6 +56,27 @@ def _info(sd: dict, i: int) -> dict:
     return info
 
 
+def _check_one_plan(infos: list[dict]) -> None:
+    """The ranks' plans must agree on the plan size and, per FQN, on full shape and placement
+    (their slices differ by design); the fingerprint is not compared."""
+    first = infos[0]
+    layout0 = shard_layout(first)
+    for i, info in enumerate(infos[1:], 1):
+        why = next((f"{k} {first.get(k)} vs {info.get(k)}" for k in ("plan_ngpus", "runtime_ngpus")
+                    if first.get(k) != info.get(k)), None)
+        layout = shard_layout(info)
+        if why is None and layout.keys() != layout0.keys():
+            fqn = sorted(layout.keys() ^ layout0.keys())[0]
+            why = f"{fqn!r} is in only one of them"
+        for fqn, row in layout.items():
+            for field in ("full shape", "placement"):
+                if why is None and row[field] != layout0[fqn][field]:
+                    why = f"{row['kind']} {fqn!r}: {field} {layout0[fqn][field]} vs {row[field]}"
+        if why is not None:
+            raise CheckpointError(f"state dicts #0 and #{i} come from different plans ({why}); "
+                                  "merge the files of one checkpoint")
+
+
 def merge_state_dicts(model_sds: list[dict], opt_sds: list[dict] | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Per-rank model (and optimizer) state dicts of one plan -> (model state dict, optimizer
@@ -63,10 +85,7 @@ def merge_state_dicts(model_sds: list[dict], opt_sds: list[dict] | None = None
     if not model_sds:
         raise CheckpointError("merge_state_dicts needs at least one rank's state dict")
     infos = [_info(sd, i) for i, sd in enumerate(model_sds)]
-    fingerprints = {info["fingerprint"] for info in infos}
-    if len(fingerprints) > 1:
-        raise CheckpointError(f"the state dicts come from {len(fingerprints)} different plans; "
-                              "merge the files of one checkpoint")
+    _check_one_plan(infos)
     params = _Assembler()
     for sd, info in zip(model_sds, infos):
         for name, fqn, shape, _, slices, *_ in [tuple(p) for p in info["params"]] + \

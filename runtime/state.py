@@ -31,20 +31,64 @@ def describe(info: dict) -> str:
             f"{str(info.get('fingerprint'))[:12]}")
 
 
+def _plain(x: Any) -> Any:
+    """Tuples (and torch.Size) as lists, so saved and live plan rows compare equal."""
+    return [_plain(e) for e in x] if isinstance(x, (list, tuple)) else x
+
+
+def shard_layout(info: dict) -> dict[str, dict[str, Any]]:
+    """{FQN: what this rank holds of it} for a plan_info's parameters and persistent buffers:
+    kind, local name, full shape, placement and this rank's slices."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind, rows in (("parameter", info.get("params", [])),
+                       ("buffer", info.get("buffers", []))):
+        for name, fqn, shape, placement, slices, *_ in rows:
+            out[fqn] = {"kind": kind, "local name": name, "full shape": _plain(shape),
+                        "placement": placement, "slices": _plain(slices)}
+    return out
+
+
+def plan_mismatch(saved: dict, mine: dict) -> str | None:
+    """The first difference that keeps shards saved under plan_info `saved` from loading
+    under `mine`, in words; None when every shard matches. The fingerprint is not compared:
+    a plan compiled from another directory, or after an unrelated edit, loads."""
+    for key in ("plan_ngpus", "runtime_ngpus"):
+        if saved.get(key) != mine.get(key):
+            return f"{key} is {saved.get(key)} in the checkpoint but {mine.get(key)} here"
+    theirs, ours = shard_layout(saved), shard_layout(mine)
+    for fqn, row in ours.items():
+        if fqn not in theirs:
+            return f"{row['kind']} {fqn!r} is not in the checkpoint"
+        for field in ("full shape", "placement", "slices", "local name"):
+            if theirs[fqn][field] != row[field]:
+                what = "this rank's slices" if field == "slices" else field
+                return (f"{row['kind']} {fqn!r}: {what} {theirs[fqn][field]} in the "
+                        f"checkpoint, {row[field]} here")
+    extra = [fqn for fqn in theirs if fqn not in ours]
+    if extra:
+        return (f"the checkpoint has {theirs[extra[0]]['kind']} {extra[0]!r}, which this "
+                f"module does not")
+    if [p[0] for p in saved.get("params", [])] != [p[0] for p in mine.get("params", [])]:
+        return "the parameters are in another order (optimizer state is saved by position)"
+    return None
+
+
 def check_same_plan(saved: dict, pm, where: str) -> None:
-    """Refuse shards written under another plan (or by another rank)."""
+    """Refuse shards that differ from this rank's (another plan, or another rank's file)."""
     mine = plan_info(pm)
-    if saved.get("fingerprint") != mine["fingerprint"] or \
-            saved.get("runtime_ngpus") != mine["runtime_ngpus"]:
-        raise CheckpointError(
-            f"{where} was saved under plan [{describe(saved)}] but this module runs plan "
-            f"[{describe(mine)}]; shards only load into the plan that wrote them. To load it "
-            f"here, save with format='dcp' (nncompile.save_checkpoint) which reshards on load, "
-            f"or merge it (python -m nncompile merge DIR -o merged.pt) and load the merged "
-            f"file with nncompile.load_checkpoint / nncompile.load_merged_state_dict")
-    if saved.get("rank") != mine["rank"]:
+    same_size = all(saved.get(k) == mine[k] for k in ("plan_ngpus", "runtime_ngpus"))
+    if same_size and saved.get("rank") != mine["rank"]:
         raise CheckpointError(f"{where} holds rank {saved.get('rank')}'s shards but this is rank "
                               f"{mine['rank']}; load the file named after this rank")
+    why = plan_mismatch(saved, mine)
+    if why is not None:
+        raise CheckpointError(
+            f"{where} was saved under plan [{describe(saved)}] but this module runs plan "
+            f"[{describe(mine)}]; its shards differ: {why}. Shards only load into a plan "
+            f"that holds the same ones. To load it here, save with format='dcp' "
+            f"(nncompile.save_checkpoint) which reshards on load, or merge it (python -m "
+            f"nncompile merge DIR -o merged.pt) and load the merged file with "
+            f"nncompile.load_checkpoint / nncompile.load_merged_state_dict")
 
 
 def is_owner(pm, placement: str) -> bool:

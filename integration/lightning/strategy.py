@@ -40,7 +40,7 @@ from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_stat
                                      load_deduped_model_state, load_deduped_optimizer_state)
 from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
                                      merge_state_dicts)
-from nncompile.runtime.state import describe, plan_info
+from nncompile.runtime.state import describe, plan_info, plan_mismatch
 
 from .precision import NnCompilePrecision
 
@@ -276,15 +276,26 @@ class NnCompileStrategy(ParallelStrategy):
             return torch.load(path, map_location=self.root_device, weights_only=False)
         meta = read_meta(path)
         pm = self.parallel_module
-        if meta["world_size"] != self.world_size or \
-                meta["plan"]["fingerprint"] != pm.FINGERPRINT:
+
+        def refuse(why: str):
             raise CheckpointError(
                 f"{path} was saved under plan [{describe(meta['plan'])}] on "
                 f"{meta['world_size']} ranks, but this run is plan [{describe(plan_info(pm))}] "
-                f"on {self.world_size} ranks. Merge it first: NnCompileStrategy."
+                f"on {self.world_size} ranks; {why}. Merge it first: NnCompileStrategy."
                 f"merge_checkpoint(['{path}'], 'merged.ckpt'), then resume from merged.ckpt")
-        return torch.load(path / f"rank{self.global_rank}.pt", map_location=self.root_device,
-                          weights_only=False)
+        if meta["world_size"] != self.world_size:
+            refuse(f"it was saved by {meta['world_size']} ranks")
+        checkpoint = torch.load(path / f"rank{self.global_rank}.pt",
+                                map_location=self.root_device, weights_only=False)
+        saved = checkpoint.get("state_dict", {}).get("_extra_state") or {}
+        whys = [plan_mismatch(saved, plan_info(pm))]            # shards decide, not fingerprints
+        if dist.is_initialized():                       # every rank refuses if any rank does
+            mine, whys = whys[0], [None] * dist.get_world_size()
+            dist.all_gather_object(whys, mine)
+        bad = next(((r, w) for r, w in enumerate(whys) if w is not None), None)
+        if bad is not None:
+            refuse(f"rank {bad[0]}'s shards differ: {bad[1]}")
+        return checkpoint
 
     def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
         sd, pm = checkpoint["state_dict"], self.parallel_module

@@ -99,11 +99,13 @@ def fmt_op(op: Op, indent: str = "    ", local_n: int | None = None,
     return lines
 
 
-def fmt_body(ops: list[Op], indent: str = "    ", local_n: int | None = None) -> list[str]:
-    """Ops as code, with a source comment wherever the user's line changes."""
+def fmt_body(ops: list[Op], indent: str = "    ", local_n: int | None = None,
+             source: bool = True) -> list[str]:
+    """Ops as code, with a source comment wherever the user's line changes (none without
+    `source`)."""
     lines, last = [], None
     for op in ops:
-        lines += fmt_op(op, indent, local_n, source=op.source != last)
+        lines += fmt_op(op, indent, local_n, source=source and op.source != last)
         last = op.source or last        # inserted collectives (no source) do not repeat it
     return lines
 
@@ -113,8 +115,10 @@ def fmt_input(v: Value, local_n: int | None = None) -> str:
     return f"{v.name},  # {origin}{fmt_meta(v, local_n)}"
 
 
-def print_graph(g: Graph, local_n: int | None = None) -> str:
-    """The whole graph as a Python function `forward`; constants first, marked as such."""
+def print_graph(g: Graph, local_n: int | None = None, source: bool = True) -> str:
+    """The whole graph as a Python function `forward`; constants first, marked as such.
+    source=False leaves out the user's source-line comments (file paths and line numbers),
+    e.g. for the plan fingerprint."""
     lines = [f"# nncompile IR: plan_ngpus={g.plan_ngpus}"]
     lines.append("def forward(")
     lines += [f"    {fmt_input(v, local_n)}" for v in g.inputs]
@@ -125,8 +129,8 @@ def print_graph(g: Graph, local_n: int | None = None) -> str:
     lines.append("):")
     if g.const_ops:
         lines.append("    # ---- constants: evaluated once at load time ----")
-        lines += fmt_body(g.const_ops, local_n=local_n)
+        lines += fmt_body(g.const_ops, local_n=local_n, source=source)
         lines.append("    # ---- forward ----")
-    lines += fmt_body(g.ops, local_n=local_n)
+    lines += fmt_body(g.ops, local_n=local_n, source=source)
     lines.append(f"    return {fmt_literal(tuple(g.outputs))}")
     return "\n".join(lines) + "\n"
