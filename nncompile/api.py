@@ -9,9 +9,7 @@ import difflib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ from . import codegen
 from .config import ComputeConfig
 from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
 from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
-from .fileio import check_writable, replace_dir, write_json, write_text
+from .fileio import check_writable, staged_dir, write_json, write_text
 from .fingerprint import compute_fingerprint
 from .frontend import trace
 from .ir import Graph, print_graph
@@ -87,8 +85,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
     _log(f"writing {config.runtime_ngpus} rank file(s) ...")
-    staging = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}.tmp-"))
-    try:
+    with staged_dir(outdir) as staging:
         for r in range(config.runtime_ngpus):
             write_text(staging / f"gencode{r}.py",
                        codegen.gencode(final, r, config.runtime_ngpus, fingerprint))
@@ -108,10 +105,6 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
                     "compile_seconds": seconds,
                     "files": {f"gencode{r}.py": file_sha256(staging / f"gencode{r}.py")
                               for r in range(config.runtime_ngpus)}})
-        replace_dir(staging, outdir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     if kept:
         warnings.warn(f"regenerating {outdir} replaced edited file(s) {', '.join(kept)}; "
                       f"the edited versions are kept in {outdir / 'edited'}",

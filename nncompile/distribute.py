@@ -13,7 +13,7 @@ or reused:
 3. if every rank sees them (a shared disk, or a copy from an earlier run) nothing is sent.
    Otherwise rank 0 sends the files' bytes and sha256s point to point to one writer per node
    that lacks them (the node's lowest rank, its LOCAL_RANK 0), which checks each sha256 and
-   writes a staging directory renamed into place (fileio.replace_dir); the node's other ranks
+   writes a staging directory renamed into place (fileio.staged_dir); the node's other ranks
    wait at the barrier of step 4;
 4. every rank looks for its own file again; if any rank still cannot see it, every rank raises
    the same NNCompileError (so none is left waiting in a later collective).
@@ -23,9 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import torch.distributed as dist
 
 from .edits import keep_edited
 from .errors import EditedCodeWarning, NNCompileError
-from .fileio import replace_dir
+from .fileio import staged_dir
 from .log import log
 
 TOP_LEVEL = ("manifest.json", "plan.json", "plan_report.txt")
@@ -68,9 +66,7 @@ def _write(outdir: Path, files: dict[str, tuple[bytes, str]]) -> None:
     for name, (data, sha) in files.items():
         if _sha256(data) != sha:
             raise NNCompileError(f"{name} arrived corrupted (sha256 mismatch)")
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=outdir.parent, prefix=f".{outdir.name}.tmp-"))
-    try:
+    with staged_dir(outdir) as staging:
         for name, (data, _) in files.items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_bytes(data)
@@ -81,10 +77,6 @@ def _write(outdir: Path, files: dict[str, tuple[bytes, str]]) -> None:
                 if old.is_file() else []
         except (OSError, ValueError):
             kept = []
-        replace_dir(staging, outdir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     if kept:
         warnings.warn(f"rank 0's generated code replaced edited file(s) {', '.join(kept)} in "
                       f"{outdir} on {socket.gethostname()}; the edited versions are kept in "

@@ -1,12 +1,13 @@
 """Atomic writes: nothing in gen_savedir is ever left half-written."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import ConfigError
 
@@ -42,3 +43,17 @@ def replace_dir(staging: Path, target: Path) -> None:
     os.replace(staging, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path) -> Iterator[Path]:
+    """A fresh directory next to `target` to fill; when the block ends without an error it
+    replaces `target` in one rename, otherwise it is removed and `target` is untouched."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        yield staging
+        replace_dir(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -252,25 +252,10 @@ def _localized(op: Op, s: Strategy, n: int) -> Op:
 def _run_rank(case: Case, s: Strategy, n: int, rank: int, seed: int):
     """This rank's outputs and input gradients for one (case, strategy)."""
     g = torch.Generator().manual_seed(seed)
-    locals_ = []
-    for x, p in zip(case.values, s.inputs):
-        piece = _pieces(x, p, n, g)[rank]
-        locals_.append(piece.requires_grad_(piece.is_floating_point()))
-    op = _localized(case.op, s, n)
-    outs = _call(op, True, locals_)
-    ups = _upstream(case.op, seed + 1)
-    pairs = [(o, _local_grad(u, p, n, rank)) for o, u, p in zip(outs, ups, s.outputs)
-             if u is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-    grads = [None] * len(locals_)
-    if pairs:
-        wrt = [x for x in locals_ if x.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wrt, [u for _, u in pairs],
-                                  allow_unused=True)
-        it = iter(got)
-        grads = [next(it) if x.requires_grad else None for x in locals_]
-    grads = [torch.zeros_like(x) if gr is None and x.requires_grad else gr
-             for x, gr in zip(locals_, grads)]
-    return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], grads
+    pieces = [_pieces(x, p, n, g)[rank] for x, p in zip(case.values, s.inputs)]
+    ups = [u if u is None else _local_grad(u, p, n, rank)
+           for u, p in zip(_upstream(case.op, seed + 1), s.outputs)]
+    return _forward_backward(_localized(case.op, s, n), True, pieces, ups)
 
 
 def _local_grad(u: torch.Tensor, p, n: int, rank: int) -> torch.Tensor:
@@ -278,18 +263,24 @@ def _local_grad(u: torch.Tensor, p, n: int, rank: int) -> torch.Tensor:
 
 
 def _reference(case: Case, seed: int):
-    leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in case.values]
-    outs = _call(case.op, False, leaves)
-    ups = _upstream(case.op, seed + 1)
+    return _forward_backward(case.op, False, [x.clone() for x in case.values],
+                             _upstream(case.op, seed + 1))
+
+
+def _forward_backward(op: Op, local: bool, inputs: list[torch.Tensor], ups: list):
+    """(outputs, input gradients) of `op` with upstream gradients `ups` (None: no gradient)."""
+    leaves = [x.requires_grad_(x.is_floating_point()) for x in inputs]
+    outs = _call(op, local, leaves)
     pairs = [(o, u) for o, u in zip(outs, ups)
              if u is not None and isinstance(o, torch.Tensor) and o.requires_grad]
     grads = [None] * len(leaves)
     if pairs:
         wrt = [x for x in leaves if x.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wrt, [u for _, u in pairs],
-                                  allow_unused=True)
-        it = iter(got)
-        grads = [next(it) if x.requires_grad else None for x in leaves]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [u for _, u in pairs],
+                                       allow_unused=True))
+        grads = [next(got) if x.requires_grad else None for x in leaves]
+    grads = [torch.zeros_like(x) if gr is None and x.requires_grad else gr
+             for x, gr in zip(leaves, grads)]
     return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], grads
 
 
