@@ -201,6 +201,42 @@ def test_progress_and_summary_are_printed(tmp_path, capsys, monkeypatch):
         assert step in err, step
 
 
+FALLBACK = "no GPU is visible, so autodist plans for the built-in 'cpu' profile"
+
+
+def test_cpu_fallback_is_announced(tmp_path, capsys, monkeypatch):
+    """Compiling for GPUs on a machine without one (load_module=False): the automatic 'cpu'
+    profile is announced in the progress output and in PlanInfeasibleError, with the fixes;
+    never when the user asked for 'cpu'."""
+    monkeypatch.delenv("NNCOMPILE_QUIET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def compile_auto(name, **pas_config):     # no "device" unless given
+        return nncompile.parallelize(*big_mlp(), ComputeConfig(2, 2, pas_config=pas_config),
+                                     gen_savedir=tmp_path, reuse="override", load_module=False,
+                                     instance_name=name)
+
+    out = compile_auto("auto")
+    assert json.loads((out / "plan.json").read_text())["autodist"]["device"] == "cpu"
+    err = capsys.readouterr().err
+    assert f"[nncompile] autodist: {FALLBACK}" in err, err
+    for fix in ('pas_config={"device": "h100-80g"}', "'a100-80g', 'h100-80g', 'h200'",
+                "`python -m nncompile profile -o FILE`"):
+        assert fix in err, fix
+    with pytest.raises(PlanInfeasibleError, match="leanest plan needs") as e:
+        compile_auto("auto_infeasible", mem_limit_gb=0.01)
+    assert FALLBACK in str(e.value) and 'pas_config={"device": "h100-80g"}' in str(e.value)
+    assert "python -m nncompile profile -o FILE" in str(e.value)
+    capsys.readouterr()
+
+    compile_auto("asked", device="cpu")
+    with pytest.raises(PlanInfeasibleError, match="leanest plan needs") as e:
+        compile_auto("asked_infeasible", device="cpu", mem_limit_gb=0.01)
+    assert "no GPU" not in str(e.value) and "h100" not in str(e.value)
+    err = capsys.readouterr().err
+    assert "autodist: 3 ops" in err and "no GPU" not in err, err
+
+
 def test_default_policy_is_autodist(tmp_path):
     model, args = big_mlp()
     out = nncompile.parallelize(model, args, ComputeConfig(2, 2), gen_savedir=tmp_path,

@@ -29,7 +29,8 @@ from .ilp import PlanInfeasibleError, Solution, leanest_memory, objective_of, re
     solve
 from .plan_file import load_plan, save_plan
 from .problem import Problem, build_problem
-from .profiles import BUILTIN, DeviceProfile, get_profile, measure_profile, save_profile
+from .profiles import BUILTIN, DeviceProfile, cpu_fallback_note, get_profile, measure_profile, \
+    save_profile
 from .report import explain, explanation_data, report_table
 
 KEYS = {"device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
@@ -78,7 +79,15 @@ def autodist(graph: Graph, config) -> Graph:
     start = time.perf_counter()
     g, prob = plan_problem(graph, config)
     mem = pc.get("mem_limit_gb", prob.model.profile.mem_capacity_gb)
-    sol: Solution = solve(prob, mem, float(pc.get("solver_time_limit", 60.0)))
+    note = cpu_fallback_note(pc.get("device"))
+    if note:
+        _log(f"autodist: {note}")
+    try:
+        sol: Solution = solve(prob, mem, float(pc.get("solver_time_limit", 60.0)))
+    except PlanInfeasibleError as e:
+        if not note:
+            raise
+        raise PlanInfeasibleError(f"{e} Note: {note}") from None
     apply(g, prob, sol.picks)
     g.meta["autodist"] = explanation_data(prob, sol, g, prob.model.profile.name)
     shared = ", ".join(f"{p} x{k}" for p, k in prob.layers.items()) or "none"

@@ -75,6 +75,21 @@ def default_device() -> str:
     return "cpu"
 
 
+def cpu_fallback_note(device: str | DeviceProfile | None) -> str:
+    """Why the plan is for the 'cpu' profile when nobody chose it: '' when pas_config names a
+    device or this machine has a GPU, else a sentence naming the fixes. Compiling on a laptop
+    for a GPU cluster (parallelize(..., load_module=False)) otherwise plans for gloo links and
+    the cpu profile's memory capacity without saying so."""
+    if device or default_device() != "cpu":
+        return ""
+    gpus = ", ".join(f"'{name}'" for name in BUILTIN if name != "cpu")
+    return (f"no GPU is visible, so autodist plans for the built-in 'cpu' profile (gloo "
+            f"links, {BUILTIN['cpu'].mem_capacity_gb:g} GB per rank). To compile for GPUs, name "
+            f"the target: pas_config={{\"device\": \"h100-80g\"}} (built-in GPU profiles: "
+            f"{gpus}), or run `python -m nncompile profile -o FILE` on the target machine and "
+            "pass pas_config={\"device\": \"FILE\"}.")
+
+
 def get_profile(device: str | DeviceProfile | None) -> DeviceProfile:
     if isinstance(device, DeviceProfile):
         return device
