@@ -99,15 +99,16 @@ def _report(loss, ref_loss, grads, ref_grads, rtol, atol) -> VerifyReport:
 
 def verify(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig,
            pas_policy: Any, *, gen_savedir: str = "./.nncompile", rtol: float = 1e-5,
-           atol: float = 1e-6) -> VerifyReport:
+           atol: float = 1e-6, inputs: Any = None) -> VerifyReport:
     """Compare parallel loss and gradients with a single-device run; return the report.
-    Without a process group every rank runs in this process (threads)."""
+    Without a process group every rank runs in this process (threads). `inputs` (shaped like
+    dummy_args) is the batch both runs see; by default dummy_args itself."""
     if not (dist.is_available() and dist.is_initialized()):
         return verify_in_process(module, dummy_args, compute_config, pas_policy,
-                                 gen_savedir=gen_savedir, rtol=rtol, atol=atol)
+                                 gen_savedir=gen_savedir, rtol=rtol, atol=atol, inputs=inputs)
     from .api import parallelize
 
-    args, kwargs = normalize_args(module, dummy_args)
+    args, kwargs = normalize_args(module, dummy_args if inputs is None else inputs)
     ref_loss, ref_grads = _eager(module, args, kwargs)
     pm = parallelize(copy.deepcopy(module), dummy_args, compute_config, pas_policy=pas_policy,
                      gen_savedir=gen_savedir, reuse="override",
@@ -119,7 +120,8 @@ def verify(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConf
 
 def verify_in_process(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig,
                       pas_policy: Any, *, gen_savedir: str = "./.nncompile",
-                      rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
+                      rtol: float = 1e-5, atol: float = 1e-6, inputs: Any = None
+                      ) -> VerifyReport:
     """Compile, then run every rank's generated program in one process and compare."""
     from .api import compile_module
 
@@ -127,12 +129,13 @@ def verify_in_process(module: torch.nn.Module, dummy_args: Any, compute_config: 
     outdir = Path(gen_savedir).absolute() / f"verify_{type(module).__name__}"
     compiled = compile_module(module, dummy_args, config, pas_policy=pas_policy,
                               outdir=outdir, reuse="override")
-    return check_compiled(module, dummy_args, config, compiled, outdir, rtol=rtol, atol=atol)
+    return check_compiled(module, dummy_args if inputs is None else inputs, config, compiled,
+                          outdir, rtol=rtol, atol=atol)
 
 
-def check_compiled(module: torch.nn.Module, dummy_args: Any, config: ComputeConfig, compiled,
+def check_compiled(module: torch.nn.Module, batch: Any, config: ComputeConfig, compiled,
                    outdir: Path, rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
-    """Run the generated files in `outdir` on threads against eager `module`."""
+    """Run the generated files in `outdir` on `batch` (threads) against eager `module`."""
     from .api import load_rank_module
     from .simulate import run_ranks
 
@@ -140,7 +143,7 @@ def check_compiled(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         raise ConfigError("checking a plan needs the model's real weights, but it is on the "
                           "meta device; run nncompile.verify on a small real instance, or "
                           "drop check=True")
-    args, kwargs = normalize_args(module, dummy_args)
+    args, kwargs = normalize_args(module, batch)
     ref_loss, ref_grads = _eager(module, args, kwargs)
     names = [v.name for v in compiled.traced.inputs]
     bound = {**dict(zip(names, args)), **kwargs}
