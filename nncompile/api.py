@@ -63,7 +63,15 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     traced_text = print_graph(graph)
     fingerprint, fp_parts = compute_fingerprint(graph, config, pas_policy)
     manifest_path = outdir / "manifest.json"
-    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    try:
+        old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        if reuse == "match":
+            raise ReuseError(f"the manifest at {manifest_path} is unreadable ({e}); use "
+                             "reuse='override' to regenerate the code in "
+                             f"{outdir}") from e
+        _log(f"the manifest at {manifest_path} is unreadable; regenerating")
+        old = {}
     if reuse != "override" and old:
         complete = all((outdir / f"gencode{r}.py").exists() for r in range(config.runtime_ngpus))
         if old.get("fingerprint") == fingerprint and complete:
@@ -200,6 +208,15 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
         raise ConfigError(f"runtime_ngpus={config.runtime_ngpus} but the world size is {world}; "
                           f"launch with torchrun --nproc_per_node={config.runtime_ngpus}, or set "
                           f"runtime_ngpus={world}")
+    if instance_name is not None and (
+            not isinstance(instance_name, str) or not instance_name
+            or instance_name in (".", "..") or instance_name.startswith(".")
+            or "/" in instance_name or "\\" in instance_name or os.sep in instance_name
+            or (os.altsep and os.altsep in instance_name) or "\0" in instance_name):
+        raise ConfigError(f"instance_name={instance_name!r} must be a plain directory name "
+                          "under gen_savedir: non-empty, no path separators ('/' or '\\'), "
+                          "not '.' or '..' and not starting with '.'; e.g. instance_name="
+                          f"{type(module).__name__!r}")
     instance = instance_name or type(module).__name__
     outdir = Path(gen_savedir).absolute() / instance
     error = None

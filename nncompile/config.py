@@ -2,11 +2,41 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+
+# Every key a policy or a pass reads from ComputeConfig.pas_config (autodist's, documented in
+# passes/autodist/__init__.py; recompute_modules is read by every policy's pipeline). An
+# unknown key is an error under every policy, so a typo never silently does nothing.
+PAS_CONFIG_KEYS = frozenset({
+    "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
+    "constraints", "recompute_modules", "save_plan_path", "load_plan_path"})
+BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
+               "use_zero", "check")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_pas_config_keys(pas_config: dict) -> None:
+    """ConfigError for keys no policy reads, with the closest known key as a suggestion."""
+    unknown = sorted(k for k in pas_config if k not in PAS_CONFIG_KEYS)
+    if not unknown:
+        return
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(str(k), sorted(PAS_CONFIG_KEYS), n=1)
+        if close:
+            hints.append(f"{k!r}: did you mean {close[0]!r}?")
+    hint = (" (" + "; ".join(hints) + ")") if hints else ""
+    raise ConfigError(f"unknown pas_config keys: {unknown}{hint}; known: "
+                      f"{sorted(PAS_CONFIG_KEYS)}")
 
 
 @dataclass(frozen=True)
@@ -30,10 +60,23 @@ class ComputeConfig:
                                          # refuse a plan whose loss or gradients differ
 
     def __post_init__(self):
-        if not isinstance(self.plan_ngpus, int) or self.plan_ngpus < 1:
+        if not _is_int(self.plan_ngpus) or self.plan_ngpus < 1:
             raise ConfigError(f"plan_ngpus must be a positive int, got {self.plan_ngpus!r}")
+        for name in BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                extra = (" (use_zero=True is ZeRO-1; ZeRO levels given as ints are not "
+                         "supported, only bools)") if name == "use_zero" else ""
+                raise ConfigError(f"{name}={value!r}; {name} must be a bool: choose one of "
+                                  f"(True, False){extra}")
+        for name in ("pas_config", "user_config"):
+            value = getattr(self, name)
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}={value!r}; {name} must be a dict (got "
+                                  f"{type(value).__name__}), e.g. {name}={{}}")
+        check_pas_config_keys(self.pas_config)
         if self.runtime_ngpus is not None:
-            if not isinstance(self.runtime_ngpus, int) or self.runtime_ngpus < 1:
+            if not _is_int(self.runtime_ngpus) or self.runtime_ngpus < 1:
                 raise ConfigError(f"runtime_ngpus must be a positive int, "
                                   f"got {self.runtime_ngpus!r}")
             if self.runtime_ngpus % self.plan_ngpus:
@@ -41,9 +84,11 @@ class ComputeConfig:
                     f"runtime_ngpus={self.runtime_ngpus} is not a multiple of plan_ngpus="
                     f"{self.plan_ngpus}: every data-parallel unit needs all plan_ngpus ranks; "
                     f"use runtime_ngpus in {[self.plan_ngpus * k for k in (1, 2, 4)]}...")
-        if not self.reducer_bucket_cap_mb > 0:
-            raise ConfigError(f"reducer_bucket_cap_mb must be > 0, got {self.reducer_bucket_cap_mb}")
-        if not isinstance(self.zero_ngroups, int) or self.zero_ngroups < 1:
+        cap = self.reducer_bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
+            raise ConfigError(f"reducer_bucket_cap_mb must be a positive number (megabytes), "
+                              f"got {cap!r}")
+        if not _is_int(self.zero_ngroups) or self.zero_ngroups < 1:
             raise ConfigError(f"zero_ngroups must be a positive int, got {self.zero_ngroups!r}")
         if self.runtime_ngpus is not None and self.dp_size % self.zero_ngroups:
             raise ConfigError(

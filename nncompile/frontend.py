@@ -10,6 +10,7 @@ import inspect
 import operator
 import os
 import re
+import sys
 import traceback
 from typing import Any
 
@@ -296,13 +297,112 @@ def functionalize(ep: ExportedProgram) -> ExportedProgram:
     return ep.run_decompositions({}) if _mutates(ep.graph_module) else ep
 
 
+def _is_registered_function(cls: type) -> bool:
+    """A torch.autograd.Function made an op with nncompile.register_op."""
+    from .custom_ops import REGISTRY
+    return any(getattr(op.impl, "__self__", None) is cls for op in REGISTRY.values())
+
+
+def _function_where(cls: type) -> str:
+    try:
+        path = inspect.getsourcefile(cls)
+        line = inspect.getsourcelines(cls)[1]
+    except (OSError, TypeError):
+        return ""
+    return f" (defined at {_display_path(path)}:{line})" if path else ""
+
+
+class _WatchFunctions:
+    """While exporting, record the torch.autograd.Function subclasses that forward applies to
+    tensors needing a gradient: torch.export (non-strict) inlines their forward as aten ops
+    and drops their custom backward, so the compiled module would train with the forward's
+    autograd instead. Torch's own Functions, nncompile's and those made with register_op
+    (they trace as one torch.ops.nncompile op) are fine, and so is one applied under
+    no_grad or to tensors needing no gradient (no backward ever runs)."""
+
+    def __init__(self) -> None:
+        self.found: dict[type, SourceInfo | None] = {}
+
+    def __enter__(self) -> "_WatchFunctions":
+        base = torch.autograd.function.Function
+        self._orig = base.__dict__["apply"]
+        orig_fn, found = self._orig.__func__, self.found
+
+        def record(cls: Any, args: Any) -> None:
+            if isinstance(cls, type) and cls not in found and torch.is_grad_enabled() \
+                    and _needs_check(cls) and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                  for t in pytree.tree_leaves(args)):
+                found[cls] = next((SourceInfo(_display_path(f.filename), f.lineno or 0,
+                                              (f.line or "").strip())
+                                   for f in reversed(traceback.extract_stack()[:-2])
+                                   if _is_user_file(f.filename)), None)
+
+        def apply(cls, *args, **kwargs):
+            record(cls, (args, kwargs))
+            return orig_fn(cls, *args, **kwargs)
+
+        base.apply = classmethod(apply)
+        # `f = MyFunction.apply` bound before export bypasses the patch above; Function.apply
+        # (torch 2.x) passes its arguments through this helper, whose caller knows `cls`
+        self._utils = getattr(getattr(torch, "_functorch", None), "utils", None)
+        self._unwrap = getattr(self._utils, "unwrap_dead_wrappers", None)
+        if self._unwrap is not None:
+            unwrap = self._unwrap
+
+            def unwrap_dead_wrappers(args):
+                caller = sys._getframe(1)
+                if caller.f_code.co_name == "apply":
+                    record(caller.f_locals.get("cls"), args)
+                return unwrap(args)
+
+            self._utils.unwrap_dead_wrappers = unwrap_dead_wrappers
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.autograd.function.Function.apply = self._orig
+        if self._unwrap is not None:
+            self._utils.unwrap_dead_wrappers = self._unwrap
+
+    def check(self) -> None:
+        if not self.found:
+            return
+        cls, site = next(iter(self.found.items()))
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        at = f" at {site.file}:{site.line}: `{site.code}`" if site else ""
+        others = [c.__qualname__ for c in list(self.found)[1:]]
+        more = f" (also: {', '.join(others)})" if others else ""
+        raise TraceError(
+            f"forward applies the torch.autograd.Function {name}{_function_where(cls)}{at}"
+            f"{more}. torch.export inlines its forward and drops its custom backward, so the "
+            "compiled module would compute different gradients. Register it as one op with "
+            f"nncompile.register_op({cls.__name__}, annotation) (e.g. "
+            f"`{cls.__name__.lower()} = nncompile.register_op({cls.__name__}, \"* d -> * d\")` "
+            "for an elementwise function; see docs/custom_ops.md) and call that in forward, "
+            "or apply it under torch.no_grad() if no gradient flows through it.")
+
+
+def _needs_check(cls: type) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    if module == "torch" or module.startswith(("torch.", "nncompile.")) or module == "nncompile":
+        return False
+    try:
+        path = inspect.getsourcefile(cls) or ""
+    except TypeError:
+        path = ""
+    if path and os.path.abspath(path).startswith(_OWN_DIRS):
+        return False
+    return not _is_registered_function(cls)
+
+
 def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
     """torch.export with errors translated into TraceError naming the user's file:line."""
     on_meta = any(p.is_meta for p in module.parameters())
     if on_meta:
         args, kwargs = _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
+    watch = _WatchFunctions()
     try:
-        return functionalize(torch.export.export(module, args, kwargs, strict=False))
+        with watch:
+            ep = torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - translated below
         text = str(e) + "\n" + "".join(traceback.format_exception(e))
         where = _user_frame_from_text(text)
@@ -317,11 +417,18 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgra
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TraceError(f"torch.export could not trace {type(module).__name__}.forward{at}: "
                          f"{type(e).__name__}: {first}") from e
+    watch.check()
+    return functionalize(ep)
 
 
 def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
     """Trace `module.forward` on `dummy_args` into an IR Graph (the module is not modified)."""
     args, kwargs = normalize_args(module, dummy_args)
+    # every input its own tensor: the same tensor passed twice (labels=input_ids) or two views
+    # of one storage would be traced as one input, and code would read one where the other
+    # belongs
+    args, kwargs = pytree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
     ep = export(module, args, kwargs)
     graph = _Lowering(ep, module).run()
     for op in graph.ops:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+from nncompile.config import PAS_CONFIG_KEYS
 from nncompile.errors import ConfigError
 from nncompile.ir import Graph
 from nncompile.log import log as _log
@@ -33,8 +34,7 @@ from .profiles import BUILTIN, DeviceProfile, cpu_fallback_note, get_profile, me
     save_profile
 from .report import explain, explanation_data, report_table
 
-KEYS = {"device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
-        "constraints", "recompute_modules", "save_plan_path", "load_plan_path"}
+KEYS = PAS_CONFIG_KEYS      # the one list of pas_config keys, checked by ComputeConfig
 
 
 def cost_model(config) -> CostModel:
