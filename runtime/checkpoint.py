@@ -19,9 +19,11 @@ untouched and the partial directory without `checkpoint.json`, which load_checkp
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -60,6 +62,61 @@ def save_torch(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def load_torch(path: str | os.PathLike, map_location=None) -> Any:
+    """torch.load with weights_only=True: tensors, numbers, strings, bools, None and
+    lists/tuples/dicts of them (what every nncompile format stores) load; anything else in the
+    file is refused with a CheckpointError instead of being run, so a checkpoint or merged file
+    from someone else cannot execute code."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path} contains objects nncompile does not load ({_why(e)}); nncompile loads "
+            "checkpoints with torch.load(weights_only=True), which only accepts tensors, "
+            "numbers, strings, bools, None and lists/tuples/dicts of them, so loading never "
+            "runs code from the file. Only if you trust the file, load it yourself with "
+            "torch.load(..., weights_only=False)") from e
+
+
+def _why(e: Exception) -> str:
+    """The line of a weights_only UnpicklingError that names what was refused (its first line
+    is a generic note about torch's default)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "global" in ln.lower() or "unsupported" in ln.lower()]
+    return (named or lines or [type(e).__name__])[0]
+
+
+ALLOWED_EXTRA = "tensors, numbers, strings, bools, None and lists/tuples/dicts of them"
+
+
+def check_extra(extra: Any, where: str = "extra") -> None:
+    """Raise CheckpointError naming the first value in `extra` that load_torch would refuse."""
+    if extra is None or type(extra) in (bool, int, float, complex, str):
+        return
+    if isinstance(extra, torch.Tensor) and type(extra) in (torch.Tensor, torch.nn.Parameter):
+        return
+    if type(extra) in (list, tuple, torch.Size):
+        for i, v in enumerate(extra):
+            check_extra(v, f"{where}[{i}]")
+        return
+    if type(extra) in (dict, collections.OrderedDict):
+        for k, v in extra.items():
+            if not (k is None or type(k) in (bool, int, float, str)):
+                raise CheckpointError(
+                    f"{where} has a key {k!r} of type {type(k).__qualname__}; checkpoint "
+                    f"extra= keys must be strings or numbers")
+            check_extra(v, f"{where}[{k!r}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {type(extra).__module__}.{type(extra).__qualname__}; checkpoint extra= "
+        f"may only hold {ALLOWED_EXTRA} (checkpoints load with torch.load(weights_only=True), "
+        "which never runs code from the file). Store it as one of those, e.g. a number, a "
+        "string or a tensor")
+
+
 @contextlib.contextmanager
 def staged_directory(directory: str | os.PathLike, pm, meta: dict):
     """Every rank writes into the yielded `.<name>.partial/`; once all have, rank 0 adds
@@ -89,6 +146,7 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
     count, RNG state, ...) comes back from load_checkpoint."""
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r}; choose one of {FORMATS}")
+    check_extra(extra)
     rank, _ = _rank_world()
     meta = {"format": format, "has_optimizer": optimizer is not None}
     with staged_directory(directory, pm, meta) as staging:
@@ -112,8 +170,10 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
 
 def read_meta(directory: Path) -> dict:
     meta = directory / META
+    partial = directory.with_name(f".{directory.name}.partial")
+    if not directory.exists() and not partial.exists():
+        raise CheckpointError(f"{directory} does not exist")
     if not meta.exists():
-        partial = directory.with_name(f".{directory.name}.partial")
         hint = f" ({partial} is an unfinished save)" if partial.exists() else ""
         raise CheckpointError(f"{directory} is not a complete nncompile checkpoint: it has no "
                               f"{META}{hint}; load an earlier checkpoint")
@@ -125,8 +185,8 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     returns the `extra` it was saved with. Every rank calls it."""
     path = Path(path).absolute()
     if path.is_file():
-        merged = torch.load(path, map_location="cpu", weights_only=False)
-        if "model" not in merged:
+        merged = load_torch(path, map_location="cpu")
+        if not isinstance(merged, dict) or "model" not in merged:
             raise CheckpointError(f"{path} is not a merged checkpoint (no 'model' entry); "
                                   "make one with: python -m nncompile merge DIR -o FILE")
         load_merged_state_dict(pm, merged["model"], optimizer,
@@ -143,14 +203,14 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
                 "with torchrun (also for one rank) and init_distributed() first, or merge it "
                 "with `python -m nncompile merge DIR -o FILE` and load the merged file")
         load_dcp(str(path), pm, optimizer)
-        side = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+        side = load_torch(path / "extra.pt", map_location="cpu")
         if optimizer is not None:
             for group, saved in zip(optimizer.param_groups, side["param_groups"]):
                 group.update(saved)
         return side["extra"]
     if meta["world_size"] != world:
         _refuse(path, meta, pm, f"it was saved by {meta['world_size']} ranks")
-    blob = torch.load(path / f"rank{rank}.pt", map_location=pm.device, weights_only=False)
+    blob = load_torch(path / f"rank{rank}.pt", map_location=pm.device)
     check_shards(path, meta, pm, blob["model"].get("_extra_state") or {})
     if meta["format"] == "sharded":
         pm.load_state_dict(blob["model"])                # checks the plan first
@@ -210,7 +270,7 @@ def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) 
     if len(files) == 1 and files[0].is_dir():
         merged = _merge_dcp(files[0])
     else:
-        blobs = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+        blobs = [load_torch(f, map_location="cpu") for f in files]
         if all(isinstance(b, dict) and "pytorch-lightning_version" in b for b in blobs):
             from nncompile.integration.lightning.strategy import merge_lightning_checkpoints
             merged = merge_lightning_checkpoints(blobs)
@@ -232,7 +292,7 @@ def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) 
 def _merge_dcp(directory: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    side = torch.load(directory / "extra.pt", map_location="cpu", weights_only=False)
+    side = load_torch(directory / "extra.pt", map_location="cpu")
     metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     flat = {k: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
             for k, md in metadata.items() if isinstance(md, TensorStorageMetadata)}

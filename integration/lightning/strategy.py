@@ -35,7 +35,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import nncompile
 from nncompile.errors import CheckpointError, ConfigError
-from nncompile.runtime.checkpoint import rank_files, read_meta, save_torch, staged_directory
+from nncompile.runtime.checkpoint import (load_torch, rank_files, read_meta, save_torch,
+                                         staged_directory)
 from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_state,
                                      load_deduped_model_state, load_deduped_optimizer_state)
 from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
@@ -273,7 +274,7 @@ class NnCompileStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         path = Path(checkpoint_path)
         if path.is_file():                                  # merged or plain Lightning
-            return torch.load(path, map_location=self.root_device, weights_only=False)
+            return load_torch(path, map_location=self.root_device)
         meta = read_meta(path)
         pm = self.parallel_module
 
@@ -285,8 +286,8 @@ class NnCompileStrategy(ParallelStrategy):
                 f"merge_checkpoint(['{path}'], 'merged.ckpt'), then resume from merged.ckpt")
         if meta["world_size"] != self.world_size:
             refuse(f"it was saved by {meta['world_size']} ranks")
-        checkpoint = torch.load(path / f"rank{self.global_rank}.pt",
-                                map_location=self.root_device, weights_only=False)
+        checkpoint = load_torch(path / f"rank{self.global_rank}.pt",
+                                map_location=self.root_device)
         saved = checkpoint.get("state_dict", {}).get("_extra_state") or {}
         whys = [plan_mismatch(saved, plan_info(pm))]            # shards decide, not fingerprints
         if dist.is_initialized():                       # every rank refuses if any rank does
@@ -324,7 +325,7 @@ class NnCompileStrategy(ParallelStrategy):
     def merge_checkpoint(cls, checkpoint_files: list[str], output_file: str) -> None:
         """Merge a checkpoint directory (or its rank files) into one Lightning checkpoint that
         any plan, or plain Lightning without nncompile, resumes from."""
-        ckpts = [torch.load(f, map_location="cpu", weights_only=False)
+        ckpts = [load_torch(f, map_location="cpu")
                  for f in rank_files(checkpoint_files)]
         out = Path(output_file)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,131 @@
+"""Loading a checkpoint never runs code from it: every file nncompile reads goes through
+torch.load(weights_only=True), a crafted file is refused with a CheckpointError (and its code
+does not run), extra= is checked at save time, and a missing path says it does not exist.
+All in one process (one rank, no process group)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+import models
+import nncompile
+
+
+class Payload:
+    """Unpickling this creates the marker file: what an attacker's checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def probe(x):
+    return x
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 1-rank dp MLP after one step, with its optimizer."""
+    d = tmp_path_factory.mktemp("safety")
+    pm = nncompile.parallelize(models.build("mlp"), models.batch("mlp", 0),
+                               nncompile.ComputeConfig(1), pas_policy="dp",
+                               gen_savedir=d / "gen")
+    opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    pm(**models.batch("mlp", 0)).backward()
+    opt.step()
+    return pm, opt
+
+
+def refused(excinfo, path):
+    msg = str(excinfo.value)
+    assert str(path) in msg and "contains objects nncompile does not load" in msg, msg
+    assert "posix.makedirs" in msg or "os.makedirs" in msg, msg      # what was refused
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "deduped"])
+def test_crafted_rank_file_is_refused_without_running(trained, tmp_path, fmt):
+    pm, opt = trained
+    path = nncompile.save_checkpoint(tmp_path / "ck", pm, opt, format=fmt, extra={"step": 1})
+    marker = tmp_path / "pwned"
+    blob = torch.load(path / "rank0.pt", weights_only=True)
+    blob["extra"] = Payload(marker)
+    torch.save(blob, path / "rank0.pt")
+    with pytest.raises(nncompile.CheckpointError) as e:
+        nncompile.load_checkpoint(path, pm, opt)
+    refused(e, path / "rank0.pt")
+    with pytest.raises(nncompile.CheckpointError) as e:       # the merge path reads it too
+        nncompile.merge_checkpoint([path], tmp_path / "merged.pt")
+    refused(e, path / "rank0.pt")
+    assert not marker.exists() and not (tmp_path / "merged.pt").exists()
+
+
+def test_crafted_merged_file_is_refused_without_running(trained, tmp_path):
+    pm, opt = trained
+    path = nncompile.save_checkpoint(tmp_path / "ck", pm, opt, extra={"step": 1})
+    merged = nncompile.merge_checkpoint([path], tmp_path / "merged.pt")
+    nncompile.load_checkpoint(merged, pm, opt)                    # the genuine one loads
+    marker = tmp_path / "pwned"
+    torch.save({"model": Payload(marker)}, merged)
+    with pytest.raises(nncompile.CheckpointError) as e:
+        nncompile.load_checkpoint(merged, pm, opt)
+    refused(e, merged)
+    assert not marker.exists()
+
+
+def test_merge_command_refuses_a_crafted_file(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "rank0.pt"
+    torch.save({"model": Payload(marker)}, evil)
+    proc = subprocess.run([sys.executable, "-m", "nncompile", "merge", str(evil), "-o",
+                           str(tmp_path / "m.pt")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "contains objects nncompile does not load" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not marker.exists() and not (tmp_path / "m.pt").exists()
+
+
+def test_extra_must_be_plain_data(trained, tmp_path):
+    pm, opt = trained
+    with pytest.raises(nncompile.CheckpointError, match=r"extra\['cb'\] is a .*function"):
+        nncompile.save_checkpoint(tmp_path / "bad", pm, opt, extra={"step": 3, "cb": probe})
+    with pytest.raises(nncompile.CheckpointError, match=r"extra\['rng'\]\[1\] is a .*Payload"):
+        nncompile.save_checkpoint(tmp_path / "bad", pm, opt,
+                                  extra={"rng": (1, Payload(tmp_path / "x"))})
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
+    extra = {"step": 3, "lr": 0.1, "tags": ["a"], "done": False, "note": None,
+             "nested": {"t": torch.arange(3), "pair": (1, "b")}, "rng": torch.get_rng_state()}
+    for fmt in ("sharded", "deduped"):
+        path = nncompile.save_checkpoint(tmp_path / fmt, pm, opt, format=fmt, extra=extra)
+        got = nncompile.load_checkpoint(path, pm, opt)
+        assert got.keys() == extra.keys()
+        assert (got["step"], got["lr"], got["tags"], got["done"], got["note"]) == \
+            (3, 0.1, ["a"], False, None)
+        assert got["nested"]["pair"] == (1, "b")
+        assert torch.equal(got["nested"]["t"], torch.arange(3))
+        assert torch.equal(got["rng"], extra["rng"])
+        merged = nncompile.merge_checkpoint([path], tmp_path / f"{fmt}.pt")
+        assert nncompile.load_checkpoint(merged, pm, opt)["tags"] == ["a"]
+
+
+def test_missing_path_says_it_does_not_exist(trained, tmp_path):
+    pm, opt = trained
+    for missing in (tmp_path / "nope", tmp_path / "nope.pt"):
+        with pytest.raises(nncompile.CheckpointError, match="does not exist") as e:
+            nncompile.load_checkpoint(missing, pm, opt)
+        assert str(missing) in str(e.value)
+        with pytest.raises(nncompile.CheckpointError, match="does not exist"):
+            nncompile.merge_checkpoint([missing], tmp_path / "m.pt")
+    path = nncompile.save_checkpoint(tmp_path / "ck", pm, opt)
+    (path / "rank0.pt").unlink()                       # a directory missing its rank file
+    with pytest.raises(nncompile.CheckpointError, match="rank0.pt does not exist"):
+        nncompile.load_checkpoint(path, pm, opt)
+    proc = subprocess.run([sys.executable, "-m", "nncompile", "merge", str(tmp_path / "nope"),
+                           "-o", str(tmp_path / "m.pt")], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode != 0 and "does not exist" in proc.stderr, proc.stderr
