@@ -102,18 +102,35 @@ class ParallelModule(torch.nn.Module):
         for name, shape, dtype in self.INPUTS:
             if name not in bound:
                 raise InputMismatchError(f"missing input {name!r}; traced inputs are {names}")
-            x = bound[name]
-            if isinstance(x, torch.Tensor) and (tuple(x.shape) != tuple(shape)
-                                                or str(x.dtype) != dtype):
-                raise InputMismatchError(
-                    f"input {name!r} is {str(x.dtype)}{list(x.shape)} but the module was traced "
-                    f"with {dtype}{list(shape)}; shapes are static: call parallelize again with "
-                    f"dummy_args of this shape (another instance_name), or pad/batch to it")
-            inputs.append(x)
+            inputs.append(self._check_input(name, bound[name], shape, dtype))
         if self._reducer is not None and torch.is_grad_enabled():
             self._reducer.reset()         # a backward that raised must not leave state behind
         out = self.forward_impl(*inputs)
         return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec else out
+
+    def _check_input(self, name: str, x: Any, shape, dtype: str) -> torch.Tensor:
+        """The traced input `name` must come as a tensor of its traced shape, dtype, device."""
+        traced = f"a {dtype}{list(shape)} tensor"
+        if not isinstance(x, torch.Tensor):
+            kind = f"a {type(x).__module__}.{type(x).__name__}".replace("builtins.", "")
+            hint = " (convert it with torch.as_tensor)" if hasattr(x, "__array__") or \
+                isinstance(x, (list, tuple)) else ""
+            raise InputMismatchError(f"input {name!r} is {kind}, but the module was traced with "
+                                     f"{traced}{hint}")
+        if tuple(x.shape) != tuple(shape):
+            raise InputMismatchError(
+                f"input {name!r} is {str(x.dtype)}{list(x.shape)} but the module was traced "
+                f"with {dtype}{list(shape)}; shapes are static: call parallelize again with "
+                f"dummy_args of this shape (another instance_name), or pad/batch to it")
+        if str(x.dtype) != dtype:
+            raise InputMismatchError(f"input {name!r} is {str(x.dtype)} but the module was "
+                                     f"traced with {dtype}; convert it with .to({dtype})")
+        if x.device.type != self.device.type or (
+                x.device.index is not None and self.device.index is not None
+                and x.device.index != self.device.index):
+            raise InputMismatchError(f"input {name!r} is on {x.device} but this rank's module "
+                                     f"is on {self.device}; move it with .to({str(self.device)!r})")
+        return x
 
     # ---- gradients ----------------------------------------------------------------------
     def _build_reducer(self) -> Reducer | None:
