@@ -229,6 +229,13 @@ class _Lowering:
             target = torch.ops.aten.detach.default
         args = pytree.tree_map(self._lookup, node.args)
         kwargs = pytree.tree_map(self._lookup, dict(node.kwargs))
+        if target is torch.ops.aten.copy.default and isinstance(args[1], Value) \
+                and args[0].meta.shape == args[1].meta.shape:
+            # functionalized `dst.copy_(src)`: aten.copy has no derivative; src (cast to dst's
+            # dtype) is the same value and differentiable
+            dst, src = args[:2]
+            target, args, kwargs = torch.ops.aten._to_copy.default, (src,), \
+                {"dtype": dst.meta.dtype}
         ins = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, Value)]
         grad_in = (not no_grad) and opname not in _NON_DIFFERENTIABLE \
             and any(v.requires_grad for v in ins)

@@ -124,3 +124,23 @@ def test_the_ir_verifier_rejects_in_place_ops():
     op.target = torch.ops.aten.relu_.default
     with pytest.raises(nncompile.GraphError, match="in place"):
         verify(graph)
+
+
+class FillsEmpty(torch.nn.Module):
+    """Uninitialized memory filled later (as Hugging Face's MoE experts do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        buf = torch.empty_like(x)
+        buf = buf.copy_(self.fc(x))
+        return buf.pow(2).mean()
+
+
+def test_uninitialized_values_are_not_reported_as_divergence(tmp_path):
+    torch.manual_seed(0)
+    report = nncompile.verify(FillsEmpty(), (torch.randn(4, 8),), nncompile.ComputeConfig(2),
+                              "tp", gen_savedir=str(tmp_path))
+    assert report.ok and report.divergence is None, str(report)
