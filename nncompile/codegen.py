@@ -45,6 +45,7 @@ class GenModel(ParallelModule):
     PARAMS = [  # local name, original FQN, full shape, placement, this rank's slices, partial grad
 {params}
     ]
+    FROZEN = {frozen!r}  # parameters with requires_grad=False: no gradient, no optimizer state
     BUFFERS = [  # local name, original FQN, full shape, placement, this rank's slices
 {buffers}
     ]
@@ -90,7 +91,8 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
         param_order=g.meta.get("param_order", []),
         state_keys=[tuple(k) for k in g.meta.get("state_keys", [])],
         inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),
-        params=_rows(t["params"]), buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
+        params=_rows(t["params"]), frozen=[v.name for v in g.params if not v.requires_grad],
+        buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
     lines = [text.rstrip("\n")]
     if g.const_ops:
         args = ", ".join(v.name for v in g.buffers)

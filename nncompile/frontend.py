@@ -140,6 +140,13 @@ class _Lowering:
                 return target
         return self.canonical.get(id(obj), target)
 
+    def trainable(self, target: str) -> bool:
+        """A frozen parameter (requires_grad=False, as LoRA's base weights) stays frozen."""
+        try:
+            return self.module.get_parameter(target).requires_grad
+        except AttributeError:
+            return True
+
     def run(self) -> Graph:
         sig = self.ep.graph_signature
         params, buffers, inputs = [], [], []
@@ -153,7 +160,7 @@ class _Lowering:
                 v = by_fqn.get(fqn)
                 if v is None:
                     v = by_fqn[fqn] = Value(self.fresh(_sanitize(fqn)), meta, PARAM, fqn,
-                                            requires_grad=True)
+                                            requires_grad=self.trainable(spec.target))
                     params.append(v)
             elif spec.kind == InputKind.BUFFER:
                 fqn = self.canonical_fqn(spec.target)

@@ -93,7 +93,8 @@ def insert_comm(graph: Graph) -> Graph:
             if v.kind == PARAM:
                 uses.setdefault(id(v), []).append(_needs_sync(op, v, want)
                                                   and isinstance(v.placement, Replicate))
-    partial_grad = {v.name for v in g.params if uses.get(id(v)) and all(uses[id(v)])}
+    partial_grad = {v.name for v in g.params
+                    if v.requires_grad and uses.get(id(v)) and all(uses[id(v)])}
     ins = _Inserter(g)
     ops: list[Op] = []
     for op in g.ops:

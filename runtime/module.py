@@ -39,6 +39,7 @@ class ParallelModule(torch.nn.Module):
     INFERENCE_ONLY = False
     INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
     PARAMS: list[tuple] = []   # local name, FQN, full shape, placement, slices, partial grad
+    FROZEN: list[str] = []     # parameters traced with requires_grad=False
     BUFFERS: list[tuple] = []  # local name, FQN, full shape, placement, slices
     CONSTS: list[tuple] = []   # local name, full shape, placement, slices
     OUT_SPEC = ""
@@ -59,7 +60,8 @@ class ParallelModule(torch.nn.Module):
         state = _full_state(module)
         for name, fqn, shape, _, slices, _ in self.PARAMS:
             self.register_parameter(name, torch.nn.Parameter(
-                self._local_shard(state.get(fqn), slices), requires_grad=not self.INFERENCE_ONLY))
+                self._local_shard(state.get(fqn), slices),
+                requires_grad=not self.INFERENCE_ONLY and name not in self.FROZEN))
         full_buffers = {}
         for name, fqn, shape, _, slices in self.BUFFERS:
             full = state[fqn].detach().to(self.device)
@@ -141,6 +143,8 @@ class ParallelModule(torch.nn.Module):
         dp = self.RUNTIME_NGPUS // self.PLAN_NGPUS
         params = []
         for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue                # frozen: no gradient to reduce
             partial = name in self._partial_grad and self.plan_group is not None
             if dp == 1 and not partial:
                 continue
@@ -185,9 +189,13 @@ class ParallelModule(torch.nn.Module):
                 for name, fqn, _, placement, _, _ in self.PARAMS}
 
     def gather_grads(self) -> dict[str, torch.Tensor | None]:
-        """Full (reduced) gradients keyed by original FQN (a collective over the plan unit)."""
+        """Full (reduced) gradients keyed by original FQN (a collective over the plan unit);
+        None for a frozen parameter."""
         out = {}
         for name, fqn, _, placement, _, _ in self.PARAMS:
+            if not getattr(self, name).requires_grad:
+                out[fqn] = None
+                continue
             g = getattr(self, name).grad
             g = torch.zeros_like(getattr(self, name)) if g is None else g
             out[fqn] = self._gather(g.detach(), placement)

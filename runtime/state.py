@@ -21,7 +21,7 @@ def plan_info(pm) -> dict[str, Any]:
     return {"fingerprint": pm.FINGERPRINT, "policy": pm.POLICY, "rank": pm.RANK,
             "plan_ngpus": pm.PLAN_NGPUS, "runtime_ngpus": pm.RUNTIME_NGPUS,
             "params": [list(p) for p in pm.PARAMS], "buffers": [list(b) for b in pm.BUFFERS],
-            "param_order": list(pm.PARAM_ORDER),
+            "param_order": list(pm.PARAM_ORDER), "frozen": list(pm.FROZEN),
             "state_keys": [list(k) for k in pm.STATE_KEYS]}
 
 
@@ -146,7 +146,8 @@ def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
 
 def optimizer_state_by_name(pm, opt_sd: dict) -> dict[str, Any]:
     """Normalize one rank's optimizer state dict to the local-name form. Accepts the local form
-    itself or a plain torch optimizer's state_dict() built over pm.parameters()."""
+    itself or a plain torch optimizer's state_dict() built over pm.parameters() or over its
+    trainable ones (what build_optimizer does when some are frozen)."""
     if "nncompile_zero" in opt_sd:
         raise CheckpointError("ZeRO optimizer state dicts are pieces of a flat vector; merge them "
                               "with merge_state_dicts(model_sds, opt_sds) over all ranks")
@@ -155,6 +156,10 @@ def optimizer_state_by_name(pm, opt_sd: dict) -> dict[str, Any]:
         return {"state": state, "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in opt_sd.get("param_groups", [])]}
     names = [n for n, *_ in pm_params(pm)]
+    frozen = set(pm.get("frozen", []) if isinstance(pm, dict) else pm.FROZEN)
+    indexed = sum(len(g.get("params", [])) for g in opt_sd.get("param_groups", []))
+    if frozen and indexed != len(names):      # built over the trainable parameters only
+        names = [n for n in names if n not in frozen]
     return {"state": {names[i]: st for i, st in state.items()},
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in opt_sd.get("param_groups", [])]}

@@ -6,7 +6,7 @@
 At setup the LightningModule's `forward` is parallelized once (trace inputs from
 `dummy_forward_args`, `dummy_forward_args_fn(first training batch)` or
 `example_input_array`), `forward` is replaced by the parallel module's and the original
-trainable submodules are set to None, so `self.parameters()` in `configure_optimizers` yields
+submodules whose parameters it traced (frozen ones too) are set to None, so `self.parameters()` in `configure_optimizers` yields
 the parallel module's shards. Ranks of one plan unit get the same batches (the sampler is
 sized by data-parallel units) and `sync_dist` logging averages over the data-parallel group.
 
@@ -164,8 +164,9 @@ class NnCompileStrategy(ParallelStrategy):
                                    gen_savedir=self.gen_savedir, reuse=self.reuse,
                                    instance_name=self.instance_name or type(lm).__name__,
                                    device=self.root_device)
+        traced = {fqn.split(".")[0] for _, fqn, *_ in pm.PARAMS}   # frozen ones included
         for name, child in list(lm.named_children()):
-            if any(p.requires_grad for p in child.parameters()):
+            if name in traced:
                 setattr(lm, name, None)
         for name, p in list(lm.named_parameters(recurse=False)):
             delattr(lm, name)

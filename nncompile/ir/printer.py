@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .graph import Graph, Op, Value, target_name
+from .graph import PARAM, Graph, Op, Value, target_name
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
            torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
@@ -111,7 +111,8 @@ def fmt_body(ops: list[Op], indent: str = "    ", local_n: int | None = None,
 
 
 def fmt_input(v: Value, local_n: int | None = None) -> str:
-    origin = f"{v.kind} {v.fqn!r} " if v.fqn else (f"{v.kind} " if v.kind != "input" else "")
+    kind = f"frozen {v.kind}" if v.kind == PARAM and not v.requires_grad else v.kind
+    origin = f"{kind} {v.fqn!r} " if v.fqn else (f"{kind} " if v.kind != "input" else "")
     return f"{v.name},  # {origin}{fmt_meta(v, local_n)}"
 
 
