@@ -90,6 +90,8 @@ def _report(loss, ref_loss, grads, ref_grads, rtol, atol) -> VerifyReport:
     report = VerifyReport(float((loss.detach() - ref_loss).abs()), rtol=rtol, atol=atol)
     report.loss_ref = float(ref_loss.abs())
     for fqn, g in grads.items():
+        if g is None:               # a frozen parameter
+            continue
         want = ref_grads[fqn]
         diff = (g - want).abs()
         report.errors[fqn] = (float(diff.max()), float((diff / want.abs().clamp_min(1e-12)).max()))
@@ -137,6 +139,7 @@ def check_compiled(module: torch.nn.Module, batch: Any, config: ComputeConfig, c
                    outdir: Path, rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
     """Run the generated files in `outdir` on `batch` (threads) against eager `module`."""
     from .api import load_rank_module
+    from .runtime.rng import rank_generator
     from .simulate import run_ranks
 
     if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
@@ -144,15 +147,17 @@ def check_compiled(module: torch.nn.Module, batch: Any, config: ComputeConfig, c
                           "meta device; run nncompile.verify on a small real instance, or "
                           "drop check=True")
     args, kwargs = normalize_args(module, batch)
+    seed_state = torch.get_rng_state()      # every run draws dropout masks from this state
     ref_loss, ref_grads = _eager(module, args, kwargs)
     names = [v.name for v in compiled.traced.inputs]
     bound = {**dict(zip(names, args)), **kwargs}
+    torch.set_rng_state(seed_state)
     ref_cap, _ = reference_run(compiled.traced, module, [bound[n] for n in names],
                                _scalar_loss)
 
     def rank_fn(rank: int):
         pm = load_rank_module(outdir, rank, module, None, config)
-        with Capture(pm.gencode_path) as cap:
+        with Capture(pm.gencode_path) as cap, rank_generator(seed_state):
             out = pm(*args, **kwargs)
         cap.watch_grads()
         loss = _scalar_loss(out)

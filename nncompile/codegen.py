@@ -25,7 +25,7 @@ parallelize(..., reuse="override") regenerates it and keeps your version in edit
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from nncompile.runtime import comm
+from nncompile.runtime import {runtime_modules}
 from nncompile.runtime.module import ParallelModule
 {custom_imports}
 aten = torch.ops.aten
@@ -84,6 +84,8 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
     t = rank_tables(g, rank)
     text = HEADER.format(
         custom_imports=_custom_imports(g),
+        runtime_modules="comm, rng" if any(op.target_name.startswith("rng.") for op in g.ops)
+        else "comm",
         rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
         inference_only=g.meta.get("inference_only", False),
         model=g.meta.get("model", "?"), policy=g.meta.get("policy", "?"),

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from .custom_ops import REGISTRY, is_custom_op
 from .ir import Op, Partial, Replicate, Shard, Strategy, Value
 from .ir.interpret import run_graph
-from .rules import RULES, strategies
+from .rules import RULES, draws_random, strategies
 
 NS = (2, 4)
 RTOL, ATOL = 1e-7, 1e-9                       # float64 samples: reordering errors ~1e-15
@@ -145,24 +145,11 @@ def _trace_cases(rule: str, origin: str, fn: Callable, args: tuple, kwargs: dict
         return []
     out = []
     for op in graph.ops:
-        if rule_key(op) == rule and not _random(op):
+        if rule_key(op) == rule and not draws_random(op):
             vals = [env.get(v.name) for v in op.tensor_inputs()]
             if all(isinstance(x, torch.Tensor) for x in vals):
                 out.append(Case(rule, origin, op, [x.detach() for x in vals]))
     return out
-
-
-def _random(op: Op) -> bool:
-    """Ops drawing random numbers (dropout with p > 0): shards draw other numbers than the
-    whole tensor would, so values cannot be compared."""
-    name = op.target._opname
-    if name == "scaled_dot_product_attention":
-        p = op.args[4] if len(op.args) > 4 else op.kwargs.get("dropout_p", 0.0)
-        return bool(p)
-    if name in ("dropout", "native_dropout"):
-        p, train = (list(op.args[1:3]) + [True])[:2]
-        return bool(p) and train is not False
-    return False
 
 
 def collect_cases(rules: list[str] | None = None, opinfo_limit: int = 4, seed: int = 0,

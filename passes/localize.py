@@ -7,7 +7,13 @@ Before (tp, plan_ngpus=2):                     After:
 Size arguments (view, reshape, expand, new_zeros, full, ...) become the local shape; ops whose
 strategy names a local implementation (e.g. the row-split mean cross-entropy) call it. With
 n > 1, `view` becomes `reshape`: tracing drops `.contiguous()` calls that were no-ops on the
-traced layout, and a shard produced by a collective may be laid out differently. Local
+traced layout, and a shard produced by a collective may be laid out differently. With n > 1,
+random ops (dropout, attention dropout) call runtime/rng.py, which draws the full tensor's
+random numbers on every rank and keeps this rank's slice, so the plan does not change them:
+
+    h2 = aten.dropout.default(h, 0.5, True)   ->   h2 = rng.dropout(h, 0.5, True, dim=1, group=...)
+
+Local
 shapes follow from placements (even splits), so one localized graph serves every rank; each
 rank's parameter slices are derived from placements in codegen. Precondition: insert_comm.
 Idempotent: yes.
@@ -16,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from nncompile.ir import PLAN_GROUP, Graph
+from nncompile.ir import PLAN_GROUP, Graph, Shard
+from nncompile.rules import RANDOM_LOCAL, draws_random
 
 # op name -> index of its size argument
 _SIZE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_zeros": 1,
@@ -41,6 +48,12 @@ def localize_op(op, n: int) -> None:
         op.target = s.local_target
         op.kwargs = {**op.kwargs, "group": PLAN_GROUP}
     name = getattr(op.target, "_opname", None)
+    if n > 1 and draws_random(op):
+        out = s.outputs[0] if s is not None else None
+        op.target = RANDOM_LOCAL[name]
+        op.kwargs = {**op.kwargs, "dim": out.dim if isinstance(out, Shard) else None,
+                     "group": PLAN_GROUP}
+        return
     if n > 1 and name in ("view", "_unsafe_view"):
         op.target, name = torch.ops.aten.reshape.default, "reshape"
     idx = _SIZE_ARG.get(name)

@@ -37,10 +37,10 @@ class HFCausalLM(nn.Module):
         return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
 
 
-def hf_gpt2(vocab=64, n_embd=32, n_layer=2, n_head=4, n_positions=32):
+def hf_gpt2(vocab=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, pdrop=0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=vocab, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
-                     n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     n_head=n_head, resid_pdrop=pdrop, embd_pdrop=pdrop, attn_pdrop=pdrop,
                      bos_token_id=0, eos_token_id=0)
     return HFCausalLM(GPT2LMHeadModel(cfg))
 

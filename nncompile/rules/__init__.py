@@ -4,6 +4,6 @@ One concern per file: contractions (einsum.py), elementwise (pointwise.py), view
 (shape_ops.py), model-level ops (nn_ops.py). `strategies(op, n)` is the only entry point.
 """
 from . import einsum, nn_ops, pointwise, shape_ops  # noqa: F401  (register rules)
-from .registry import RULES, register, replicated, strategies
+from .registry import RANDOM_LOCAL, RULES, draws_random, register, replicated, strategies
 
-__all__ = ["RULES", "register", "replicated", "strategies"]
+__all__ = ["RANDOM_LOCAL", "RULES", "draws_random", "register", "replicated", "strategies"]

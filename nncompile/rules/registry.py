@@ -14,6 +14,24 @@ Rule = Callable[[Op, int], list[Strategy]]
 RULES: dict[str, Rule] = {}
 
 
+# ops whose random draw runtime/rng.py makes plan-independent (see localize)
+RANDOM_LOCAL = {"dropout": "rng.dropout", "native_dropout": "rng.native_dropout",
+                "scaled_dot_product_attention": "rng.scaled_dot_product_attention"}
+
+
+def draws_random(op: Op) -> bool:
+    """Whether `op` draws random numbers: dropout with p > 0 in training, or attention with
+    dropout_p > 0."""
+    name = getattr(op.target, "_opname", None)
+    if name == "scaled_dot_product_attention":
+        p = op.args[4] if len(op.args) > 4 else op.kwargs.get("dropout_p", 0.0)
+        return bool(p)
+    if name in ("dropout", "native_dropout"):
+        p, train = (list(op.args[1:3]) + [op.kwargs.get("train", True)])[:2]
+        return bool(p) and train is not False
+    return False
+
+
 def register(*names: str) -> Callable[[Rule], Rule]:
     """Register a rule for aten op names ('linear') or overloads ('split.Tensor')."""
     def deco(fn: Rule) -> Rule:
