@@ -139,6 +139,7 @@ def check_compiled(module: torch.nn.Module, batch: Any, config: ComputeConfig, c
                    outdir: Path, rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
     """Run the generated files in `outdir` on `batch` (threads) against eager `module`."""
     from .api import load_rank_module
+    from .runtime.arguments import tensor_leaves
     from .runtime.rng import rank_generator
     from .simulate import run_ranks
 
@@ -149,10 +150,8 @@ def check_compiled(module: torch.nn.Module, batch: Any, config: ComputeConfig, c
     args, kwargs = normalize_args(module, batch)
     seed_state = torch.get_rng_state()      # every run draws dropout masks from this state
     ref_loss, ref_grads = _eager(module, args, kwargs)
-    names = [v.name for v in compiled.traced.inputs]
-    bound = {**dict(zip(names, args)), **kwargs}
     torch.set_rng_state(seed_state)
-    ref_cap, _ = reference_run(compiled.traced, module, [bound[n] for n in names],
+    ref_cap, _ = reference_run(compiled.traced, module, tensor_leaves(module, args, kwargs),
                                _scalar_loss)
 
     def rank_fn(rank: int):

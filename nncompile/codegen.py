@@ -42,6 +42,11 @@ class GenModel(ParallelModule):
     INPUTS = [  # name, traced shape, dtype
 {inputs}
     ]
+    ARGS = [  # forward's arguments as traced: name, structure, leaves (input or constant)
+{args}
+    ]
+    SIGNATURE = {signature!r}  # forward's positional parameters
+    DEFAULTS = {defaults!r}  # untraced arguments' defaults
     PARAMS = [  # local name, original FQN, full shape, placement, this rank's slices, partial grad
 {params}
     ]
@@ -93,6 +98,8 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
         param_order=g.meta.get("param_order", []),
         state_keys=[tuple(k) for k in g.meta.get("state_keys", [])],
         inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),
+        args=_rows([tuple(r) for r in g.meta.get("args", [])]),
+        signature=g.meta.get("signature", []), defaults=g.meta.get("defaults", {}),
         params=_rows(t["params"]), frozen=[v.name for v in g.params if not v.requires_grad],
         buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
     lines = [text.rstrip("\n")]

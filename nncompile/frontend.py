@@ -17,10 +17,11 @@ from typing import Any
 import torch
 import torch.fx
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from .errors import ConfigError, TraceError
+from .runtime import arguments
 from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, Value
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -170,6 +171,9 @@ class _Lowering:
                     buffers.append(v)
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 v = self._lifted_constant(spec.target, const_literal_ops)
+            elif spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, ConstantArgument):
+                self.env[node] = spec.arg.value    # None/bool/int/float/str: compiled in
+                continue
             elif spec.kind == InputKind.USER_INPUT:
                 v = Value(self.fresh(node.name), meta, USER_INPUT)
                 inputs.append(v)
@@ -428,6 +432,19 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgra
                 "all inputs, so Python control flow may depend on shapes and constants but not "
                 "on tensor data. Rewrite it with torch.where / torch.cond, or compute the "
                 "condition outside the module.") from e
+        unknown = re.search(r"Found <class '([\w.]+)'> in output", text)
+        if unknown:
+            cls = unknown.group(1)
+            if "Cache" in cls.rsplit(".", 1)[-1]:
+                raise TraceError(
+                    f"{type(module).__name__}.forward returns a {cls} (a Hugging Face key/value "
+                    "cache: the model runs with use_cache=True), which training does not use. "
+                    "Pass use_cache=False in the model call (or as a dummy_args value), or set "
+                    "model.config.use_cache = False before parallelize.") from e
+            raise TraceError(
+                f"{type(module).__name__}.forward returns a {cls}, which cannot be flattened "
+                "into tensors; return tensors (or dicts/tuples/dataclasses of them), or register "
+                "the type with torch.utils._pytree.register_pytree_node") from e
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TraceError(f"torch.export could not trace {type(module).__name__}.forward{at}: "
                          f"{type(e).__name__}: {first}") from e
@@ -438,6 +455,10 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgra
 def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
     """Trace `module.forward` on `dummy_args` into an IR Graph (the module is not modified)."""
     args, kwargs = normalize_args(module, dummy_args)
+    arguments.register_dataclasses((args, kwargs))
+    positional, defaults = arguments.literal_defaults(module.forward)
+    items = arguments.entries(positional, args, kwargs)
+    arguments.check_constants(items)
     # every input its own tensor: the same tensor passed twice (labels=input_ids) or two views
     # of one storage would be traced as one input, and code would read one where the other
     # belongs
@@ -453,6 +474,9 @@ def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
                              "wrap it in nncompile.register_op")
     graph.meta["model"] = f"{type(module).__module__}.{type(module).__qualname__}"
     graph.meta["input_names"] = [v.name for v in graph.inputs]
+    graph.meta["args"] = arguments.record(items, graph.meta["input_names"])
+    graph.meta["signature"] = positional
+    graph.meta["defaults"] = {k: v for k, v in defaults.items() if k not in dict(items)}
     # what the original module's state_dict() and parameters() look like, so checkpoints can
     # be merged back into a state dict that module (and its optimizer) loads
     canonical = {}

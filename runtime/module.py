@@ -20,6 +20,7 @@ from nncompile.config import ComputeConfig
 from nncompile.errors import InputMismatchError
 from nncompile.ir.placement import Shard, parse_placement
 
+from . import arguments
 from .groups import get_groups
 from .reducer import Reducer
 from .state import check_same_plan, plan_info
@@ -38,6 +39,9 @@ class ParallelModule(torch.nn.Module):
     RUNTIME_NGPUS = 1
     INFERENCE_ONLY = False
     INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
+    ARGS: list[tuple] | None = None    # forward's arguments as traced (runtime/arguments.py)
+    SIGNATURE: list[str] = []          # forward's positional parameters
+    DEFAULTS: dict = {}                # untraced arguments' constant defaults
     PARAMS: list[tuple] = []   # local name, FQN, full shape, placement, slices, partial grad
     FROZEN: list[str] = []     # parameters traced with requires_grad=False
     BUFFERS: list[tuple] = []  # local name, FQN, full shape, placement, slices
@@ -91,20 +95,13 @@ class ParallelModule(torch.nn.Module):
 
     # ---- calling ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        names = [name for name, _, _ in self.INPUTS]
-        if len(args) > len(names):
-            raise InputMismatchError(f"got {len(args)} positional inputs; the module was traced "
-                                     f"with {len(names)}: {names}")
-        bound = dict(zip(names, args))
-        for k, v in kwargs.items():
-            if k not in names:
-                raise InputMismatchError(f"unexpected input {k!r}; traced inputs are {names}")
-            bound[k] = v
-        inputs = []
-        for name, shape, dtype in self.INPUTS:
-            if name not in bound:
-                raise InputMismatchError(f"missing input {name!r}; traced inputs are {names}")
-            inputs.append(self._check_input(name, bound[name], shape, dtype))
+        """Called like the original module's forward (runtime/arguments.py)."""
+        if self.ARGS is None:           # files generated before ARGS: one tensor per argument
+            type(self).ARGS = [(name, "*", [("input", name)]) for name, _, _ in self.INPUTS]
+            type(self).SIGNATURE = [name for name, _, _ in self.INPUTS]
+        bound = dict(arguments.bind(self, args, kwargs))
+        inputs = [self._check_input(name, bound[name], shape, dtype)
+                  for name, shape, dtype in self.INPUTS]
         if self._reducer is not None and torch.is_grad_enabled():
             self._reducer.reset()         # a backward that raised must not leave state behind
         out = self.forward_impl(*inputs)

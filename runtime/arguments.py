@@ -1,0 +1,158 @@
+"""forward's arguments as traced, and how a call maps onto the traced tensor inputs.
+
+torch.export flattens forward's arguments: tensors become graph inputs, and `None`, `bool`,
+`int`, `float` and `str` values are constants compiled into the program. A dict, tuple, list
+or dataclass argument (`forward(self, batch)`) is flattened into its tensors. The generated
+module records each argument as it was traced:
+
+    ARGS = [  # argument, its structure, its leaves: ('input', name) or ('const', value)
+        ('batch', "TreeSpec(dict, ['x', 'y'], [*, *])", [('input', 'batch_x'), ('input', 'batch_y')]),
+        ('use_cache', '*', [('const', False)]),
+    ]
+
+so `pm(batch, use_cache=False)` is called like the original module: arguments bind to forward's
+signature by position or name, each is flattened the same way and its tensors are checked and
+passed in the traced order. A constant must be given its traced value (the code was compiled
+for it); an argument the trace left at its default may be passed with that default only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from nncompile.errors import ConfigError, InputMismatchError
+
+CONSTANT_TYPES = (type(None), bool, int, float, str)
+
+
+def _is_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, torch.Tensor)
+
+
+def register_dataclasses(value: Any) -> None:
+    """Make dataclass arguments flattenable (torch.export needs them registered)."""
+    def visit(x):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            cls = type(x)
+            if cls not in pytree.SUPPORTED_NODES:
+                torch.export.register_dataclass(
+                    cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+            for f in dataclasses.fields(x):
+                visit(getattr(x, f.name))
+        elif isinstance(x, (list, tuple)):
+            for e in x:
+                visit(e)
+        elif isinstance(x, dict):
+            for e in x.values():
+                visit(e)
+    visit(value)
+
+
+def flatten(value: Any) -> tuple[list[Any], str]:
+    """(leaves, structure text): tensors and constants are leaves, containers are not."""
+    leaves, spec = pytree.tree_flatten(value, is_leaf=_is_leaf)
+    return leaves, "*" if spec.is_leaf() else " ".join(str(spec).split())
+
+
+def entries(positional: list[str], args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """(argument name, value) in the order torch.export flattens (args, kwargs)."""
+    named = [(positional[i] if i < len(positional) else f"arg{i}", a) for i, a in enumerate(args)]
+    return named + list(kwargs.items())
+
+
+def check_constants(items: list[tuple[str, Any]]) -> None:
+    """Refuse leaves torch.export would turn into something we cannot compare or record."""
+    for name, value in items:
+        for leaf in flatten(value)[0]:
+            if not isinstance(leaf, (torch.Tensor, *CONSTANT_TYPES)):
+                raise ConfigError(
+                    f"dummy_args[{name!r}] holds a {type(leaf).__qualname__}; arguments may be "
+                    "tensors, None, bool, int, float, str, or dicts/lists/tuples/dataclasses of "
+                    "them. Pass it another way (a module attribute) or convert it.")
+
+
+def record(items: list[tuple[str, Any]], input_names: list[str]) -> list[tuple]:
+    """ARGS rows for the traced arguments; tensor leaves take the traced input names in order."""
+    names = iter(input_names)
+    rows = []
+    for name, value in items:
+        leaves, structure = flatten(value)
+        refs = [("input", next(names)) if isinstance(leaf, torch.Tensor) else ("const", leaf)
+                for leaf in leaves]
+        rows.append((name, structure, refs))
+    return rows
+
+
+def literal_defaults(fn) -> tuple[list[str], dict[str, Any]]:
+    """forward's positional parameter names, and its parameters' constant defaults."""
+    params = inspect.signature(fn).parameters.values()
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    defaults = {p.name: p.default for p in params
+                if p.default is not p.empty and isinstance(p.default, CONSTANT_TYPES)}
+    return positional, defaults
+
+
+def tensor_leaves(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors of a call of `module`, in the order its traced inputs take them."""
+    positional, _ = literal_defaults(module.forward)
+    return [leaf for _, value in entries(positional, args, kwargs) for leaf in flatten(value)[0]
+            if isinstance(leaf, torch.Tensor)]
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')}{list(value.shape)} tensor"
+    return repr(value) if isinstance(value, CONSTANT_TYPES) else f"a {type(value).__qualname__}"
+
+
+def bind(pm, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """[(traced input name, value)] for a call of the generated module, in traced order."""
+    given: dict[str, Any] = {}
+    for name, value in entries(list(pm.SIGNATURE), args, kwargs):
+        if name in given:
+            raise InputMismatchError(f"argument {name!r} given twice")
+        given[name] = value
+    traced = [row[0] for row in pm.ARGS]
+    out = []
+    for name, structure, refs in pm.ARGS:
+        if name not in given:
+            raise InputMismatchError(f"missing argument {name!r}; the module was traced with "
+                                     f"{traced}")
+        value = given.pop(name)
+        if structure == "*":
+            leaves = [value]
+        else:
+            leaves, got = flatten(value)
+            if got != structure:
+                raise InputMismatchError(
+                    f"argument {name!r} has the structure {got}, but the module was traced with "
+                    f"{structure}; pass it in the traced form")
+        for leaf, (kind, ref) in zip(leaves, refs):
+            if kind == "input":
+                out.append((ref, leaf))
+            elif not _same(leaf, ref):
+                where = name if structure == "*" else f"a value inside {name!r}"
+                raise InputMismatchError(
+                    f"argument {where} is {_show(leaf)}, but the module was traced with "
+                    f"{ref!r}, a constant compiled into the code; call parallelize again with "
+                    f"this value in dummy_args (another instance_name) to get code for it")
+    for name, value in given.items():
+        default = pm.DEFAULTS.get(name, inspect.Parameter.empty)
+        if _same(value, default):
+            continue
+        if name not in pm.SIGNATURE and name not in pm.DEFAULTS:
+            raise InputMismatchError(f"unexpected argument {name!r}; the module was traced with "
+                                     f"{traced}")
+        raise InputMismatchError(
+            f"argument {name!r} is {_show(value)}, but the module was traced without it (with "
+            f"its default{'' if default is inspect.Parameter.empty else ' ' + repr(default)}); "
+            f"add it to dummy_args to compile it in")
+    return out
