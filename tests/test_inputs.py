@@ -1,10 +1,15 @@
-"""The inputs real training code passes: the same tensor twice (labels=input_ids)."""
+"""The inputs real training code passes: the same tensor twice (labels=input_ids), tensors of
+the wrong kind, None/bool/int/float arguments, nested batches, Hugging Face's use_cache."""
+import copy
+import dataclasses
+
 import pytest
 import torch
 
 import models
 import nncompile
 from nncompile.frontend import trace
+from nncompile.simulate import run_ranks
 
 
 @pytest.mark.parametrize("policy", ["data", "tp"])
@@ -54,3 +59,155 @@ def test_inputs_of_the_wrong_kind_dtype_or_device_are_named(tmp_path):
     with pytest.raises(nncompile.InputMismatchError,
                        match=r"input 'x' is on meta but this rank's module is on cpu"):
         pm(b["x"].to("meta"), b["y"])
+
+
+# ---- non-tensor and nested arguments ---------------------------------------------------------
+class Flags(torch.nn.Module):
+    """Optional mask, a flag, a float and an int, as real forwards take them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, flag=True, scale=1.0, n=2, name="a"):
+        y = self.lin(x) * scale
+        if mask is not None:
+            y = y + mask
+        if flag:
+            y = y * n
+        return y.pow(2).mean()
+
+
+def _x():
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("policy", ["dp", "tp"])
+def test_none_bool_int_float_arguments_are_constants(tmp_path, policy):
+    model = Flags()
+    mask = torch.randn(4, 8)
+    dummy = {"x": _x(), "mask": None, "flag": False, "scale": 0.5, "n": 3}
+    pm = nncompile.parallelize(model, dummy, nncompile.ComputeConfig(1), pas_policy=policy,
+                               gen_savedir=tmp_path)
+    code = open(pm.gencode_path).read()
+    assert "('flag', '*', [('const', False)])" in code and "('mask', '*', [('const', None)])" in code
+    for call in (lambda m: m(_x(), None, False, 0.5, 3),
+                 lambda m: m(x=_x(), mask=None, flag=False, scale=0.5, n=3, name="a")):
+        torch.testing.assert_close(call(pm), call(model))
+    with pytest.raises(nncompile.InputMismatchError,
+                       match=r"argument flag is True, but the module was traced with False, a "
+                             r"constant compiled into the code; call parallelize again"):
+        pm(_x(), None, True, 0.5, 3)
+    with pytest.raises(nncompile.InputMismatchError, match=r"argument mask is a float32\[4, 8\] "
+                                                           r"tensor, but .* traced with None"):
+        pm(_x(), mask, False, 0.5, 3)
+    with pytest.raises(nncompile.InputMismatchError, match=r"argument scale is 1, but"):
+        pm(_x(), None, False, 1, 3)                        # int where a float was traced
+    with pytest.raises(nncompile.InputMismatchError,
+                       match=r"argument 'name' is 'b', but the module was traced without it "
+                             r"\(with its default 'a'\); add it to dummy_args"):
+        pm(_x(), None, False, 0.5, 3, name="b")
+    with pytest.raises(nncompile.InputMismatchError, match=r"unexpected argument 'bogus'"):
+        pm(_x(), None, False, 0.5, 3, bogus=1)
+    with pytest.raises(nncompile.InputMismatchError, match=r"missing argument 'n'"):
+        pm(_x(), None, False, 0.5)
+    # a mask given as a tensor compiles as an input
+    pm2 = nncompile.parallelize(model, {"x": _x(), "mask": mask}, nncompile.ComputeConfig(1),
+                                pas_policy=policy, gen_savedir=tmp_path, instance_name="masked")
+    torch.testing.assert_close(pm2(_x(), mask), model(_x(), mask))
+
+
+def test_unsupported_argument_values_are_refused(tmp_path):
+    with pytest.raises(nncompile.ConfigError, match=r"dummy_args\['scale'\] holds a dtype; "
+                                                    r"arguments may be tensors, None, bool"):
+        nncompile.parallelize(Flags(), {"x": _x(), "scale": torch.float32},
+                              nncompile.ComputeConfig(1), pas_policy="dp", gen_savedir=tmp_path,
+                              load_module=False)
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class BatchModel(torch.nn.Module):
+    """forward(self, batch) with a dict, tuple or dataclass batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, batch):
+        if isinstance(batch, Batch):
+            x, y = batch.x, batch.y
+        elif isinstance(batch, dict):
+            x, y = batch["x"], batch["y"]
+        else:
+            x, y = batch
+        return torch.nn.functional.mse_loss(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+@pytest.mark.parametrize("kind", ["dict", "tuple", "dataclass"])
+def test_nested_batch_is_called_like_the_module(tmp_path, kind):
+    make = {"dict": lambda x, y: {"x": x, "y": y}, "tuple": lambda x, y: (x, y),
+            "dataclass": Batch}[kind]
+    g = torch.Generator().manual_seed(0)
+    dummy = make(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g))
+    batch = make(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g))
+    torch.manual_seed(0)
+    model = BatchModel()
+    report = nncompile.verify(model, (dummy,), nncompile.ComputeConfig(2), "tp",
+                              gen_savedir=str(tmp_path), inputs=(batch,))
+    assert report.ok and report.divergence is None, str(report)
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(model, (dummy,), nncompile.ComputeConfig(2),
+                                   pas_policy="tp", gen_savedir=tmp_path)
+        loss = pm(batch)                                  # called as the module is
+        loss.backward()
+        return loss.detach(), pm.gather_grads()
+    loss, grads = run_ranks(2, rank_fn)[0]
+    ref = copy.deepcopy(model)
+    want = ref(batch)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad)
+
+
+def test_nested_batch_of_another_structure_is_named(tmp_path):
+    dummy = {"x": torch.randn(8, 8), "y": torch.randn(8, 8)}
+    pm = nncompile.parallelize(BatchModel(), (dummy,), nncompile.ComputeConfig(1),
+                               pas_policy="dp", gen_savedir=tmp_path)
+    with pytest.raises(nncompile.InputMismatchError,
+                       match=r"argument 'batch' has the structure .*\['x'\].* but the module "
+                             r"was traced with .*\['x', 'y'\]"):
+        pm({"x": torch.randn(8, 8)})
+
+
+class HFNoFlag(torch.nn.Module):
+    """A Hugging Face causal LM returning its whole output, with its config's default
+    use_cache=True unless told otherwise."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels, use_cache=None):
+        kw = {} if use_cache is None else {"use_cache": use_cache}
+        return self.model(input_ids=input_ids, labels=labels, **kw)
+
+
+def test_hf_cache_output_says_use_cache_false(tmp_path):
+    model = HFNoFlag(models.hf_gpt2().model)
+    b = models.batch("hf_gpt2", 0)
+    with pytest.raises(nncompile.TraceError,
+                       match=r"returns a transformers\.cache_utils\.DynamicCache .* Pass "
+                             r"use_cache=False .* or set model\.config\.use_cache = False"):
+        nncompile.parallelize(model, b, nncompile.ComputeConfig(1), pas_policy="dp",
+                              gen_savedir=tmp_path, load_module=False)
+    # use_cache=False as a dummy_args value: traced as a constant, called the same way
+    report = nncompile.verify(model, {**b, "use_cache": False}, nncompile.ComputeConfig(2), "tp",
+                              gen_savedir=str(tmp_path))
+    assert report.ok, str(report)
