@@ -35,7 +35,7 @@ import torch.distributed as dist
 from nncompile.errors import CheckpointError
 from nncompile.fileio import replace_dir, write_json
 
-from .dcp import load_dcp, save_dcp
+from .dcp import load_dcp, load_state, read_metadata, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
 from .merge import load_merged_state_dict, merge_state_dicts
 from .state import describe, plan_info, plan_mismatch
@@ -79,6 +79,30 @@ def load_torch(path: str | os.PathLike, map_location=None) -> Any:
             "numbers, strings, bools, None and lists/tuples/dicts of them, so loading never "
             "runs code from the file. Only if you trust the file, load it yourself with "
             "torch.load(..., weights_only=False)") from e
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path} is truncated or corrupted ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+                              "load an earlier checkpoint") from e
+
+
+def load_on_every_rank(path: Path, map_location=None) -> Any:
+    """load_torch of this rank's file; if any rank's file fails, every rank raises the same
+    CheckpointError naming each failed file (no rank goes on alone into a collective)."""
+    error, blob = None, None
+    try:
+        blob = load_torch(path, map_location=map_location)
+    except CheckpointError as e:
+        error = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    else:
+        errors = [error]
+    failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
+    if failed:
+        raise CheckpointError("loading the checkpoint failed on "
+                              + "; ".join(f"rank {r}: {msg}" for r, msg in failed))
+    return blob
 
 
 def _why(e: Exception) -> str:
@@ -210,7 +234,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
         return side["extra"]
     if meta["world_size"] != world:
         _refuse(path, meta, pm, f"it was saved by {meta['world_size']} ranks")
-    blob = load_torch(path / f"rank{rank}.pt", map_location=pm.device)
+    blob = load_on_every_rank(path / f"rank{rank}.pt", map_location=pm.device)
     check_shards(path, meta, pm, blob["model"].get("_extra_state") or {})
     if meta["format"] == "sharded":
         pm.load_state_dict(blob["model"])                # checks the plan first
@@ -290,10 +314,9 @@ def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) 
 
 
 def _merge_dcp(directory: Path) -> dict:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     side = load_torch(directory / "extra.pt", map_location="cpu")
-    metadata = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    metadata = read_metadata(directory)
     flat = {k: torch.zeros(tuple(md.size), dtype=md.properties.dtype)
             for k, md in metadata.items() if isinstance(md, TensorStorageMetadata)}
     nested: dict[str, dict] = {"model": {}, "optim": {}}
@@ -306,7 +329,7 @@ def _merge_dcp(directory: Path) -> dict:
             nested["optim"].setdefault(fqn, {})[entry] = t
     with warnings.catch_warnings():     # loading in one process is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(nested, checkpoint_id=str(directory), no_dist=True)
+        load_state(nested, directory, no_dist=True)
     info = side["plan"]
     model = {key: nested["model"][canon] for key, canon in info["state_keys"]
              if canon in nested["model"]}

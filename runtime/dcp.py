@@ -9,22 +9,116 @@ new plan's shards overlap:
 
 Optimizer state tensors shaped like their parameter are sharded the same way; other entries
 (AdamW's step) are plain tensors. ZeRO state is gathered over its group before saving.
+
+Reading never runs code from the checkpoint: DCP's reader unpickles `.metadata` with plain
+pickle and its planner loads non-tensor items with torch.load(weights_only=False), so
+nncompile reads through `SafeReader` (an unpickler that only builds DCP's own metadata
+classes, torch dtypes/sizes and paths) and `SafeLoadPlanner` (weights_only=True). A truncated
+or corrupted checkpoint is a CheckpointError.
 """
 from __future__ import annotations
 
+import io
+import pickle
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nncompile.errors import CheckpointError
 from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
 
 from .state import load_local_optimizer_state, local_optimizer_state
+
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice", "complex"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes, torch dtypes/layouts/sizes and paths; nothing else."""
+
+    def find_class(self, module: str, name: str):
+        obj = None
+        if module == dcp_metadata.__name__:
+            obj = getattr(dcp_metadata, name, None)
+            obj = obj if isinstance(obj, (type, dict)) else None
+        elif name in _SAFE_GLOBALS.get(module, ()):
+            obj = super().find_class(module, name)
+        elif module == "torch" and isinstance(getattr(torch, name, None),
+                                              (torch.dtype, torch.layout, torch.memory_format)):
+            obj = getattr(torch, name)
+        if obj is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+        return obj
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata is read by _MetadataUnpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = Path(str(self.path)) / ".metadata"
+        if not path.exists():
+            raise CheckpointError(f"{path.parent} has no DCP metadata (.metadata); it is not a "
+                                  "complete dcp checkpoint")
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except Exception as e:  # noqa: BLE001 - truncated, corrupted or crafted
+            raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e}); the "
+                                  "checkpoint is truncated, corrupted or not a DCP "
+                                  "checkpoint") from e
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise CheckpointError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor items load with torch.load(weights_only=True)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_metadata(directory: str | Path) -> dict:
+    """{key: storage metadata} of a DCP checkpoint, read safely."""
+    return SafeReader(str(directory)).read_metadata().state_dict_metadata
+
+
+def load_state(state: dict, directory: str | Path, no_dist: bool = False) -> None:
+    """dcp.load through SafeReader/SafeLoadPlanner; a failure on any rank is a CheckpointError
+    on every rank (DCP gathers the ranks' exceptions)."""
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(directory)),
+                 planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any rank's read error
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"could not read the dcp checkpoint in {directory}: {first}; "
+                              "it is truncated or corrupted: load an earlier one") from e
+
 
 _MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> meshes
 
@@ -72,7 +166,7 @@ def save_dcp(directory: str, pm, optimizer=None) -> None:
 
 def load_dcp(directory: str, pm, optimizer=None) -> None:
     """Fill this rank's shards (and optimizer state) from a DCP checkpoint of any plan."""
-    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    metadata = read_metadata(directory)
     model = _model_state(pm)
     missing = [f"model.{k}" for k in model if f"model.{k}" not in metadata]
     if missing:
@@ -93,7 +187,7 @@ def load_dcp(directory: str, pm, optimizer=None) -> None:
                     target = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
                 optim.setdefault(fqn, {})[entry] = target
         state["optim"] = optim
-    dcp.load(state, checkpoint_id=directory)
+    load_state(state, directory)
     with torch.no_grad():
         for name, fqn, *_ in list(pm.PARAMS) + list(pm.BUFFERS):
             getattr(pm, name).copy_(state["model"][fqn].to_local())

@@ -129,3 +129,76 @@ def test_missing_path_says_it_does_not_exist(trained, tmp_path):
                            "-o", str(tmp_path / "m.pt")], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode != 0 and "does not exist" in proc.stderr, proc.stderr
+
+
+# ---- truncated and crafted files, every rank together ----------------------------------------
+def _two_ranks(tmp_path, fmt, damage, load=True):
+    """Save a tp plan-2 checkpoint on 2 simulated ranks, damage it, load it on both; returns
+    each rank's CheckpointError message (None where loading succeeded)."""
+    from nncompile.simulate import run_ranks
+    batch = models.batch("mlp", 0)
+    model = models.build("mlp")
+    ck = tmp_path / f"ck_{fmt}"
+
+    def save(rank):
+        pm = nncompile.parallelize(model, batch, nncompile.ComputeConfig(2), pas_policy="tp",
+                                   gen_savedir=tmp_path / "gen")
+        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+        pm(**batch).backward()
+        opt.step()
+        nncompile.save_checkpoint(ck, pm, opt, format=fmt)
+    run_ranks(2, save)
+    damage(ck)
+
+    def load(rank):
+        pm = nncompile.parallelize(model, batch, nncompile.ComputeConfig(2), pas_policy="tp",
+                                   gen_savedir=tmp_path / "gen")
+        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+        try:
+            nncompile.load_checkpoint(ck, pm, opt)
+        except nncompile.CheckpointError as e:
+            return str(e)
+        return None
+    return run_ranks(2, load) if load else None
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "deduped"])
+def test_truncated_rank_file_fails_on_every_rank(tmp_path, fmt):
+    msgs = _two_ranks(tmp_path, fmt, lambda ck: _truncate(ck / "rank1.pt"))
+    for msg in msgs:                          # rank 0's own file is fine; it refuses too
+        assert msg is not None
+        assert "failed on rank 1" in msg and "rank1.pt is truncated or corrupted" in msg, msg
+
+
+def test_truncated_dcp_checkpoint_is_a_checkpoint_error(tmp_path):
+    def damage(ck):
+        for f in ck.glob("*.distcp"):
+            _truncate(f)
+    for msg in _two_ranks(tmp_path, "dcp", damage):
+        assert msg is not None and "could not read the dcp checkpoint" in msg, msg
+        assert "truncated or corrupted" in msg
+
+
+def test_truncated_dcp_metadata_is_a_checkpoint_error(tmp_path):
+    for msg in _two_ranks(tmp_path, "dcp", lambda ck: _truncate(ck / ".metadata")):
+        assert msg is not None and ".metadata is unreadable" in msg, msg
+
+
+def test_crafted_dcp_metadata_is_refused_without_running(tmp_path):
+    marker = tmp_path / "pwned"
+
+    def craft(ck):
+        import pickle
+        (ck / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    msgs = _two_ranks(tmp_path, "dcp", craft)
+    for msg in msgs:
+        assert msg is not None and "makedirs is not checkpoint metadata" in msg, msg
+    assert not marker.exists()
+    with pytest.raises(nncompile.CheckpointError, match="not checkpoint metadata"):
+        nncompile.merge_checkpoint([tmp_path / "ck_dcp"], tmp_path / "merged.pt")
+    assert not marker.exists()

@@ -168,3 +168,23 @@ def test_sharded_checkpoint_loads_in_a_job_started_elsewhere(tmp_path):
     refused = next(ln for ln in out.splitlines() if ln.startswith("refused: "))
     assert "shards differ" in refused and "parameter '" in refused, refused
     assert "policy 'tp'" in refused and "policy 'data'" in refused, refused
+
+
+def test_reuse_match_after_adding_a_comment_line(tmp_path):
+    """Editing the model file by a comment line (inside forward, so every later line number
+    moves) leaves the program the same: reuse="match" reuses the generated code."""
+    from nncompile.api import compile_module
+    text = open(GPT_FILE).read()
+    at = text.index("        pos = torch.arange(0, t")
+    src = tmp_path / "src"
+    src.mkdir()
+    statuses = []
+    for i, body in enumerate((text, text[:at] + "        # a comment the user added\n" + text[at:])):
+        (src / "gpt.py").write_text(body)
+        torch.manual_seed(0)
+        model = _load(src / "gpt.py", f"comment_gpt_{i}").GPT()
+        compiled = compile_module(model, models.batch("gpt", 0), nncompile.ComputeConfig(2, 2),
+                                  pas_policy="tp", outdir=tmp_path / "gen", reuse="match")
+        statuses.append(compiled.status)
+    assert "# a comment the user added" in (src / "gpt.py").read_text()
+    assert statuses == ["generated", "reused"]

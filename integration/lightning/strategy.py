@@ -35,8 +35,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import nncompile
 from nncompile.errors import CheckpointError, ConfigError
-from nncompile.runtime.checkpoint import (load_torch, rank_files, read_meta, save_torch,
-                                         staged_directory)
+from nncompile.runtime.checkpoint import (load_on_every_rank, load_torch, rank_files,
+                                         read_meta, save_torch, staged_directory)
 from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_state,
                                      load_deduped_model_state, load_deduped_optimizer_state)
 from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
@@ -287,8 +287,8 @@ class NnCompileStrategy(ParallelStrategy):
                 f"merge_checkpoint(['{path}'], 'merged.ckpt'), then resume from merged.ckpt")
         if meta["world_size"] != self.world_size:
             refuse(f"it was saved by {meta['world_size']} ranks")
-        checkpoint = load_torch(path / f"rank{self.global_rank}.pt",
-                                map_location=self.root_device)
+        checkpoint = load_on_every_rank(path / f"rank{self.global_rank}.pt",
+                                        map_location=self.root_device)
         saved = checkpoint.get("state_dict", {}).get("_extra_state") or {}
         whys = [plan_mismatch(saved, plan_info(pm))]            # shards decide, not fingerprints
         if dist.is_initialized():                       # every rank refuses if any rank does
