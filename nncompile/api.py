@@ -56,7 +56,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     start = time.perf_counter()
     _log(f"tracing {type(module).__name__} ...")
     graph = trace(module, dummy_args)
-    graph.meta["inference_only"] = config.inference_only
+    graph.trace_info.inference_only = config.inference_only
     if config.inference_only:
         for v in graph.values():
             v.requires_grad = False
@@ -82,13 +82,13 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         if reuse == "match":
             raise ReuseError(_what_changed(old, config, traced_text, _policy_name(pas_policy),
                                            outdir, fp_parts))
-    _log(f"traced {graph.meta['model']}: {len(graph.ops)} ops, {len(graph.params)} params "
+    _log(f"traced {graph.trace_info.model}: {len(graph.ops)} ops, {len(graph.params)} params "
          f"({(time.perf_counter() - start):.1f}s)")
     seconds = {"trace": time.perf_counter() - start}
     _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
     result = run_pipeline(graph, build_pipeline(config, policy), check=check)
     seconds["passes"] = sum(ms for _, _, ms in result.history) / 1e3
-    seconds["ilp"] = (result.graph.meta.get("autodist") or {}).get("solve_s", 0.0)
+    seconds["ilp"] = (result.graph.plan_state.autodist or {}).get("solve_s", 0.0)
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
@@ -126,7 +126,7 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     _log(f"generated {config.runtime_ngpus} rank file(s) in {outdir} "
          f"({time.perf_counter() - start:.1f}s total)"
          + ("; why each placement: plan_report.txt, nncompile.explain()"
-            if final.meta.get("autodist") else ""))
+            if final.plan_state.autodist else ""))
     return Compiled("generated", graph, final)
 
 

@@ -178,6 +178,6 @@ def refuse_if_diverges(module, dummy_args, config: ComputeConfig, compiled, outd
     if not report.ok:
         shutil.rmtree(outdir, ignore_errors=True)
         raise PlanCheckError(f"the plan for {type(module).__name__} (policy "
-                             f"{compiled.final.meta.get('policy')}) does not compute what the "
+                             f"{compiled.final.plan_state.policy}) does not compute what the "
                              f"model does; nothing was kept in {outdir}.\n{report}")
     return report

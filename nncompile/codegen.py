@@ -13,8 +13,8 @@ from typing import Any
 from . import __version__
 from .comm_stats import collective_rows
 from .custom_ops import REGISTRY, is_custom_op
-from .ir import (Graph, Value, fmt_literal, print_graph, shard_slices)
-from .ir.printer import fmt_body
+from .ir import (Graph, RecomputeMark, Stage, Value, fmt_literal, print_graph, shard_slices)
+from .ir.printer import fmt_body, value_names
 
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} (plan unit {unit}, shard {shard} of {plan}).
 
@@ -47,14 +47,14 @@ class GenModel(ParallelModule):
     ]
     SIGNATURE = {signature!r}  # forward's positional parameters
     DEFAULTS = {defaults!r}  # untraced arguments' defaults
-    PARAMS = [  # local name, original FQN, full shape, placement, this rank's slices, partial grad
+    PARAMS = [  # ParamRow: local name, FQN, full shape, placement, this rank's slices, partial grad
 {params}
     ]
     FROZEN = {frozen!r}  # parameters with requires_grad=False: no gradient, no optimizer state
-    BUFFERS = [  # local name, original FQN, full shape, placement, this rank's slices
+    BUFFERS = [  # BufferRow: local name, FQN, full shape, placement, this rank's slices
 {buffers}
     ]
-    CONSTS = [  # local name, full shape, placement, this rank's slices
+    CONSTS = [  # ConstRow: local name, full shape, placement, this rank's slices
 {consts}
     ]
     # the original module's parameters() order and state_dict() keys (key, canonical FQN)
@@ -68,19 +68,23 @@ def _rows(rows: list[tuple]) -> str:
 
 
 def rank_tables(g: Graph, rank: int) -> dict[str, list[tuple]]:
+    """A rank's PARAMS, BUFFERS and CONSTS rows (runtime/rows.py), as the plain tuples its
+    file prints (placements as text)."""
+    from .runtime.rows import BufferRow, ConstRow, ParamRow
     n = g.plan_ngpus
     shard = rank % n
-    partial = set(g.meta.get("partial_grad_params", []))
+    partial = set(g.plan_state.partial_grad_params)
 
     def sl(v: Value):
         return tuple(tuple(s) for s in shard_slices(v.meta.shape, v.placement, shard, n))
 
     return {
-        "params": [(v.name, v.fqn, tuple(v.meta.shape), repr(v.placement), sl(v),
-                    v.name in partial) for v in g.params],
-        "buffers": [(v.name, v.fqn, tuple(v.meta.shape), repr(v.placement), sl(v))
+        "params": [ParamRow(v.name, v.fqn, tuple(v.meta.shape), v.placement, sl(v),
+                            v.name in partial).plain() for v in g.params],
+        "buffers": [BufferRow(v.name, v.fqn, tuple(v.meta.shape), v.placement, sl(v)).plain()
                     for v in g.buffers],
-        "consts": [(v.name, tuple(v.meta.shape), repr(v.placement), sl(v)) for v in g.consts],
+        "consts": [ConstRow(v.name, tuple(v.meta.shape), v.placement, sl(v)).plain()
+                   for v in g.consts],
     }
 
 
@@ -92,14 +96,14 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
         runtime_modules="comm, rng" if any(op.target_name.startswith("rng.") for op in g.ops)
         else "comm",
         rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
-        inference_only=g.meta.get("inference_only", False),
-        model=g.meta.get("model", "?"), policy=g.meta.get("policy", "?"),
+        inference_only=g.trace_info.inference_only,
+        model=g.trace_info.model, policy=g.plan_state.policy,
         fingerprint=fingerprint[:16], fingerprint_full=fingerprint, out_spec=g.out_spec,
-        param_order=g.meta.get("param_order", []),
-        state_keys=[tuple(k) for k in g.meta.get("state_keys", [])],
+        param_order=g.trace_info.param_order,
+        state_keys=[tuple(k) for k in g.trace_info.state_keys],
         inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),
-        args=_rows([tuple(r) for r in g.meta.get("args", [])]),
-        signature=g.meta.get("signature", []), defaults=g.meta.get("defaults", {}),
+        args=_rows([tuple(r) for r in g.trace_info.args]),
+        signature=g.trace_info.signature, defaults=g.trace_info.defaults,
         params=_rows(t["params"]), frozen=[v.name for v in g.params if not v.requires_grad],
         buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
     lines = [text.rstrip("\n")]
@@ -113,19 +117,13 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
         lines.append("        return {" + ", ".join(f"{v.name!r}: {v.name}"
                                                     for v in g.consts) + "}")
     # in the forward, parameters, buffers and constants are attributes of the module
-    renamed = [(v, v.name) for v in g.params + g.buffers + g.consts]
-    for v, name in renamed:
-        v.name = f"self.{name}"
-    try:
+    with value_names({v: f"self.{v.name}" for v in g.params + g.buffers + g.consts}):
         lines.append("")
         args = ", ".join(v.name for v in g.inputs)
         lines.append(f"    def forward_impl(self{', ' + args if args else ''}):")
         lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
         lines += forward_body(g, indent="        ", local_n=n)
         lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
-    finally:
-        for v, name in renamed:
-            v.name = name
     return "\n".join(lines) + "\n"
 
 
@@ -144,9 +142,9 @@ def _custom_imports(g: Graph) -> str:
 
 def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
     """The forward's ops; runs marked by the recompute pass become checkpointed closures."""
-    runs: list[tuple[str | None, list]] = []
+    runs: list[tuple[RecomputeMark | None, list]] = []
     for op in g.ops:
-        mark = op.attrs.get("recompute")
+        mark = op.recompute
         if runs and runs[-1][0] == mark:
             runs[-1][1].append(op)
         else:
@@ -159,12 +157,13 @@ def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
         inside = {id(v) for op in ops for v in op.outputs}
         later = [v for _, rest in runs[i + 1:] for op in rest for v in op.inputs()] + \
             [v for v in g.outputs if isinstance(v, Value)]
+        attrs = {id(v) for v in g.params + g.buffers + g.consts}     # self.<name>
         args = list({id(v): v for op in ops for v in op.inputs()
-                     if id(v) not in inside and not v.name.startswith("self.")}.values())
+                     if id(v) not in inside and id(v) not in attrs}.values())
         outs = list({id(v): v for v in later if id(v) in inside}.values())
-        fn = "recompute_" + mark.split("#")[0].replace(".", "_")
+        fn = "recompute_" + mark.module_path.replace(".", "_")
         names = ", ".join(v.name for v in args)
-        lines.append(f"{indent}# recompute_modules: {mark.split('#')[0]} keeps no activations; "
+        lines.append(f"{indent}# recompute_modules: {mark.module_path} keeps no activations; "
                      "its forward runs again in backward")
         lines.append(f"{indent}def {fn}({names}):")
         lines += fmt_body(ops, indent=indent + "    ", local_n=local_n)
@@ -177,6 +176,7 @@ def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
 def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[str, Any]:
     ranks = {}
     dtypes = {v.fqn: str(v.meta.dtype).replace("torch.", "") for v in g.params}
+    frozen = {v.name for v in g.params if not v.requires_grad}
     for r in range(config.runtime_ngpus):
         t = rank_tables(g, r)
         ranks[str(r)] = {
@@ -184,13 +184,14 @@ def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[
             "params": [{"local": name, "fqn": fqn, "full_shape": list(shape),
                         "dtype": dtypes[fqn], "placement": place,
                         "slices": [list(s) for s in slices],
-                        "partial_sum_count": g.plan_ngpus if partial else 1}
+                        "partial_sum_count": g.plan_ngpus if partial else 1,
+                        "trainable": name not in frozen}
                        for name, fqn, shape, place, slices, partial in t["params"]],
         }
     return {
         "nncompile_version": __version__,
-        "model": g.meta.get("model"),
-        "policy": g.meta.get("policy"),
+        "model": g.trace_info.model,
+        "policy": g.plan_state.policy,
         "config": config.to_json(),
         "fingerprint": fingerprint,
         "traced_graph": traced_text,
@@ -215,21 +216,21 @@ def plan_json(g: Graph) -> dict[str, Any]:
             "source": str(op.source) if op.source else None,
         })
     return {
-        "policy": g.meta.get("policy"),
+        "policy": g.plan_state.policy,
         "plan_ngpus": g.plan_ngpus,
         "params": {v.fqn: repr(v.placement) for v in g.params},
-        "partial_grad_params": g.meta.get("partial_grad_params", []),
+        "partial_grad_params": list(g.plan_state.partial_grad_params),
         "collectives": dict(comm),
         "collective_ops": collective_rows(g),
         "ops": ops,
-        "autodist": g.meta.get("autodist"),
+        "autodist": g.plan_state.autodist,
     }
 
 
 def graph_dumps(history: list[tuple[str, Graph, float]]) -> dict[str, str]:
     out = {}
     for i, (name, graph, ms) in enumerate(history):
-        local = graph.plan_ngpus if graph.meta.get("localized") else None
+        local = graph.plan_ngpus if Stage.LOCALIZED in graph.stages else None
         out[f"{i:02d}_{name}.py"] = f"# after {name!r} ({ms:.1f} ms)\n" + \
             print_graph(graph, local_n=local)
     return out

@@ -1,10 +1,11 @@
 """What the generated program communicates: one row per inserted collective, with its backward
 dual and the bytes each rank moves, and the gradient reduction the runtime adds per step.
 
-Bytes are payload bytes per rank: the size of the tensor a collective reduces, gathers into,
-scatters from or exchanges (a ring all-reduce puts about twice that on the wire). Local steps
-(chunk, to_partial, identity) move nothing. Ops that run a local implementation with a
-scalar reduction inside (cross_entropy_rows) are not listed.
+Bytes are payload bytes per rank, each kind's `payload` in nncompile/collectives.py: the size
+of the tensor a collective reduces, gathers into, scatters from or exchanges (a ring all-reduce
+puts about twice that on the wire). Local steps (chunk, to_partial, identity) move nothing.
+Ops with no table entry, such as a local implementation with a scalar reduction inside
+(cross_entropy_rows), are not listed.
 """
 from __future__ import annotations
 
@@ -12,32 +13,26 @@ from typing import Any
 
 from .ir import Graph
 from nncompile.passes.autodist.cost_model import nbytes
-from nncompile.runtime.comm import BACKWARD_DUAL, LOCAL_ONLY
+from nncompile.collectives import by_name, of_target
 
 
 def collective_rows(g: Graph) -> list[dict[str, Any]]:
     """Every collective of a graph after insert_comm, in program order."""
     n = g.plan_ngpus
-    training = not g.meta.get("inference_only", False)
+    training = not g.trace_info.inference_only
     rows = []
     for op in g.ops:
-        if not op.target_name.startswith("comm."):
-            continue
-        kind = op.target_name[len("comm."):]
-        if kind not in BACKWARD_DUAL:     # a local implementation (cross_entropy_rows)
+        c = of_target(op.target_name)
+        if c is None:                     # not a collective (cross_entropy_rows)
             continue
         x, out = op.tensor_inputs()[0], op.outputs[0]
         full, local = int(nbytes(x)), int(nbytes(x, x.placement, n))
-        fwd = {"all_reduce": local, "all_gather": full, "reduce_scatter": full,
-               "all_to_all": local}.get(kind, 0)
-        back = BACKWARD_DUAL.get(kind, "identity")
-        if kind == "all_gather" and op.kwargs.get("reduce_grad"):
-            back = "reduce_scatter"
+        fwd = c.payload(full, local, n)
+        back = c.backward_kind(bool(op.kwargs.get("reduce_grad")))
         if not (training and out.requires_grad):
             back = "-"
-        bwd = 0 if back in LOCAL_ONLY or back == "-" else \
-            (local if back == "all_to_all" else full)
-        rows.append({"name": out.name, "kind": kind, "input": x.name,
+        bwd = 0 if back == "-" else by_name(back).payload(full, local, n)
+        rows.append({"name": out.name, "kind": c.name, "input": x.name,
                      "from": repr(x.placement), "to": repr(out.placement),
                      "shape": list(x.meta.shape), "dtype": str(x.meta.dtype).replace("torch.", ""),
                      "forward_bytes": fwd, "backward": back, "backward_bytes": bwd,

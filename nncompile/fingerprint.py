@@ -91,7 +91,8 @@ def fingerprint_inputs(graph: Graph, config: ComputeConfig, pas_policy: Any) -> 
                               if k != "device"}
     return {
         "graph": print_graph(graph, source=False) + f"# out_spec: {graph.out_spec}\n"
-        + "".join(f"# {k}: {graph.meta.get(k)!r}\n" for k in ("args", "signature", "defaults")),
+        + "".join(f"# {k}: {getattr(graph.trace_info, k)!r}\n"
+                  for k in ("args", "signature", "defaults")),
         "config": json.dumps(plan, sort_keys=True),
         "policy": pas_policy if isinstance(pas_policy, str) else source_text(pas_policy),
         "device": _device(config) if autodist else "",

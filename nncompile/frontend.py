@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import ConfigError, TraceError
 from .runtime import arguments
-from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, Value
+from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, TraceInfo, Value
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in
@@ -268,7 +268,7 @@ class _Lowering:
         source = _user_frame_from_text(node.meta.get("stack_trace", ""))
         op = Op(target, tuple(args), kwargs, outputs, source, module_path, multi_output=multi)
         if stack:       # (path, class name) from the outermost module in: recompute_modules
-            op.attrs["module_stack"] = tuple((path, str(getattr(cls, "__name__", cls))
+            op.module_stack = tuple((path, str(getattr(cls, "__name__", cls))
                                               .rsplit(".", 1)[-1])
                                              for path, cls in stack.values() if path)
         self.ops.append(op)
@@ -472,17 +472,18 @@ def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
             raise TraceError(f"{op.target_name}{where} writes into a tensor in place and could "
                              "not be made functional; rewrite it out of place (x = x.add(y)) or "
                              "wrap it in nncompile.register_op")
-    graph.meta["model"] = f"{type(module).__module__}.{type(module).__qualname__}"
-    graph.meta["input_names"] = [v.name for v in graph.inputs]
-    graph.meta["args"] = arguments.record(items, graph.meta["input_names"])
-    graph.meta["signature"] = positional
-    graph.meta["defaults"] = {k: v for k, v in defaults.items() if k not in dict(items)}
     # what the original module's state_dict() and parameters() look like, so checkpoints can
     # be merged back into a state dict that module (and its optimizer) loads
     canonical = {}
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         canonical.setdefault(id(t), name)
-    graph.meta["param_order"] = [name for name, _ in module.named_parameters()]
-    graph.meta["state_keys"] = [(key, canonical.get(id(t), key))
-                                for key, t in module.state_dict(keep_vars=True).items()]
+    input_names = [v.name for v in graph.inputs]
+    graph.trace_info = TraceInfo(
+        model=f"{type(module).__module__}.{type(module).__qualname__}",
+        input_names=input_names, args=arguments.record(items, input_names),
+        signature=positional,
+        defaults={k: v for k, v in defaults.items() if k not in dict(items)},
+        param_order=[name for name, _ in module.named_parameters()],
+        state_keys=[(key, canonical.get(id(t), key))
+                    for key, t in module.state_dict(keep_vars=True).items()])
     return graph

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 from .comm_stats import align, fmt_bytes, format_rows
 from .edits import edited_files
 from .errors import ConfigError, NNCompileError
+from .mesh import DP, PLAN, Mesh, grad_reduction
 
 MANIFEST_KEYS = ("model", "policy", "config", "fingerprint", "ranks")
 PLAN_KEYS = ("policy", "plan_ngpus", "params", "collectives", "collective_ops", "ops")
@@ -106,6 +107,7 @@ class Instance:
             self.plan_ngpus = int(cfg["plan_ngpus"])
             self.runtime_ngpus = int(cfg["runtime_ngpus"])
             self.dp = self.runtime_ngpus // self.plan_ngpus
+            self.mesh = Mesh.of(self.plan_ngpus, self.runtime_ngpus)
             self.training = not cfg.get("inference_only", False)
             self.ranks = {int(r): e for r, e in self.manifest["ranks"].items()}
             self.edited_names = set(edited_files(self.dir, self.manifest))
@@ -114,7 +116,8 @@ class Instance:
     def _rank_stats(self, entry: dict) -> dict[str, int]:
         """Local parameter tensors, elements and bytes, and gradient bytes the reducer sends."""
         fp32 = self.config.get("reduce_in_fp32", False)
-        stats = dict(params=0, elements=0, bytes=0, grad_partial=0, grad_dp=0, n_partial=0)
+        stats = dict(params=0, elements=0, bytes=0, grad_partial=0, grad_dp=0, n_partial=0,
+                     n_frozen=0)
         for p in entry["params"]:
             numel = math.prod(b - a for a, b in p["slices"])
             size = _itemsize(p["dtype"])
@@ -124,11 +127,14 @@ class Instance:
             if not self.training:
                 continue
             grad = numel * (4 if fp32 and size < 4 else size)
-            if p.get("partial_sum_count", 1) > 1:
+            reduction = grad_reduction(self.mesh, p.get("partial_sum_count", 1) > 1,
+                                       trainable=p.get("trainable", True))
+            if reduction is not None and PLAN in reduction.dims:
                 stats["grad_partial"] += grad
                 stats["n_partial"] += 1
-            elif self.dp > 1:
+            elif reduction is not None:
                 stats["grad_dp"] += grad
+            stats["n_frozen"] += not p.get("trainable", True)
         return stats
 
     def full_model(self) -> tuple[int, int, int]:
@@ -242,13 +248,17 @@ def _reduction(p: Instance) -> list[str]:
     if not p.training:
         return lines + ["  none: inference only"]
     stats = p.rank_stats[min(p.rank_stats)]
-    where = (f"the world ({p.runtime_ngpus} ranks)" if p.dp > 1
+    dims = grad_reduction(p.mesh, partial_sum=True).dims if p.plan_ngpus > 1 else ()
+    where = (f"the world ({p.runtime_ngpus} ranks)" if dims == (DP, PLAN)
              else f"the plan unit ({p.plan_ngpus} ranks)")
     if stats["n_partial"]:
         lines.append(f"  {stats['n_partial']} partial-sum gradients all-reduced (summed) over "
                      f"{where}: {fmt_bytes(stats['grad_partial'])} per rank")
+    if stats["n_frozen"]:
+        lines.append(f"  {stats['n_frozen']} frozen parameters: no gradient")
     if p.dp > 1:
-        lines.append(f"  {stats['params'] - stats['n_partial']} other local gradients "
+        lines.append(f"  {stats['params'] - stats['n_partial'] - stats['n_frozen']} other "
+                     "local gradients "
                      f"all-reduced (averaged) over the data-parallel group ({p.dp} ranks): "
                      f"{fmt_bytes(stats['grad_dp'])} per rank")
     else:

@@ -3,9 +3,10 @@
     trace -> constant_fold -> dce -> plan(policy) -> insert_comm -> [recompute] -> localize
           -> codegen
 
-Every pass is `Graph -> Graph` with a stable `__name__`; `run_pipeline` records
-`(name, graph, ms)` after each, runs `verify` between passes when asked, and names the
-failing pass and the ones before it.
+Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
+the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
+after each pass, records `(name, graph, ms)`, runs `verify` between passes when asked, and
+names the failing pass and the ones before it.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from nncompile.errors import NNCompileError
 from nncompile.ir import Graph, verify
 
 from .constant_fold import constant_fold
+from .contract import contract, produces_of, requires_of
 from .dce import dce
 from .insert_comm import insert_comm
 from .localize import localize
@@ -60,6 +62,12 @@ def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> Pipel
         verify(graph)
     for p in passes:
         start = time.perf_counter()
+        done = [name for name, _, _ in result.history]
+        missing = [s for s in requires_of(p) if s not in result.graph.stages]
+        if missing:
+            raise PassError(f"pass {pass_name(p)!r} requires {_stages(missing)}, which no pass "
+                            f"before it produced (ran: {done}); put the pass that produces it "
+                            "earlier in the pipeline")
         try:
             result.graph = p(result.graph)
             if check:
@@ -73,9 +81,17 @@ def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> Pipel
             done = [name for name, _, _ in result.history]
             raise PassError(f"pass {pass_name(p)!r} failed after {done}: "
                             f"{type(e).__name__}: {e}") from e
+        unmet = [s for s in produces_of(p) if s not in result.graph.stages]
+        if unmet:
+            raise PassError(f"pass {pass_name(p)!r} declares it produces {_stages(unmet)}, but "
+                            "the graph it returned does not have it")
         result.history.append((pass_name(p), result.graph, (time.perf_counter() - start) * 1e3))
     return result
 
 
+def _stages(stages) -> str:
+    return ", ".join(f"{s.name} ({s.value})" for s in stages)
+
+
 __all__ = ["build_pipeline", "run_pipeline", "constant_fold", "dce", "Plan", "insert_comm",
-           "localize", "Recompute", "get_policy", "PassError", "PipelineResult"]
+           "localize", "Recompute", "get_policy", "PassError", "PipelineResult", "contract"]

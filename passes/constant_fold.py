@@ -16,15 +16,19 @@ Precondition: none. Idempotent: yes.
 """
 from __future__ import annotations
 
-from nncompile.ir import BUFFER, CONST, Graph, Value
+from nncompile.ir import BUFFER, CONST, Graph, Stage, Value
+
+from .contract import contract
 
 _RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli",
            "dropout", "native_dropout", "multinomial", "normal", "uniform", "empty",
            "empty_like", "empty_strided", "randperm"}
 
 
+@contract(produces=(Stage.FOLDED,))
 def constant_fold(graph: Graph) -> Graph:
     g = graph.clone()
+    g.stages = g.stages | {Stage.FOLDED}
     const: set[int] = {id(v) for v in g.buffers}
     const |= {id(v) for op in g.const_ops for v in op.outputs}
     moved, kept = [], []
@@ -37,7 +41,7 @@ def constant_fold(graph: Graph) -> Graph:
         else:
             kept.append(op)
     if not moved:
-        return graph
+        return graph if Stage.FOLDED in graph.stages else g
     g.const_ops = g.const_ops + moved
     g.ops = kept
     used = {id(v) for op in kept for v in op.inputs()}

@@ -4,14 +4,8 @@ Before (x is S(1), the op wants it replicated):     After:
     y = aten.layer_norm.default(x, ...)                 x_gather = comm.all_gather(x, dim=1, group=PLAN_GROUP)
                                                         y = aten.layer_norm.default(x_gather, ...)
 
-Transitions (forward / backward), from runtime/comm.py:
-    P -> R     all_reduce      / identity
-    R -> S(d)  chunk           / all_gather
-    S(d) -> R  all_gather      / chunk         (reduce_scatter when users leave partial grads)
-    P -> S(d)  reduce_scatter  / all_gather
-    S(i)->S(j) all_to_all      / all_to_all
-    R -> P     to_partial      / identity      (rank 0 keeps the value, the others zeros)
-    R -> R     sync_grad       / all_reduce    (see below)
+Which collective implements each transition, and its backward, is nncompile/collectives.py's
+table (`route(src, dst)`); a pair it lacks goes through Replicate (S -> P: all_gather, to_partial).
 
 Gradients: the gradient of a replicated value must be the same full tensor on every rank. A
 split op that reads a replicated input leaves only a partial gradient for it on each rank, so
@@ -23,15 +17,16 @@ Precondition: plan. Idempotent: yes (a second run finds nothing to convert).
 """
 from __future__ import annotations
 
-from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Partial, Replicate, Shard, Strategy, Value
+from .contract import contract
+from nncompile.collectives import by_name, grad_sync_collective, of_target, route
+from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Replicate, Stage, Strategy, Value
+
+GROUPS = {"plan": PLAN_GROUP}      # a Collective's group -> the name generated code uses
 
 
 def _needs_sync(op: Op, v: Value, want) -> bool:
-    src = v.producer
-    synced = src is not None and (src.target == "comm.sync_grad" or (
-        src.target == "comm.all_gather" and src.kwargs.get("reduce_grad", False)))
     return isinstance(want, Replicate) and op.strategy.is_split and v.requires_grad \
-        and not synced and not op.target_name.startswith("comm.")
+        and not _sums_grad(v.producer) and not op.target_name.startswith("comm.")
 
 
 class _Inserter:
@@ -43,7 +38,8 @@ class _Inserter:
     def emit(self, kind: str, v: Value, dst, **kwargs) -> Value:
         out = Value(self.g.fresh_name(f"{v.name}_{kind}"), v.meta, requires_grad=v.requires_grad)
         out.placement = dst
-        op = Op(f"comm.{kind}", (v,), {**kwargs, "group": PLAN_GROUP}, [out],
+        group = GROUPS[by_name(kind).group]
+        op = Op(f"comm.{kind}", (v,), {**kwargs, "group": group}, [out],
                 module_path=v.producer.module_path if v.producer else "")
         op.strategy = Strategy((v.placement,), (dst,), kind)
         self.new_ops.append(op)
@@ -63,27 +59,21 @@ def transition(src, want, sync: bool = False) -> list[tuple[str, dict, object]]:
     """The collectives that turn placement `src` into `want`: [(kind, kwargs, placement after)].
     With `sync` (a replicated result whose users leave partial gradients) the backward also sums
     gradients over the unit: a gather then reduce-scatters them, anything else adds sync_grad."""
-    if sync and isinstance(src, Shard) and isinstance(want, Replicate):
-        return [("all_gather", {"dim": src.dim, "reduce_grad": True}, want)]
-    steps = _transition(src, want)
-    return steps + [("sync_grad", {}, Replicate())] if sync else steps
+    steps = [(c.name, c.kwargs(a, b), b) for c, a, b in route(src, want)]
+    if sync and len(steps) == 1 and by_name(steps[0][0]).reduce_grad_dual:
+        kind, kwargs, dst = steps[0]
+        return [(kind, {**kwargs, "reduce_grad": True}, dst)]
+    return steps + [(grad_sync_collective().name, {}, Replicate())] if sync else steps
 
 
-def _transition(src, want) -> list[tuple[str, dict, object]]:
-    if want is None or src == want:
-        return []
-    if isinstance(src, Replicate):
-        return [("chunk", {"dim": want.dim}, want)] if isinstance(want, Shard) \
-            else [("to_partial", {}, want)]
-    if isinstance(src, Partial):
-        return [("all_reduce", {}, want)] if isinstance(want, Replicate) \
-            else [("reduce_scatter", {"dim": want.dim}, want)]
-    if isinstance(want, Shard):
-        return [("all_to_all", {"src_dim": src.dim, "dst_dim": want.dim}, want)]
-    steps = [("all_gather", {"dim": src.dim}, Replicate())]
-    return steps + [("to_partial", {}, want)] if isinstance(want, Partial) else steps
+def _sums_grad(op: Op | None) -> bool:
+    """`op` is a collective whose backward already sums the gradient over the group."""
+    c = of_target(op.target_name) if op is not None else None
+    return c is not None and (c.syncs_grad or (bool(c.reduce_grad_dual)
+                                               and op.kwargs.get("reduce_grad", False)))
 
 
+@contract(requires=(Stage.PLANNED,), produces=(Stage.COMM_INSERTED,))
 def insert_comm(graph: Graph) -> Graph:
     g = graph.clone()
     # replicated parameters whose every use leaves a partial gradient: reduced by the runtime
@@ -110,7 +100,7 @@ def insert_comm(graph: Graph) -> Graph:
     g.outputs = [ins.convert(v, Replicate()) if isinstance(v, Value) and v.is_tensor else v
                  for v in g.outputs]
     g.ops = ops + ins.new_ops
-    g.meta["comm_inserted"] = True
-    g.meta["partial_grad_params"] = sorted(partial_grad | set(g.meta.get("partial_grad_params",
-                                                                          [])))
+    g.stages = g.stages | {Stage.COMM_INSERTED}
+    g.plan_state.partial_grad_params = sorted(partial_grad
+                                              | set(g.plan_state.partial_grad_params))
     return g

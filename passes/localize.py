@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from nncompile.ir import PLAN_GROUP, Graph, Shard
+from nncompile.ir import PLAN_GROUP, Graph, Shard, Stage
 from nncompile.rules import RANDOM_LOCAL, draws_random
+
+from .contract import contract
 
 # op name -> index of its size argument
 _SIZE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_zeros": 1,
@@ -31,13 +33,14 @@ _SIZE_ARG = {"view": 1, "reshape": 1, "_unsafe_view": 1, "expand": 1, "new_zeros
              "full": 0}
 
 
+@contract(requires=(Stage.COMM_INSERTED,), produces=(Stage.LOCALIZED,))
 def localize(graph: Graph) -> Graph:
-    if graph.meta.get("localized"):
+    if Stage.LOCALIZED in graph.stages:
         return graph
     g = graph.clone()
     for op in g.ops:
         localize_op(op, g.plan_ngpus)
-    g.meta["localized"] = True
+    g.stages = g.stages | {Stage.LOCALIZED}
     return g
 
 

@@ -10,10 +10,10 @@ deterministic policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from nncompile.errors import PolicyError
-from nncompile.ir import Graph, Partial, Replicate
+from nncompile.ir import Graph, Partial, Replicate, Stage
 from nncompile.rules import replicated, strategies
 
 
@@ -22,6 +22,8 @@ class Plan:
     policy: Callable
     config: Any
     name: str = "plan"
+    requires: ClassVar[tuple] = ()
+    produces: ClassVar[tuple] = (Stage.PLANNED,)
 
     def __call__(self, graph: Graph) -> Graph:
         g = self.policy(graph, self.config)
@@ -32,7 +34,7 @@ class Plan:
             g = graph.clone()
         n = self.config.plan_ngpus
         g.plan_ngpus = n
-        g.meta["policy"] = getattr(self.policy, "__name__", str(self.policy))
+        g.plan_state.policy = getattr(self.policy, "__name__", str(self.policy))
         for v in g.params + g.buffers:
             if isinstance(v.placement, Partial):
                 raise PolicyError(f"{v.kind} {v.fqn!r} cannot be Partial; use Replicate "
@@ -49,4 +51,5 @@ class Plan:
             op.strategy = chosen
             for v, p in zip(op.outputs, chosen.outputs):
                 v.placement = p if v.is_tensor else Replicate()
+        g.stages = g.stages | {Stage.PLANNED}
         return g

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import fnmatch
 
-from nncompile.ir import Graph, Op
+from nncompile.ir import Graph, Op, RecomputeMark, Stage
 
 
 def recompute_region(op: Op, patterns) -> str | None:
     """The module path of the outermost recomputed module instance `op` runs in, if any."""
     if not patterns:
         return None
-    for path, cls in op.attrs.get("module_stack", ()):
+    for path, cls in op.module_stack:
         for pat in patterns:
             if cls == pat or fnmatch.fnmatchcase(path, pat):
                 return path
@@ -32,6 +32,8 @@ def recompute_region(op: Op, patterns) -> str | None:
 
 class Recompute:
     name = "recompute"
+    requires = (Stage.COMM_INSERTED,)
+    produces = (Stage.RECOMPUTE_MARKED,)
 
     def __init__(self, patterns):
         self.patterns = list(patterns or [])
@@ -54,10 +56,8 @@ class Recompute:
         for op, mark in zip(ops, marks):
             if mark is not None and mark != last:
                 regions += 1
-            if mark is None:
-                op.attrs.pop("recompute", None)
-            else:
-                op.attrs["recompute"] = f"{mark}#{regions}"
+            op.recompute = None if mark is None else RecomputeMark(mark, regions)
             last = mark
-        g.meta["recompute_regions"] = regions
+        g.plan_state.recompute_regions = regions
+        g.stages = g.stages | {Stage.RECOMPUTE_MARKED}
         return g

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from .rows import param_rows
+
 
 def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -19,10 +21,10 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0,
     returns the norm before clipping (like torch.nn.utils.clip_grad_norm_). Every rank calls it."""
     norm_type = float(norm_type)
     sharded, replicated = [], []
-    for name, _, _, placement, _, _ in pm.PARAMS:
-        grad = getattr(pm, name).grad
+    for row in param_rows(pm):
+        grad = getattr(pm, row.name).grad
         if grad is not None:
-            (sharded if placement.startswith("S") else replicated).append(grad.detach())
+            (sharded if row.sharded else replicated).append(grad.detach())
     device = pm.device
     if math.isinf(norm_type):
         def part(gs):

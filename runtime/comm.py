@@ -1,17 +1,9 @@
 """Autograd-aware collectives on the plan unit's process group.
 
 Each forward collective is paired with its backward dual, so `loss.backward()` on every rank
-produces correct local gradients:
-
-    all_reduce      P -> R     backward: identity
-    chunk           R -> S(d)  backward: all_gather
-    all_gather      S(d) -> R  backward: chunk (reduce_scatter with reduce_grad=True)
-    reduce_scatter  P -> S(d)  backward: all_gather
-    all_to_all      S(i)->S(j) backward: all_to_all(j -> i)
-    to_partial      R -> P     backward: identity    (rank 0 keeps the value, others zeros)
-    sync_grad       R -> R     backward: all_reduce  (Megatron's `f`)
-
-With gloo, which lacks reduce_scatter, reduce_scatter runs as all_reduce + chunk.
+produces correct local gradients. Which transition each one implements, its dual, its bytes
+and its gloo fallback are listed once, in nncompile/collectives.py (`TABLE`); a table entry
+whose `forward` names a function of another name resolves here as an alias.
 """
 from __future__ import annotations
 
@@ -19,12 +11,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# forward collective -> what its backward runs (the table above; all_gather with
-# reduce_grad=True reduce-scatters instead). "chunk" and "identity" move no data.
-BACKWARD_DUAL = {"all_reduce": "identity", "chunk": "all_gather", "all_gather": "chunk",
-                 "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
-                 "to_partial": "identity", "sync_grad": "all_reduce"}
-LOCAL_ONLY = ("chunk", "identity", "to_partial")
+from nncompile.collectives import lookup
+
+
+def __getattr__(name: str):
+    """comm.<kind> for a table entry whose runtime function has another name."""
+    c = lookup(name)
+    if c is not None and c.forward and c.forward != name:
+        return globals()[c.forward]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _size(group) -> int:

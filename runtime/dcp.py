@@ -34,8 +34,9 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nncompile.errors import CheckpointError
-from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
+from nncompile.ir.placement import Shard as ShardPlacement
 
+from .rows import BufferRow, ParamRow, param_rows, state_rows
 from .state import load_local_optimizer_state, local_optimizer_state
 
 _SAFE_GLOBALS = {
@@ -135,18 +136,19 @@ def _mesh(pm):
     return meshes[key]
 
 
-def _dtensor(pm, local: torch.Tensor, full_shape, placement: str) -> DTensor:
-    p = parse_placement(placement)
+def _dtensor(pm, local: torch.Tensor, row: ParamRow | BufferRow) -> DTensor:
+    """`local` (this rank's piece of `row`'s tensor, or a tensor shaped like it) as a DTensor."""
+    p = row.placement
     shard = [Shard(p.dim)] if isinstance(p, ShardPlacement) else [Replicate()]
-    shape = torch.Size(full_shape)
+    shape = torch.Size(row.shape)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local.contiguous(), _mesh(pm), [Replicate()] + shard,
                               run_check=False, shape=shape, stride=stride)
 
 
 def _model_state(pm) -> dict[str, DTensor]:
-    return {fqn: _dtensor(pm, getattr(pm, name).detach(), shape, place)
-            for name, fqn, shape, place, *_ in list(pm.PARAMS) + list(pm.BUFFERS)}
+    return {row.fqn: _dtensor(pm, getattr(pm, row.name).detach(), row)
+            for row in state_rows(pm)}
 
 
 def save_dcp(directory: str, pm, optimizer=None) -> None:
@@ -155,11 +157,11 @@ def save_dcp(directory: str, pm, optimizer=None) -> None:
     if optimizer is not None:
         local = local_optimizer_state(pm, optimizer)["state"]
         optim = {}
-        for name, fqn, shape, place, *_ in pm.PARAMS:
-            param = getattr(pm, name)
-            optim[fqn] = {k: _dtensor(pm, v, shape, place)
-                          if torch.is_tensor(v) and v.shape == param.shape and v.dim() else v
-                          for k, v in local.get(name, {}).items()}
+        for row in param_rows(pm):
+            param = getattr(pm, row.name)
+            optim[row.fqn] = {k: _dtensor(pm, v, row)
+                              if torch.is_tensor(v) and v.shape == param.shape and v.dim() else v
+                              for k, v in local.get(row.name, {}).items()}
         state["optim"] = optim
     dcp.save(state, checkpoint_id=directory)
 
@@ -175,26 +177,26 @@ def load_dcp(directory: str, pm, optimizer=None) -> None:
     state: dict[str, Any] = {"model": model}
     if optimizer is not None:
         optim: dict[str, dict[str, Any]] = {}
-        for name, fqn, shape, place, *_ in pm.PARAMS:
-            prefix = f"optim.{fqn}."
+        for row in param_rows(pm):
+            prefix = f"optim.{row.fqn}."
             for key, md in metadata.items():
                 if not key.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
                     continue
                 entry = key[len(prefix):]
-                if tuple(md.size) == tuple(shape) and len(md.size):
-                    target = _dtensor(pm, torch.zeros_like(getattr(pm, name)), shape, place)
+                if tuple(md.size) == row.shape and len(md.size):
+                    target = _dtensor(pm, torch.zeros_like(getattr(pm, row.name)), row)
                 else:
                     target = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
-                optim.setdefault(fqn, {})[entry] = target
+                optim.setdefault(row.fqn, {})[entry] = target
         state["optim"] = optim
     load_state(state, directory)
     with torch.no_grad():
-        for name, fqn, *_ in list(pm.PARAMS) + list(pm.BUFFERS):
-            getattr(pm, name).copy_(state["model"][fqn].to_local())
+        for row in state_rows(pm):
+            getattr(pm, row.name).copy_(state["model"][row.fqn].to_local())
     if optimizer is not None:
         local = {}
-        for name, fqn, *_ in pm.PARAMS:
-            if fqn in state["optim"]:
-                local[name] = {k: v.to_local() if isinstance(v, DTensor) else v
-                               for k, v in state["optim"][fqn].items()}
+        for row in param_rows(pm):
+            if row.fqn in state["optim"]:
+                local[row.name] = {k: v.to_local() if isinstance(v, DTensor) else v
+                                   for k, v in state["optim"][row.fqn].items()}
         load_local_optimizer_state(pm, optimizer, {"state": local, "param_groups": []})

@@ -18,13 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nncompile.ir.placement import Placement, Shard
+
+from .rows import param_rows, state_rows
 from .state import (check_same_plan, is_owner, load_local_optimizer_state,
                     local_optimizer_state, owner_rank, plan_info)
-
-
-def _rows(pm) -> list[tuple[str, str]]:
-    """(local name, placement) of every parameter and persistent buffer, in a fixed order."""
-    return [(r[0], r[3]) for r in list(pm.PARAMS) + list(pm.BUFFERS)]
 
 
 def deduped_state_dict(pm, optimizer=None) -> tuple[dict, dict | None]:
@@ -36,21 +34,21 @@ def deduped_state_dict(pm, optimizer=None) -> tuple[dict, dict | None]:
 
 def deduped_model_state(pm) -> dict:
     full = pm.state_dict()
-    owned = {name for name, place in _rows(pm) if is_owner(pm, place)}
+    owned = {row.name for row in state_rows(pm) if is_owner(pm, row.placement)}
     return {k: v for k, v in full.items() if k in owned or k == "_extra_state"}
 
 
 def deduped_optimizer_state(pm, optimizer) -> dict:
     local = local_optimizer_state(pm, optimizer)
-    placement = {r[0]: r[3] for r in pm.PARAMS}
+    placement = {row.name: row.placement for row in param_rows(pm)}
     local["state"] = {n: st for n, st in local["state"].items()
                       if is_owner(pm, placement[n])}
     return {**local, "nncompile": plan_info(pm)}
 
 
-def _group(pm, placement: str):
-    """The ranks holding the same copy: None when no other rank does."""
-    if placement.startswith("S"):
+def _group(pm, placement: Placement):
+    """The ranks holding the same copy, and whether any other rank does."""
+    if isinstance(placement, Shard):
         return pm.dp_group, pm.dp_group is not None
     return dist.group.WORLD, dist.is_initialized() and dist.get_world_size() > 1
 
@@ -66,13 +64,13 @@ def load_deduped_state_dict(pm, model_sd: dict, optimizer=None,
 def load_deduped_model_state(pm, model_sd: dict) -> None:
     check_same_plan(model_sd.get("_extra_state", {}), pm, "the deduped state dict")
     with torch.no_grad():
-        for name, place in _rows(pm):
-            t = getattr(pm, name)
-            if is_owner(pm, place):
-                t.copy_(model_sd[name])
-            group, shared = _group(pm, place)
+        for row in state_rows(pm):
+            t = getattr(pm, row.name)
+            if is_owner(pm, row.placement):
+                t.copy_(model_sd[row.name])
+            group, shared = _group(pm, row.placement)
             if shared:
-                dist.broadcast(t.data, src=owner_rank(pm, place), group=group)
+                dist.broadcast(t.data, src=owner_rank(pm, row.placement), group=group)
 
 
 def load_deduped_optimizer_state(pm, optimizer, optimizer_sd: dict | None) -> None:
@@ -85,15 +83,15 @@ def load_deduped_optimizer_state(pm, optimizer, optimizer_sd: dict | None) -> No
     else:
         skeletons = [skeleton]
     state: dict[str, dict[str, Any]] = {}
-    for name, _, _, place, *_ in pm.PARAMS:
-        src = owner_rank(pm, place)
+    for row in param_rows(pm):
+        name, src = row.name, owner_rank(pm, row.placement)
         for key, (kind, *spec) in sorted(skeletons[src].get(name, {}).items()):
             if kind == "value":
                 value = spec[0]
             else:
                 value = mine[name][key].to(pm.device) if name in mine else \
                     torch.empty(spec[0], dtype=spec[1], device=pm.device)
-                group, shared = _group(pm, place)
+                group, shared = _group(pm, row.placement)
                 if shared:
                     dist.broadcast(value, src=src, group=group)
             state.setdefault(name, {})[key] = value

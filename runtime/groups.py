@@ -1,8 +1,9 @@
-"""Process groups for nnScaler's rank layout.
+"""Process groups along the dimensions of the job's mesh (nncompile/mesh.py).
 
-With plan_ngpus = n and runtime_ngpus = N, ranks r1 and r2 are in one plan unit when
-r1 // n == r2 // n (tensor-parallel collectives run there) and hold the same shard when
-r1 % n == r2 % n (gradients are averaged there, like DDP). ZeRO splits each shard group into
+With plan_ngpus = n and runtime_ngpus = N the mesh is ("dp", N // n) x ("plan", n): ranks r1
+and r2 are in one plan unit (the group along "plan", where tensor-parallel collectives run)
+when r1 // n == r2 // n, and hold the same shard (the group along "dp", where gradients are
+averaged, like DDP) when r1 % n == r2 % n. ZeRO splits each shard group into
 `zero_ngroups` consecutive groups and shards optimizer state inside each. Every rank must
 create every group in the same order, so groups are made for all units at once and cached.
 New groups take the default group's timeout (torch would otherwise give them its own default).
@@ -15,16 +16,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from nncompile.mesh import DP, PLAN, Mesh
+
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> groups
 
 
-def unit_ranks(rank: int, plan: int) -> list[int]:
-    start = rank // plan * plan
-    return list(range(start, start + plan))
-
-
 def shard_ranks(rank: int, plan: int, runtime: int) -> list[int]:
-    return list(range(rank % plan, runtime, plan))
+    """The ranks holding the same shard as `rank`: its group along "dp"."""
+    return Mesh.of(plan, runtime).ranks_along((DP,), rank)
 
 
 def zero_ranks(rank: int, plan: int, runtime: int, ngroups: int) -> list[int]:
@@ -64,9 +63,17 @@ def get_groups(plan: int, runtime: int):
     """(plan group, data-parallel group) of this rank; None where the group has one rank."""
     if not dist.is_initialized():
         return None, None
-    units = [list(range(u * plan, (u + 1) * plan)) for u in range(runtime // plan)]
-    shards = [list(range(s, runtime, plan)) for s in range(plan)]
-    return _cached(("unit", plan, runtime), units), _cached(("shard", plan, runtime), shards)
+    mesh = Mesh.of(plan, runtime)
+    return (_cached(("unit", plan, runtime), mesh.groups_along((PLAN,))),
+            _cached(("shard", plan, runtime), mesh.groups_along((DP,))))
+
+
+def group_along(dims: tuple[str, ...], plan: int, runtime: int):
+    """This rank's group along mesh `dims` (the default group for all of them)."""
+    if set(dims) == {DP, PLAN}:
+        return dist.group.WORLD
+    unit, shard = get_groups(plan, runtime)
+    return unit if dims == (PLAN,) else shard
 
 
 def get_zero_group(plan: int, runtime: int, ngroups: int):

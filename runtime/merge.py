@@ -17,8 +17,8 @@ import torch
 
 from nncompile.errors import CheckpointError
 
-from .state import (load_local_optimizer_state, optimizer_state_by_name, pm_params,
-                    shard_layout)
+from .rows import param_rows, state_rows
+from .state import load_local_optimizer_state, optimizer_state_by_name, shard_layout
 
 
 def _index(slices) -> tuple[slice, ...]:
@@ -88,10 +88,9 @@ def merge_state_dicts(model_sds: list[dict], opt_sds: list[dict] | None = None
     _check_one_plan(infos)
     params = _Assembler()
     for sd, info in zip(model_sds, infos):
-        for name, fqn, shape, _, slices, *_ in [tuple(p) for p in info["params"]] + \
-                [tuple(b) for b in info["buffers"]]:
-            if name in sd:
-                params.put(fqn, shape, slices, sd[name])
+        for row in state_rows(info):
+            if row.name in sd:
+                params.put(row.fqn, row.shape, row.slices, sd[row.name])
     full = params.result("the parameters")
     info = infos[0]
     model = {key: full[canon] for key, canon in info["state_keys"] if canon in full}
@@ -111,15 +110,15 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
     for info, opt_sd, local in zip(infos, opt_sds, states):
         local = local if local is not None else optimizer_state_by_name(info, opt_sd)
         groups = groups or local["param_groups"]
-        rows = {p[0]: p for p in pm_params(info)}
+        rows = {row.name: row for row in param_rows(info)}
         for name, st in local["state"].items():
-            _, fqn, shape, _, slices, *_ = rows[name]
+            row = rows[name]
             for key, v in st.items():
                 if torch.is_tensor(v) and tuple(v.shape) != () and \
-                        tuple(v.shape) == tuple(b - a for a, b in slices):
-                    tensors.put(f"{fqn}\0{key}", shape, slices, v)
+                        tuple(v.shape) == row.local_shape:
+                    tensors.put(f"{row.fqn}\0{key}", row.shape, row.slices, v)
                 else:
-                    scalars.setdefault(fqn, {})[key] = v
+                    scalars.setdefault(row.fqn, {})[key] = v
     full = tensors.result("the optimizer state")
     order = infos[0]["param_order"]
     state: dict[int, dict[str, Any]] = {}
@@ -164,8 +163,8 @@ def _unzero(infos: list[dict], opt_sds: list[dict]) -> list[dict | None]:
         hyper = [{k: v for k, v in g.items() if k != "params"}
                  for g in ordered[0].get("param_groups", [])]
         for i in members:
-            rows = {p[0]: p for p in pm_params(infos[i])}
-            out[i] = {"state": {n: {k: (v.view(tuple(b - a for a, b in rows[n][4]))
+            rows = {row.name: row for row in param_rows(infos[i])}
+            out[i] = {"state": {n: {k: (v.view(rows[n].local_shape)
                                         if torch.is_tensor(v) and v.dim() == 1 else v)
                                     for k, v in st.items()} for n, st in local.items()},
                       "param_groups": hyper}
@@ -184,12 +183,12 @@ def load_merged_state_dict(pm, state_dict: dict[str, torch.Tensor], optimizer=No
         if key in state_dict:
             by_canon.setdefault(canon, state_dict[key])
     with torch.no_grad():
-        for name, fqn, _, _, slices, *_ in list(pm.PARAMS) + list(pm.BUFFERS):
-            full = by_canon.get(fqn, state_dict.get(fqn))
+        for row in state_rows(pm):
+            full = by_canon.get(row.fqn, state_dict.get(row.fqn))
             if full is None:
-                raise CheckpointError(f"the state dict has no {fqn!r} (it has "
+                raise CheckpointError(f"the state dict has no {row.fqn!r} (it has "
                                       f"{len(state_dict)} keys, e.g. {list(state_dict)[:3]})")
-            getattr(pm, name).copy_(full[_index(slices)])
+            getattr(pm, row.name).copy_(full[_index(row.slices)])
     if optimizer is None:
         return
     if optimizer_state_dict is None:
@@ -202,15 +201,15 @@ def load_merged_optimizer_state(pm, optimizer, optimizer_state_dict: dict) -> No
     order = list(pm.PARAM_ORDER)
     saved = optimizer_state_dict.get("state", {})
     local: dict[str, dict[str, Any]] = {}
-    for name, fqn, full_shape, _, slices, *_ in pm.PARAMS:
-        st = saved.get(order.index(fqn)) if fqn in order else None
+    for row in param_rows(pm):
+        st = saved.get(order.index(row.fqn)) if row.fqn in order else None
         if st is None:
             continue
-        local[name] = {}
+        local[row.name] = {}
         for key, v in st.items():
-            if torch.is_tensor(v) and tuple(v.shape) == tuple(full_shape) and v.dim():
-                v = v[_index(slices)]
-            local[name][key] = v.clone() if torch.is_tensor(v) else v
+            if torch.is_tensor(v) and tuple(v.shape) == row.shape and v.dim():
+                v = v[_index(row.slices)]
+            local[row.name][key] = v.clone() if torch.is_tensor(v) else v
     groups = [{k: v for k, v in g.items() if k != "params"}
               for g in optimizer_state_dict.get("param_groups", [])]
     load_local_optimizer_state(pm, optimizer, {"state": local, "param_groups": groups})

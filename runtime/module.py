@@ -18,11 +18,13 @@ from torch.utils import _pytree as pytree
 
 from nncompile.config import ComputeConfig
 from nncompile.errors import InputMismatchError
-from nncompile.ir.placement import Shard, parse_placement
+from nncompile.ir.placement import Placement, Shard
+from nncompile.mesh import Mesh, grad_reduction
 
 from . import arguments
-from .groups import get_groups
+from .groups import get_groups, group_along
 from .reducer import Reducer
+from .rows import buffer_rows, const_rows, param_rows
 from .state import check_same_plan, plan_info
 
 
@@ -42,10 +44,10 @@ class ParallelModule(torch.nn.Module):
     ARGS: list[tuple] | None = None    # forward's arguments as traced (runtime/arguments.py)
     SIGNATURE: list[str] = []          # forward's positional parameters
     DEFAULTS: dict = {}                # untraced arguments' constant defaults
-    PARAMS: list[tuple] = []   # local name, FQN, full shape, placement, slices, partial grad
+    PARAMS: list[tuple] = []   # rows.ParamRow: name, FQN, full shape, placement, slices, partial
     FROZEN: list[str] = []     # parameters traced with requires_grad=False
-    BUFFERS: list[tuple] = []  # local name, FQN, full shape, placement, slices
-    CONSTS: list[tuple] = []   # local name, full shape, placement, slices
+    BUFFERS: list[tuple] = []  # rows.BufferRow: local name, FQN, full shape, placement, slices
+    CONSTS: list[tuple] = []   # rows.ConstRow: local name, full shape, placement, slices
     OUT_SPEC = ""
     PARAM_ORDER: list[str] = []        # the original module's parameters(), by FQN
     STATE_KEYS: list[tuple] = []       # the original module's state_dict() keys, canonical FQN
@@ -60,21 +62,21 @@ class ParallelModule(torch.nn.Module):
                            if not t.is_meta), torch.device("cpu"))
         self.device = torch.device(device)
         self._out_spec = pytree.treespec_loads(self.OUT_SPEC) if self.OUT_SPEC else None
-        self._partial_grad = {name for name, *_, partial in self.PARAMS if partial}
+        self._partial_grad = {row.name for row in param_rows(self) if row.partial_grad}
         state = _full_state(module)
-        for name, fqn, shape, _, slices, _ in self.PARAMS:
-            self.register_parameter(name, torch.nn.Parameter(
-                self._local_shard(state.get(fqn), slices),
-                requires_grad=not self.INFERENCE_ONLY and name not in self.FROZEN))
+        for row in param_rows(self):
+            self.register_parameter(row.name, torch.nn.Parameter(
+                self._local_shard(state.get(row.fqn), row.slices),
+                requires_grad=not self.INFERENCE_ONLY and row.name not in self.FROZEN))
         full_buffers = {}
-        for name, fqn, shape, _, slices in self.BUFFERS:
-            full = state[fqn].detach().to(self.device)
-            full_buffers[name] = full
-            self.register_buffer(name, _slice(full, slices).clone())
+        for row in buffer_rows(self):
+            full = state[row.fqn].detach().to(self.device)
+            full_buffers[row.name] = full
+            self.register_buffer(row.name, _slice(full, row.slices).clone())
         if self.CONSTS:
             consts = self.compute_constants(**full_buffers)
-            for name, shape, _, slices in self.CONSTS:
-                self.register_buffer(name, _slice(consts[name], slices).contiguous(),
+            for row in const_rows(self):
+                self.register_buffer(row.name, _slice(consts[row.name], row.slices).contiguous(),
                                      persistent=False)
         self._reducer = self._build_reducer()
 
@@ -133,24 +135,22 @@ class ParallelModule(torch.nn.Module):
 
     # ---- gradients ----------------------------------------------------------------------
     def _build_reducer(self) -> Reducer | None:
-        """Partial-sum gradients are summed over the plan unit (the world when there is also
-        data parallelism, then averaged); the rest are averaged over the data-parallel group."""
+        """Each gradient is reduced as nncompile.mesh.grad_reduction says: partial sums over
+        the plan unit (the world when there is also data parallelism), the rest over the
+        data-parallel group, all averaged over data-parallel units; frozen ones not at all."""
         if not dist.is_initialized() or self.INFERENCE_ONLY:
             return None
-        dp = self.RUNTIME_NGPUS // self.PLAN_NGPUS
+        mesh = Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
         params = []
         for name, param in self.named_parameters():
-            if not param.requires_grad:
-                continue                # frozen: no gradient to reduce
-            partial = name in self._partial_grad and self.plan_group is not None
-            if dp == 1 and not partial:
+            reduction = grad_reduction(mesh, name in self._partial_grad, param.requires_grad)
+            if reduction is None:
                 continue
-            if partial:
-                group = dist.group.WORLD if dp > 1 else self.plan_group
-                size = self.RUNTIME_NGPUS if dp > 1 else self.PLAN_NGPUS
-            else:
-                group, size = self.dp_group, dp
-            params.append((param, group, size, 1.0 / dp))
+            size = 1
+            for dim in reduction.dims:
+                size *= mesh.size(dim)
+            group = group_along(reduction.dims, self.PLAN_NGPUS, self.RUNTIME_NGPUS)
+            params.append((param, group, size, reduction.scale))
         if not params:
             return None
         cfg = self.compute_config
@@ -172,30 +172,29 @@ class ParallelModule(torch.nn.Module):
             self._reducer.sync = old
 
     # ---- full tensors -------------------------------------------------------------------
-    def _gather(self, local: torch.Tensor, placement: str) -> torch.Tensor:
-        p = parse_placement(placement)
-        if isinstance(p, Shard) and self.plan_group is not None:
+    def _gather(self, local: torch.Tensor, placement: Placement) -> torch.Tensor:
+        if isinstance(placement, Shard) and self.plan_group is not None:
             parts = [torch.empty_like(local) for _ in range(self.PLAN_NGPUS)]
             dist.all_gather(parts, local.contiguous(), group=self.plan_group)
-            return torch.cat(parts, dim=p.dim)
+            return torch.cat(parts, dim=placement.dim)
         return local.clone()
 
     def gather_params(self) -> dict[str, torch.Tensor]:
         """Full parameters keyed by original FQN (a collective over the plan unit)."""
-        return {fqn: self._gather(getattr(self, name).detach(), placement)
-                for name, fqn, _, placement, _, _ in self.PARAMS}
+        return {row.fqn: self._gather(getattr(self, row.name).detach(), row.placement)
+                for row in param_rows(self)}
 
     def gather_grads(self) -> dict[str, torch.Tensor | None]:
         """Full (reduced) gradients keyed by original FQN (a collective over the plan unit);
         None for a frozen parameter."""
         out = {}
-        for name, fqn, _, placement, _, _ in self.PARAMS:
-            if not getattr(self, name).requires_grad:
-                out[fqn] = None
+        for row in param_rows(self):
+            param = getattr(self, row.name)
+            if not param.requires_grad:
+                out[row.fqn] = None
                 continue
-            g = getattr(self, name).grad
-            g = torch.zeros_like(getattr(self, name)) if g is None else g
-            out[fqn] = self._gather(g.detach(), placement)
+            g = torch.zeros_like(param) if param.grad is None else param.grad
+            out[row.fqn] = self._gather(g.detach(), row.placement)
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------

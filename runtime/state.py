@@ -12,15 +12,18 @@ from typing import Any
 import torch
 
 from nncompile.errors import CheckpointError
+from nncompile.ir.placement import Placement, Shard
 
 from .optimizer import ZeroOptimizer
+from .rows import buffer_rows, param_rows
 
 
 def plan_info(pm) -> dict[str, Any]:
     """The plan a rank's shards belong to; stored with every per-rank state dict."""
     return {"fingerprint": pm.FINGERPRINT, "policy": pm.POLICY, "rank": pm.RANK,
             "plan_ngpus": pm.PLAN_NGPUS, "runtime_ngpus": pm.RUNTIME_NGPUS,
-            "params": [list(p) for p in pm.PARAMS], "buffers": [list(b) for b in pm.BUFFERS],
+            "params": [list(r.plain()) for r in param_rows(pm)],
+            "buffers": [list(r.plain()) for r in buffer_rows(pm)],
             "param_order": list(pm.PARAM_ORDER), "frozen": list(pm.FROZEN),
             "state_keys": [list(k) for k in pm.STATE_KEYS]}
 
@@ -38,13 +41,12 @@ def _plain(x: Any) -> Any:
 
 def shard_layout(info: dict) -> dict[str, dict[str, Any]]:
     """{FQN: what this rank holds of it} for a plan_info's parameters and persistent buffers:
-    kind, local name, full shape, placement and this rank's slices."""
+    kind, local name, full shape, placement (parsed: rows.py) and this rank's slices."""
     out: dict[str, dict[str, Any]] = {}
-    for kind, rows in (("parameter", info.get("params", [])),
-                       ("buffer", info.get("buffers", []))):
-        for name, fqn, shape, placement, slices, *_ in rows:
-            out[fqn] = {"kind": kind, "local name": name, "full shape": _plain(shape),
-                        "placement": placement, "slices": _plain(slices)}
+    for kind, rows in (("parameter", param_rows(info)), ("buffer", buffer_rows(info))):
+        for row in rows:
+            out[row.fqn] = {"kind": kind, "local name": row.name, "full shape": _plain(row.shape),
+                            "placement": row.placement, "slices": _plain(row.slices)}
     return out
 
 
@@ -68,7 +70,7 @@ def plan_mismatch(saved: dict, mine: dict) -> str | None:
     if extra:
         return (f"the checkpoint has {theirs[extra[0]]['kind']} {extra[0]!r}, which this "
                 f"module does not")
-    if [p[0] for p in saved.get("params", [])] != [p[0] for p in mine.get("params", [])]:
+    if [r.name for r in param_rows(saved)] != [r.name for r in param_rows(mine)]:
         return "the parameters are in another order (optimizer state is saved by position)"
     return None
 
@@ -91,16 +93,16 @@ def check_same_plan(saved: dict, pm, where: str) -> None:
             f"nncompile.load_checkpoint / nncompile.load_merged_state_dict")
 
 
-def is_owner(pm, placement: str) -> bool:
+def is_owner(pm, placement: Placement) -> bool:
     """Whether this rank stores a shard in a deduped checkpoint: the first data-parallel unit
     stores everything, and inside it a replicated tensor is stored by plan rank 0 only."""
     dp_index, plan_rank = divmod(pm.RANK, pm.PLAN_NGPUS)
-    return dp_index == 0 and (placement.startswith("S") or plan_rank == 0)
+    return dp_index == 0 and (isinstance(placement, Shard) or plan_rank == 0)
 
 
-def owner_rank(pm, placement: str) -> int:
+def owner_rank(pm, placement: Placement) -> int:
     """The global rank that stores a tensor with this placement (see is_owner)."""
-    return pm.RANK % pm.PLAN_NGPUS if placement.startswith("S") else 0
+    return pm.RANK % pm.PLAN_NGPUS if isinstance(placement, Shard) else 0
 
 
 def _trainable(pm) -> list[tuple[str, torch.nn.Parameter]]:
@@ -155,7 +157,7 @@ def optimizer_state_by_name(pm, opt_sd: dict) -> dict[str, Any]:
     if all(isinstance(k, str) for k in state):
         return {"state": state, "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in opt_sd.get("param_groups", [])]}
-    names = [n for n, *_ in pm_params(pm)]
+    names = [row.name for row in param_rows(pm)]
     frozen = set(pm.get("frozen", []) if isinstance(pm, dict) else pm.FROZEN)
     indexed = sum(len(g.get("params", [])) for g in opt_sd.get("param_groups", []))
     if frozen and indexed != len(names):      # built over the trainable parameters only
@@ -163,11 +165,3 @@ def optimizer_state_by_name(pm, opt_sd: dict) -> dict[str, Any]:
     return {"state": {names[i]: st for i, st in state.items()},
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in opt_sd.get("param_groups", [])]}
-
-
-def pm_params(info_or_pm) -> list[tuple]:
-    """PARAMS rows (local name, FQN, full shape, placement, slices, partial) of a module or of a
-    saved plan_info."""
-    if isinstance(info_or_pm, dict):
-        return [tuple(p) for p in info_or_pm["params"]]
-    return list(info_or_pm.PARAMS)

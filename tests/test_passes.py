@@ -8,7 +8,8 @@ import torch
 import models
 from nncompile import ComputeConfig
 from nncompile.frontend import trace
-from nncompile.ir import print_graph, run_graph, verify
+from nncompile.ir import (Stage, assert_graph_equal, parse_graph, print_graph, run_graph,
+                          verify)
 from nncompile.passes import (Plan, build_pipeline, constant_fold, dce, get_policy, insert_comm,
                               localize, run_pipeline)
 
@@ -69,7 +70,7 @@ def test_passes_preserve_values(name):
     model, example, result = stages(name)
     want = model(**example)
     for stage, graph, _ in result.history:
-        if graph.meta.get("localized"):
+        if Stage.LOCALIZED in graph.stages:
             continue
         got = run_graph(graph, state_of(model), list(example.values()))[0]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=stage)
@@ -139,3 +140,192 @@ def test_data_policy_splits_batch_and_replicates_weights():
     assert all(repr(v.placement) == "R" for v in result.graph.params)
     chunks = [op for op in result.graph.ops if op.target_name == "comm.chunk"]
     assert {op.kwargs["dim"] for op in chunks} == {0}
+
+
+# ---- Before/Expected: printed IR in, printed IR out (parse_graph reads both) ----
+
+def check_pass(p, before: str, expected: str):
+    """Run pass `p` on the graph `before` prints and compare with `expected`; the result
+    verifies and a second run changes nothing."""
+    got = verify(p(parse_graph(before)))
+    assert_graph_equal(got, parse_graph(expected))
+    assert_graph_equal(p(got), got)
+    return got
+
+
+def _ir(stages: str, args: str, body: str, partial: str = "") -> str:
+    """A small printed graph: header, `def forward(<args>):`, body (each one line)."""
+    head = f"# nncompile IR: plan_ngpus=2 stages={stages}\n"
+    if partial:
+        head += f"# partial_grad_params: {partial}\n"
+    args = "".join(f"    {a}\n" for a in args.strip().splitlines())
+    return head + f"def forward(\n{args}):\n" + "".join(
+        f"    {ln.strip()}\n" for ln in body.strip().splitlines())
+
+
+PLANNED, COMM = "planned", "planned,comm_inserted"
+XW = """x,  # f32[4, 8] S(1)
+*,
+w,  # param 'w' f32[6, 8] S(1)"""
+
+# one row of insert_comm's transition table each: (before, expected) after the plan pass
+INSERT_COMM = {
+    "partial_to_replicate_all_reduce_shared": (_ir(PLANNED, XW, """
+        y = aten.linear.default(x, w)  # f32[4, 6] P  [split k]
+        a = aten.relu.default(y)  # f32[4, 6] R  [replicate]  wants (R)
+        b = aten.tanh.default(y)  # f32[4, 6] R  [replicate]  wants (R)
+        return (a, b)"""), _ir(COMM, XW, """
+        y = aten.linear.default(x, w)  # f32[4, 6] P  [split k]
+        y_all_reduce = comm.all_reduce(y, group=PLAN_GROUP)  # f32[4, 6] R  [all_reduce]
+        a = aten.relu.default(y_all_reduce)  # f32[4, 6] R  [replicate]
+        b = aten.tanh.default(y_all_reduce)  # f32[4, 6] R  [replicate]
+        return (a, b)""")),
+    "replicate_to_shard_chunk": (_ir(PLANNED, "x,  # f32[4, 8] R", """
+        h = aten.relu.default(x)  # f32[4, 8] S(0)  [split dim 0]  wants (S(0))
+        return (h,)"""), _ir(COMM, "x,  # f32[4, 8] R", """
+        x_chunk = comm.chunk(x, dim=0, group=PLAN_GROUP)  # f32[4, 8] S(0)  [chunk]
+        h = aten.relu.default(x_chunk)  # f32[4, 8] S(0)  [split dim 0]
+        h_all_gather = comm.all_gather(h, dim=0, group=PLAN_GROUP)  # f32[4, 8] R  [all_gather]
+        return (h_all_gather,)""")),
+    "shard_to_replicate_all_gather": (_ir(PLANNED, "x,  # f32[4, 8] S(1)", """
+        h = aten.relu.default(x)  # f32[4, 8] S(1)  [split dim 1]
+        z = aten.softmax.int(h, 1)  # f32[4, 8] R  [replicate]  wants (R)
+        return (z,)"""), _ir(COMM, "x,  # f32[4, 8] S(1)", """
+        h = aten.relu.default(x)  # f32[4, 8] S(1)  [split dim 1]
+        h_all_gather = comm.all_gather(h, dim=1, group=PLAN_GROUP)  # f32[4, 8] R  [all_gather]
+        z = aten.softmax.int(h_all_gather, 1)  # f32[4, 8] R  [replicate]
+        return (z,)""")),
+    "partial_to_shard_reduce_scatter": (_ir(PLANNED, XW, """
+        y = aten.linear.default(x, w)  # f32[4, 6] P  [split k]
+        h = aten.relu.default(y)  # f32[4, 6] S(0)  [split dim 0]  wants (S(0))
+        return (h,)"""), _ir(COMM, XW, """
+        y = aten.linear.default(x, w)  # f32[4, 6] P  [split k]
+        y_reduce_scatter = comm.reduce_scatter(y, dim=0, group=PLAN_GROUP)  # f32[4, 6] S(0)  [reduce_scatter]
+        h = aten.relu.default(y_reduce_scatter)  # f32[4, 6] S(0)  [split dim 0]
+        h_all_gather = comm.all_gather(h, dim=0, group=PLAN_GROUP)  # f32[4, 6] R  [all_gather]
+        return (h_all_gather,)""")),
+    "shard_to_shard_all_to_all": (_ir(PLANNED, "x,  # f32[4, 8] S(1)", """
+        h = aten.relu.default(x)  # f32[4, 8] S(1)  [split dim 1]
+        z = aten.softmax.int(h, 1)  # f32[4, 8] S(0)  [split dim 0]  wants (S(0))
+        return (z,)"""), _ir(COMM, "x,  # f32[4, 8] S(1)", """
+        h = aten.relu.default(x)  # f32[4, 8] S(1)  [split dim 1]
+        h_all_to_all = comm.all_to_all(h, src_dim=1, dst_dim=0, group=PLAN_GROUP)  # f32[4, 8] S(0)  [all_to_all]
+        z = aten.softmax.int(h_all_to_all, 1)  # f32[4, 8] S(0)  [split dim 0]
+        z_all_gather = comm.all_gather(z, dim=0, group=PLAN_GROUP)  # f32[4, 8] R  [all_gather]
+        return (z_all_gather,)""")),
+    "replicate_to_partial_bias": (_ir(PLANNED, XW + "\nb,  # param 'b' f32[6] R", """
+        y = aten.linear.default(x, w, b)  # f32[4, 6] P  [split k]  wants (S(1), S(1), P)
+        return (y,)"""), _ir(COMM, XW + "\nb,  # param 'b' f32[6] R", """
+        b_to_partial = comm.to_partial(b, group=PLAN_GROUP)  # f32[6] P  [to_partial]
+        y = aten.linear.default(x, w, b_to_partial)  # f32[4, 6] P  [split k]
+        y_all_reduce = comm.all_reduce(y, group=PLAN_GROUP)  # f32[4, 6] R  [all_reduce]
+        return (y_all_reduce,)""")),
+    "shard_to_partial_gather_then_to_partial": (_ir(PLANNED, XW + "\nb,  # param 'b' f32[6] S(0)", """
+        y = aten.linear.default(x, w, b)  # f32[4, 6] P  [split k]  wants (S(1), S(1), P)
+        return (y,)"""), _ir(COMM, XW + "\nb,  # param 'b' f32[6] S(0)", """
+        b_all_gather = comm.all_gather(b, dim=0, group=PLAN_GROUP)  # f32[6] R  [all_gather]
+        b_all_gather_to_partial = comm.to_partial(b_all_gather, group=PLAN_GROUP)  # f32[6] P  [to_partial]
+        y = aten.linear.default(x, w, b_all_gather_to_partial)  # f32[4, 6] P  [split k]
+        y_all_reduce = comm.all_reduce(y, group=PLAN_GROUP)  # f32[4, 6] R  [all_reduce]
+        return (y_all_reduce,)""")),
+}
+
+# gradients: a split op reading a replicated value that needs a gradient leaves partial
+# gradients; sync_grad (or a gather that reduce-scatters its gradient) sums them, and a
+# replicated parameter read only that way is summed by the runtime instead (partial_grad)
+W12 = """x,  # f32[4, 8] R
+*,
+w1,  # param 'w1' f32[8, 8] R
+w2,  # param 'w2' f32[6, 8] S(0)"""
+W12S = W12.replace("f32[8, 8] R", "f32[8, 8] S(0)")
+LN = """x,  # f32[4, 8] S(0)
+*,
+w,  # param 'ln.weight' f32[8] R
+b,  # param 'ln.bias' f32[8] R
+frozen,  # frozen param 'ln.frozen' f32[8] R"""
+INSERT_COMM.update({
+    "replicate_sync_grad": (_ir(PLANNED, W12, """
+        h = aten.linear.default(x, w1)  # f32[4, 8] R  [replicate]
+        y = aten.linear.default(h, w2)  # f32[4, 6] S(1)  [split n]
+        return (y,)"""), _ir(COMM, W12, """
+        h = aten.linear.default(x, w1)  # f32[4, 8] R  [replicate]
+        h_sync_grad = comm.sync_grad(h, group=PLAN_GROUP)  # f32[4, 8] R  [sync_grad]
+        y = aten.linear.default(h_sync_grad, w2)  # f32[4, 6] S(1)  [split n]
+        y_all_gather = comm.all_gather(y, dim=1, group=PLAN_GROUP)  # f32[4, 6] R  [all_gather]
+        return (y_all_gather,)""")),
+    "shard_to_replicate_gather_reduces_grad": (_ir(PLANNED, W12S, """
+        h = aten.linear.default(x, w1)  # f32[4, 8] S(1)  [split n]
+        y = aten.linear.default(h, w2)  # f32[4, 6] S(1)  [split n]  wants (R, S(0))
+        return (y,)"""), _ir(COMM, W12S, """
+        h = aten.linear.default(x, w1)  # f32[4, 8] S(1)  [split n]
+        h_all_gather = comm.all_gather(h, dim=1, reduce_grad=True, group=PLAN_GROUP)  # f32[4, 8] R  [all_gather]
+        y = aten.linear.default(h_all_gather, w2)  # f32[4, 6] S(1)  [split n]
+        y_all_gather = comm.all_gather(y, dim=1, group=PLAN_GROUP)  # f32[4, 6] R  [all_gather]
+        return (y_all_gather,)""")),
+    "param_partial_grad_or_sync_grad": (_ir(PLANNED, LN, """
+        h = aten.layer_norm.default(x, [8], w, b, 1e-05, False)  # f32[4, 8] S(0)  [split dim 0]
+        g = aten.mul.Tensor(h, frozen)  # f32[4, 8] S(0)  [split dim 0]
+        o = aten.add.Tensor(g, b)  # f32[4, 8] R  [replicate]  wants (R, R)
+        return (o,)"""), _ir(COMM, LN, """
+        b_sync_grad = comm.sync_grad(b, group=PLAN_GROUP)  # f32[8] R  [sync_grad]
+        h = aten.layer_norm.default(x, [8], w, b_sync_grad, 1e-05, False)  # f32[4, 8] S(0)  [split dim 0]
+        g = aten.mul.Tensor(h, frozen)  # f32[4, 8] S(0)  [split dim 0]
+        g_all_gather = comm.all_gather(g, dim=0, group=PLAN_GROUP)  # f32[4, 8] R  [all_gather]
+        o = aten.add.Tensor(g_all_gather, b)  # f32[4, 8] R  [replicate]
+        return (o,)""", partial="w")),
+})
+
+
+@pytest.mark.parametrize("case", list(INSERT_COMM))
+def test_insert_comm_before_expected(case):
+    before, expected = INSERT_COMM[case]
+    check_pass(insert_comm, before, expected)
+
+
+LOCAL = "planned,comm_inserted,localized"
+LOCALIZE = {
+    "size_args_become_local_and_view_reshape": (_ir(COMM, "x,  # f32[4, 8] S(1)", """
+        v = aten.view.default(x, [4, 2, -1])  # f32[4, 2, 4] S(1)  [split dim 1]
+        e = aten.expand.default(v, [4, 2, 4])  # f32[4, 2, 4] S(1)  [split dim 1]
+        z = aten.new_zeros.default(e, [4, 2, 4], dtype=torch.float32)  # f32[4, 2, 4] S(1)  [split dim 1]
+        z_all_gather = comm.all_gather(z, dim=1, group=PLAN_GROUP)  # f32[4, 2, 4] R  [all_gather]
+        return (z_all_gather,)"""), _ir(LOCAL, "x,  # f32[4, 4] of [4, 8] S(1)", """
+        v = aten.reshape.default(x, [4, 1, 4])  # f32[4, 1, 4] of [4, 2, 4] S(1)  [split dim 1]
+        e = aten.expand.default(v, [4, 1, 4])  # f32[4, 1, 4] of [4, 2, 4] S(1)  [split dim 1]
+        z = aten.new_zeros.default(e, [4, 1, 4], dtype=torch.float32)  # f32[4, 1, 4] of [4, 2, 4] S(1)  [split dim 1]
+        z_all_gather = comm.all_gather(z, dim=1, group=PLAN_GROUP)  # f32[4, 2, 4] of [4, 2, 4] R  [all_gather]
+        return (z_all_gather,)""")),
+    "dropout_draws_through_rng_with_its_split_dim": (_ir(COMM, "x,  # f32[4, 8] S(1)", """
+        d = aten.dropout.default(x, 0.5, True)  # f32[4, 8] S(1)  [split dim 1]
+        d_all_gather = comm.all_gather(d, dim=1, group=PLAN_GROUP)  # f32[4, 8] R  [all_gather]
+        e = aten.dropout.default(d_all_gather, 0.1, True)  # f32[4, 8] R  [replicate]
+        f = aten.dropout.default(e, 0.0, True)  # f32[4, 8] R  [replicate]
+        return (f,)"""), _ir(LOCAL, "x,  # f32[4, 4] of [4, 8] S(1)", """
+        d = rng.dropout(x, 0.5, True, dim=1, group=PLAN_GROUP)  # f32[4, 4] of [4, 8] S(1)  [split dim 1]
+        d_all_gather = comm.all_gather(d, dim=1, group=PLAN_GROUP)  # f32[4, 8] of [4, 8] R  [all_gather]
+        e = rng.dropout(d_all_gather, 0.1, True, dim=None, group=PLAN_GROUP)  # f32[4, 8] of [4, 8] R  [replicate]
+        f = aten.dropout.default(e, 0.0, True)  # f32[4, 8] of [4, 8] R  [replicate]
+        return (f,)""")),
+    "local_target_cross_entropy_rows": (_ir(COMM, "x,  # f32[4, 8] S(0)\ny,  # i64[4] S(0)", """
+        loss = aten.cross_entropy_loss.default(x, y)  # f32[] P  [split rows]
+        loss_all_reduce = comm.all_reduce(loss, group=PLAN_GROUP)  # f32[] R  [all_reduce]
+        return (loss_all_reduce,)"""), _ir(LOCAL, "x,  # f32[2, 8] of [4, 8] S(0)\ny,  # i64[2] of [4] S(0)", """
+        loss = comm.cross_entropy_rows(x, y, group=PLAN_GROUP)  # f32[] of [] P  [split rows]
+        loss_all_reduce = comm.all_reduce(loss, group=PLAN_GROUP)  # f32[] of [] R  [all_reduce]
+        return (loss_all_reduce,)""")),
+}
+
+
+@pytest.mark.parametrize("case", list(LOCALIZE))
+def test_localize_before_expected(case):
+    before, expected = LOCALIZE[case]
+    check_pass(localize, before, expected)
+
+
+def test_localize_keeps_view_on_one_rank():
+    before = _ir(COMM, "x,  # f32[4, 8] R", """
+        v = aten.view.default(x, [4, 2, -1])  # f32[4, 2, 4] R  [replicate]
+        d = aten.dropout.default(v, 0.5, True)  # f32[4, 2, 4] R  [replicate]
+        return (d,)""").replace("plan_ngpus=2", "plan_ngpus=1")
+    expected = before.replace("[4, 2, -1]", "[4, 2, 4]").replace(COMM, LOCAL)
+    check_pass(localize, before, expected)

@@ -41,6 +41,7 @@ from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_stat
                                      load_deduped_model_state, load_deduped_optimizer_state)
 from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
                                      merge_state_dicts)
+from nncompile.runtime.rows import param_rows, state_rows
 from nncompile.runtime.state import describe, plan_info, plan_mismatch
 
 from .precision import NnCompilePrecision
@@ -164,7 +165,7 @@ class NnCompileStrategy(ParallelStrategy):
                                    gen_savedir=self.gen_savedir, reuse=self.reuse,
                                    instance_name=self.instance_name or type(lm).__name__,
                                    device=self.root_device)
-        traced = {fqn.split(".")[0] for _, fqn, *_ in pm.PARAMS}   # frozen ones included
+        traced = {row.fqn.split(".")[0] for row in param_rows(pm)}   # frozen ones included
         for name, child in list(lm.named_children()):
             if name in traced:
                 setattr(lm, name, None)
@@ -319,7 +320,7 @@ class NnCompileStrategy(ParallelStrategy):
             optimizer.load_state_dict(opt_sd)
 
     def _is_deduped(self, sd: dict) -> bool:
-        names = {r[0] for r in list(self.parallel_module.PARAMS) + list(self.parallel_module.BUFFERS)}
+        names = {row.name for row in state_rows(self.parallel_module)}
         return not names <= set(sd)
 
     @classmethod

@@ -7,6 +7,7 @@ source line and module path so printed code can point back at the model.
 """
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
@@ -97,7 +98,9 @@ class Op:
         self.module_path = module_path
         self.multi_output = multi_output   # target returns a tuple/list unpacked into outputs
         self.strategy: Strategy | None = None
-        self.attrs: dict[str, Any] = {}    # pass-specific annotations (e.g. comm kind)
+        self.module_stack: tuple[tuple[str, str], ...] = ()   # (module path, class), outermost first
+        self.recompute: RecomputeMark | None = None
+        self.attrs: dict[str, Any] = {}    # free for user passes; unread by nncompile
         for v in outputs:
             v.producer = self
 
@@ -167,6 +170,45 @@ def map_nested(obj: Any, fn: Callable[[Value], Any]) -> Any:
     return obj
 
 
+class Stage(enum.Enum):
+    """What the passes so far established about a graph: the pass contracts. A pass declares
+    the stages it `requires` and `produces`; run_pipeline checks both."""
+    FOLDED = "constants folded into load-time ops"
+    PLANNED = "every op has a strategy and every value a placement"
+    COMM_INSERTED = "every placement change is an explicit collective"
+    RECOMPUTE_MARKED = "ops of recomputed modules are marked with their region"
+    LOCALIZED = "ops run on one rank's shards (local sizes, local implementations)"
+
+
+@dataclass(frozen=True)
+class RecomputeMark:
+    """The recompute region an op belongs to: its module instance and a running number."""
+    module_path: str
+    region: int
+
+
+@dataclass
+class TraceInfo:
+    """What the frontend learned about the module: for codegen, checkpoints and calls."""
+    model: str = "?"                                   # module.class of the traced model
+    input_names: list[str] = field(default_factory=list)
+    args: list[tuple] = field(default_factory=list)    # forward's arguments as traced
+    signature: list[str] = field(default_factory=list)  # forward's positional parameters
+    defaults: dict[str, Any] = field(default_factory=dict)  # untraced arguments' defaults
+    param_order: list[str] = field(default_factory=list)    # module.parameters() by FQN
+    state_keys: list[tuple[str, str]] = field(default_factory=list)  # (key, canonical FQN)
+    inference_only: bool = False
+
+
+@dataclass
+class PlanState:
+    """What the plan passes decided, for the passes after them and for codegen."""
+    policy: str = "?"
+    autodist: dict | None = None           # autodist's explanation data (plan_report)
+    partial_grad_params: list[str] = field(default_factory=list)   # summed by the runtime
+    recompute_regions: int = 0
+
+
 @dataclass
 class Graph:
     """A traced forward. `inputs` are the user's arguments in call order; `outputs` are the
@@ -179,7 +221,10 @@ class Graph:
     const_ops: list[Op] = field(default_factory=list)   # evaluated once at load time
     out_spec: str = ""
     plan_ngpus: int = 1
-    meta: dict[str, Any] = field(default_factory=dict)   # model name, policy, ...
+    meta: dict[str, Any] = field(default_factory=dict)   # free for user passes; unread here
+    stages: frozenset = frozenset()                      # Stage members established so far
+    trace_info: TraceInfo = field(default_factory=TraceInfo)
+    plan_state: PlanState = field(default_factory=PlanState)
 
     @property
     def consts(self) -> list[Value]:
@@ -231,6 +276,7 @@ class Graph:
                      [cv(v) for v in op.outputs], op.source, op.module_path, op.multi_output)
             new.strategy = None if op.strategy is None else replace(op.strategy)
             new.attrs = dict(op.attrs)
+            new.module_stack, new.recompute = op.module_stack, op.recompute
             return new
 
         ins = [cv(v) for v in self.inputs]
@@ -240,4 +286,6 @@ class Graph:
         ops = [cop(op) for op in self.ops]
         outs = map_nested(list(self.outputs), cv)
         return Graph(ins, params, bufs, ops, outs, const_ops, self.out_spec,
-                     self.plan_ngpus, dict(self.meta))
+                     self.plan_ngpus, dict(self.meta), self.stages, replace(self.trace_info),
+                     replace(self.plan_state,
+                             partial_grad_params=list(self.plan_state.partial_grad_params)))

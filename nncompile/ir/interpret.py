@@ -11,7 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..custom_ops import REGISTRY, is_custom_op
-from .graph import Graph, Value
+from .graph import Graph, Stage, Value
 from .printer import DEVICE, Symbol
 
 
@@ -19,7 +19,7 @@ def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any],
               record: dict[str, Any] | None = None) -> list[Any]:
     """Evaluate `graph` with full parameters/buffers `state` (by FQN) on `inputs`; `record`,
     when given, receives every value by name."""
-    if graph.meta.get("localized") and graph.plan_ngpus > 1:
+    if Stage.LOCALIZED in graph.stages and graph.plan_ngpus > 1:
         raise ValueError("a localized graph runs per rank; interpret the graph before localize")
     env: dict[int, Any] = {}
     for v, x in zip(graph.inputs, inputs):

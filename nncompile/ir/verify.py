@@ -3,14 +3,14 @@
 Checks: unique names; every use is defined before it; no op writes into its input (the IR is
 functional: a collective between a view and its base would write into a copy, see
 frontend.functionalize); every Shard placement names a real
-dimension divisible by plan_ngpus; once communication is inserted (graph.meta['comm_inserted']),
+dimension divisible by plan_ngpus; once communication is inserted (Stage.COMM_INSERTED in graph.stages),
 every op's inputs already have the placements its strategy asks for and every output is
 Replicate.
 """
 from __future__ import annotations
 
 from ..errors import GraphError
-from .graph import Graph, Value
+from .graph import Graph, Stage, Value
 from .placement import Replicate, Shard
 
 
@@ -47,7 +47,7 @@ def verify(graph: Graph) -> Graph:
 
     for v in graph.all_inputs():
         define(v, "input")
-    comm_done = graph.meta.get("comm_inserted", False)
+    comm_done = Stage.COMM_INSERTED in graph.stages
     for section in (graph.const_ops, graph.ops):
         for op in section:
             where = f"op {op.name} ({op.target_name})"

@@ -89,7 +89,7 @@ def autodist(graph: Graph, config) -> Graph:
             raise
         raise PlanInfeasibleError(f"{e} Note: {note}") from None
     apply(g, prob, sol.picks)
-    g.meta["autodist"] = explanation_data(prob, sol, g, prob.model.profile.name)
+    g.plan_state.autodist = explanation_data(prob, sol, g, prob.model.profile.name)
     shared = ", ".join(f"{p} x{k}" for p, k in prob.layers.items()) or "none"
     _log(f"autodist: {len(g.ops)} ops -> {len(prob.choices)} decisions (identical layers: "
          f"{shared}); {sol.solver} solved {sol.variables} vars in {sol.seconds:.2f}s; model "

@@ -4,15 +4,14 @@ Compute (roofline): an op runs for max(flops / peak[dtype], bytes / mem_bandwidt
 pieces its strategy gives it; with training, backward costs twice the forward (dX and dW).
 A strategy that shards any tensor divides the flops by n; bytes are the local sizes.
 
-Collectives (alpha-beta ring on a group of g ranks, tensor of B bytes in full):
+Collectives (alpha-beta ring on a group of g ranks, tensor of B bytes in full), with each
+kind's `ring_rounds` and `ring_bytes(B, g)` from nncompile/collectives.py:
 
-    all_reduce       overhead + 2 (g-1) alpha + 2 (g-1)/g * B / bw
-    all_gather       overhead +   (g-1) alpha +   (g-1)/g * B / bw     (B: the gathered result)
-    reduce_scatter   overhead +   (g-1) alpha +   (g-1)/g * B / bw     (B: the summed input)
-    all_to_all       overhead +   (g-1) alpha +   (g-1)/g * B / g / bw
-    chunk, to_partial  0 (local)
+    overhead + ring_rounds * (g-1) * alpha + ring_bytes(B, g) / bw     (local kinds: 0)
 
-alpha and bw are the intra-node link's while the group fits in one node, else the network's.
+e.g. all_reduce 2 rounds and 2 (g-1)/g * B, all_gather (B: the gathered result) 1 and
+(g-1)/g * B. alpha and bw are the intra-node link's while the group fits in one node, else the
+network's. A transition costs its forward collectives plus, with a gradient, their duals.
 
 Memory per rank: parameters, their gradients and optimizer state (Adam: two fp32 moments, 8
 bytes per element; `pas_config["optimizer_state_bytes"]`), at their local size; plus the
@@ -28,16 +27,13 @@ from dataclasses import dataclass
 from nncompile.custom_ops import annotation_flops, is_custom_op
 from nncompile.ir import Op, Placement, Replicate, Shard, Value, local_shape
 
-from ..insert_comm import transition
+from nncompile.collectives import by_name, grad_sync_collective, route
 from .profiles import DeviceProfile
 
 # ops whose output aliases their input: no new activation memory
 VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "unsqueeze",
          "squeeze", "select", "slice", "split", "split_with_sizes", "chunk", "unsafe_split", "t",
          "alias", "detach", "unflatten", "flatten", "as_strided", "contiguous", "clone"}
-# the collective each forward step runs in backward (runtime/comm.py); None: nothing
-BACKWARD = {"all_reduce": None, "to_partial": None, "chunk": "all_gather", "all_gather": "chunk",
-            "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
 OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 0.0, "sgd_momentum": 4.0,
                          "none": 0.0}
 
@@ -121,33 +117,28 @@ class CostModel:
         """Seconds for one collective over `group` ranks whose ranks lie `span` apart at most
         (decides intra-node or network)."""
         g = self.n if group is None else group
-        if g <= 1 or kind in ("chunk", "to_partial") or full_bytes == 0:
+        c = by_name(kind)
+        if g <= 1 or c.is_local or full_bytes == 0:
             return 0.0
         alpha, bw = self._link(span or g)
-        over = self.profile.collective_overhead
-        if kind == "all_reduce":
-            return over + 2 * (g - 1) * alpha + 2 * (g - 1) / g * full_bytes / bw
-        if kind in ("all_gather", "reduce_scatter"):
-            return over + (g - 1) * alpha + (g - 1) / g * full_bytes / bw
-        if kind == "all_to_all":
-            return over + (g - 1) * alpha + (g - 1) / g * full_bytes / g / bw
-        raise ValueError(f"unknown collective {kind!r}")
+        return self.profile.collective_overhead + c.ring_rounds * (g - 1) * alpha \
+            + c.ring_bytes(full_bytes, g) / bw
 
     def transition(self, v: Value, src: Placement, want: Placement | None,
                    backward: bool) -> tuple[float, list[str]]:
         """Seconds to turn `src` into `want` with insert_comm's collectives (forward, plus
         their backward duals when the value needs a gradient), and the forward kinds used."""
-        fwd = [kind for kind, _, _ in transition(src, want)]
+        steps = [c for c, _, _ in route(src, want)]
         full = nbytes(v)
-        t = sum(self.collective(k, full) for k in fwd)
+        t = sum(self.collective(c.name, full) for c in steps)
         if backward and self.training:
-            t += sum(self.collective(BACKWARD[k], full) for k in fwd if BACKWARD[k])
-        return t, fwd
+            t += sum(self.collective(c.dual, full) for c in steps)
+        return t, [c.name for c in steps]
 
     def grad_sync(self, v: Value) -> float:
         """Backward all-reduce of a replicated value's gradient whose users leave partial sums
         (sync_grad, or the runtime's sum over the plan unit for a parameter)."""
-        return self.collective("all_reduce", nbytes(v)) if self.training else 0.0
+        return self.collective(grad_sync_collective().dual, nbytes(v)) if self.training else 0.0
 
     def grad_reduce(self, param: Value, placement: Placement) -> float:
         """The runtime's data-parallel all-reduce of one parameter's local gradient."""

@@ -18,7 +18,7 @@ FORMAT = "nncompile-plan"
 
 def plan_dict(g: Graph) -> dict:
     return {
-        "format": FORMAT, "version": 1, "model": g.meta.get("model"),
+        "format": FORMAT, "version": 1, "model": g.trace_info.model,
         "plan_ngpus": g.plan_ngpus,
         "ops": {op.name: {"op": op.target_name, "strategy": op.strategy.note,
                           "inputs": [repr(p) for p in op.strategy.inputs],

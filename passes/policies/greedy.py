@@ -1,30 +1,24 @@
 """The engine behind the built-in `data` and `tp` policies: one walk over the ops in order,
 each op taking the cheapest legal strategy its policy ranks first.
 
-Costs are communication volume in elements: all_reduce 2, all_gather / reduce_scatter /
-all_to_all 1, chunk and to_partial ~0. A parameter, buffer or constant takes the placement its
+Costs are communication volume in elements, each collective's `greedy_weight` in
+nncompile/collectives.py: all_reduce 2, all_gather / reduce_scatter / all_to_all 1, chunk and
+to_partial ~0. A parameter, buffer or constant takes the placement its
 first user asks for (a partial request leaves it replicated).
 """
 from __future__ import annotations
 
 from typing import Callable
 
+from nncompile.collectives import route
 from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Partial, Replicate, Shard, Strategy, \
     Value
 from nncompile.rules import strategies
 
 
-
 def transition_cost(src, dst) -> float:
-    if dst is None or src == dst:
-        return 0.0
-    if isinstance(src, Replicate):
-        return 0.01                       # chunk or zero-fill: local
-    if isinstance(src, Partial):
-        return 2.0 if isinstance(dst, Replicate) else 1.0
-    if isinstance(dst, Partial):
-        return 1.01                       # gather, then zero-fill
-    return 1.0                            # all_gather or all_to_all
+    """Relative volume of the collectives that turn `src` into `dst` (insert_comm's route)."""
+    return sum((c.greedy_weight for c, _, _ in route(src, dst)), 0.0)
 
 
 class Walk:

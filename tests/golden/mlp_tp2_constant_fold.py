@@ -1,4 +1,4 @@
-# nncompile IR: plan_ngpus=1
+# nncompile IR: plan_ngpus=1 stages=folded
 def forward(
     x,  # f32[4, 16] R
     y,  # i64[4] R

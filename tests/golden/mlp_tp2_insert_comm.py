@@ -1,4 +1,4 @@
-# nncompile IR: plan_ngpus=2
+# nncompile IR: plan_ngpus=2 stages=folded,planned,comm_inserted
 def forward(
     x,  # f32[4, 16] R
     y,  # i64[4] R

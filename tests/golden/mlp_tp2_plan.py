@@ -1,4 +1,4 @@
-# nncompile IR: plan_ngpus=2
+# nncompile IR: plan_ngpus=2 stages=folded,planned
 def forward(
     x,  # f32[4, 16] R
     y,  # i64[4] R
@@ -14,9 +14,9 @@ def forward(
     fc1_linear = aten.linear.default(x, fc1_weight, fc1_bias)  # f32[4, 64] S(1)  [split n]
     relu = aten.relu.default(fc1_linear)  # f32[4, 64] S(1)  [split dim 1]
     # tests/models.py:25  h = torch.tanh(self.fc2(h))
-    fc2_linear = aten.linear.default(relu, fc2_weight, fc2_bias)  # f32[4, 64] P  [split k]
-    tanh = aten.tanh.default(fc2_linear)  # f32[4, 64] S(1)  [split dim 1]
+    fc2_linear = aten.linear.default(relu, fc2_weight, fc2_bias)  # f32[4, 64] P  [split k]  wants (S(1), S(1), P)
+    tanh = aten.tanh.default(fc2_linear)  # f32[4, 64] S(1)  [split dim 1]  wants (S(1))
     # tests/models.py:26  return F.cross_entropy(self.head(h), y)
-    head_linear = aten.linear.default(tanh, head_weight, head_bias)  # f32[4, 8] P  [split k]
-    cross_entropy_loss = aten.cross_entropy_loss.default(head_linear, y)  # f32[] P  [split rows]
+    head_linear = aten.linear.default(tanh, head_weight, head_bias)  # f32[4, 8] P  [split k]  wants (S(1), S(1), P)
+    cross_entropy_loss = aten.cross_entropy_loss.default(head_linear, y)  # f32[] P  [split rows]  wants (S(0), S(0))
     return (cross_entropy_loss,)

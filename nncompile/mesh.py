@@ -1,0 +1,108 @@
+"""The job's device mesh, with named dimensions, and where each tensor lives on it.
+
+A job of `runtime_ngpus` ranks is a 2-D mesh, outermost first:
+
+    ("dp", runtime_ngpus // plan_ngpus)   data-parallel units (each runs the whole model)
+    ("plan", plan_ngpus)                  the ranks of one plan unit (tensor parallelism)
+
+rank = dp_index * plan_ngpus + plan_index. A tensor's placement is one Placement per mesh
+dimension, DTensor-style. Plans place values along "plan"; along "dp" every parameter is
+Replicate (each unit holds the whole plan) and every activation is Shard(0) (each unit sees
+its own batch). ZeRO-3 and pipeline stages are later placements along these dimensions.
+
+The rule for which ranks sum a gradient lives here and nowhere else (`grad_reduction`): a
+gradient that is a partial sum over the plan unit is summed over "plan" (and "dp" when there
+is more than one unit, one all-reduce over the world), every other gradient over "dp"; all of
+them are then scaled by 1 / dp, the data-parallel average.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nncompile.ir.placement import Placement, Replicate, Shard
+
+DP, PLAN = "dp", "plan"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Named mesh dimensions, outermost first: ((name, size), ...)."""
+    dims: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, plan_ngpus: int, runtime_ngpus: int) -> "Mesh":
+        return cls(((DP, runtime_ngpus // plan_ngpus), (PLAN, plan_ngpus)))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.dims)
+
+    @property
+    def world(self) -> int:
+        out = 1
+        for _, size in self.dims:
+            out *= size
+        return out
+
+    def size(self, dim: str) -> int:
+        return dict(self.dims)[dim]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{dim: this rank's index along it}."""
+        out = {}
+        for name, size in reversed(self.dims):
+            rank, out[name] = divmod(rank, size)
+        return dict(reversed(list(out.items())))
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for name, size in self.dims:
+            rank = rank * size + coords[name]
+        return rank
+
+    def ranks_along(self, dims: tuple[str, ...], rank: int) -> list[int]:
+        """The ranks that share every coordinate of `rank` except those along `dims` (the
+        group a collective over `dims` runs in), in rank order."""
+        fixed = {k: v for k, v in self.coords(rank).items() if k not in dims}
+        return [r for r in range(self.world)
+                if all(self.coords(r)[k] == v for k, v in fixed.items())]
+
+    def groups_along(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks along `dims`, each once, in order of their first rank."""
+        seen, out = set(), []
+        for r in range(self.world):
+            ranks = self.ranks_along(dims, r)
+            if ranks[0] not in seen:
+                seen.add(ranks[0])
+                out.append(ranks)
+        return out
+
+
+def param_placements(plan_placement: Placement) -> dict[str, Placement]:
+    """A parameter's placement per mesh dimension (replicated across data-parallel units)."""
+    return {DP: Replicate(), PLAN: plan_placement}
+
+
+def activation_placements(plan_placement: Placement) -> dict[str, Placement]:
+    """An activation's placement per mesh dimension (each unit has its own batch rows)."""
+    return {DP: Shard(0), PLAN: plan_placement}
+
+
+@dataclass(frozen=True)
+class GradReduction:
+    """How the runtime reduces one parameter's gradient: summed over `dims`, times `scale`."""
+    dims: tuple[str, ...]
+    scale: float
+
+
+def grad_reduction(mesh: Mesh, partial_sum: bool, trainable: bool = True
+                   ) -> GradReduction | None:
+    """The reduction a gradient needs (None: it is complete on every rank as it is)."""
+    dp = mesh.size(DP)
+    if not trainable:
+        return None
+    if partial_sum and mesh.size(PLAN) > 1:
+        return GradReduction((DP, PLAN) if dp > 1 else (PLAN,), 1.0 / dp)
+    if dp > 1:
+        return GradReduction((DP,), 1.0 / dp)
+    return None
