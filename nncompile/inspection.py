@@ -22,6 +22,7 @@ from typing import Any, Iterator
 from .comm_stats import align, fmt_bytes, format_rows
 from .edits import edited_files
 from .errors import ConfigError, NNCompileError
+from .ir.placement import Replicate, Shard, parse_placement
 from .mesh import DP, PLAN, Mesh, grad_reduction
 
 MANIFEST_KEYS = ("model", "policy", "config", "fingerprint", "ranks")
@@ -163,12 +164,13 @@ class Instance:
         return " (edited)" if self.file(rank) in self.edited_names else ""
 
 
-def _placement_name(p: str) -> str:
-    if p == "R":
+def _placement_name(text: str) -> str:
+    p = parse_placement(text)
+    if isinstance(p, Replicate):
         return "replicated (R)"
-    if p.startswith("S("):
-        return f"sharded on dim {p[2:-1]} ({p})"
-    return f"{p}"
+    if isinstance(p, Shard):
+        return f"sharded on dim {p.dim} ({text})"
+    return text
 
 
 def _nbytes(b: int) -> str:

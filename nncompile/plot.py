@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .ir.placement import Placement, Replicate, Shard, parse_placement
 
 FIXED_COLOURS = {"R": "#4c72b0", "P": "#c44e52", "-": "#bbbbbb"}
 SHARD_COLOURS = ["#55a868", "#dd8452", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974",
@@ -19,17 +20,27 @@ MARKERS = {"op": ("o", "op"), "collective": ("D", "collective (comm.*)"),
 MAX_PIXELS = 40e6
 
 
+def _parsed(placement: str) -> Placement | None:
+    """The placement a plan.json entry names (None for '-', no tensor output)."""
+    try:
+        return parse_placement(placement)
+    except ValueError:
+        return None
+
+
 def placement_colour(placement: str) -> str:
     if placement in FIXED_COLOURS:
         return FIXED_COLOURS[placement]
-    if placement.startswith("S(") and placement[2:-1].lstrip("-").isdigit():
-        return SHARD_COLOURS[int(placement[2:-1]) % len(SHARD_COLOURS)]
+    p = _parsed(placement)
+    if isinstance(p, Shard):
+        return SHARD_COLOURS[p.dim % len(SHARD_COLOURS)]
     return "#222222"
 
 
 def _describe(placement: str) -> str:
-    if placement.startswith("S("):
-        return f"{placement} split dim {placement[2:-1]}"
+    p = _parsed(placement)
+    if isinstance(p, Shard):
+        return f"{placement} split dim {p.dim}"
     return {"R": "R replicated", "P": "P partial sum", "-": "no tensor output"}.get(placement,
                                                                                    placement)
 
@@ -128,7 +139,8 @@ def plot_plan(plan: dict[str, Any], manifest: dict[str, Any], output: Path) -> P
                                     shrinkB=7, mutation_scale=8,
                                     connectionstyle="arc3,rad=0.06"))
     placements = sorted({d["placement"] for _, d in g.nodes(data=True)},
-                        key=lambda p: (p != "R", not p.startswith("S("), p))
+                        key=lambda p: (not isinstance(_parsed(p), Replicate),
+                                       not isinstance(_parsed(p), Shard), p))
     for kind, (marker, _) in MARKERS.items():
         for placement in placements:
             nodes = [n for n, d in g.nodes(data=True)
