@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nncompile.errors import CheckpointError
+from nncompile.mesh import Mesh, param_placements
 from nncompile.ir.placement import Shard as ShardPlacement
 
 from .rows import BufferRow, ParamRow, param_rows, state_rows
@@ -126,23 +127,23 @@ _MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default gro
 
 def _mesh(pm):
     from torch.distributed.device_mesh import init_device_mesh
-    dp = pm.RUNTIME_NGPUS // pm.PLAN_NGPUS
+    mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS)
     device = "cuda" if pm.device.type == "cuda" else "cpu"
-    key = (device, dp, pm.PLAN_NGPUS)
+    key = (device, mesh.dims)
     meshes = _MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})
     if key not in meshes:
-        meshes[key] = init_device_mesh(device, (dp, pm.PLAN_NGPUS),
-                                       mesh_dim_names=("dp", "plan"))
+        meshes[key] = init_device_mesh(device, tuple(size for _, size in mesh.dims),
+                                       mesh_dim_names=mesh.names)
     return meshes[key]
 
 
 def _dtensor(pm, local: torch.Tensor, row: ParamRow | BufferRow) -> DTensor:
     """`local` (this rank's piece of `row`'s tensor, or a tensor shaped like it) as a DTensor."""
-    p = row.placement
-    shard = [Shard(p.dim)] if isinstance(p, ShardPlacement) else [Replicate()]
+    placements = [Shard(p.dim) if isinstance(p, ShardPlacement) else Replicate()
+                  for p in param_placements(row.placement).values()]     # one per mesh dim
     shape = torch.Size(row.shape)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local.contiguous(), _mesh(pm), [Replicate()] + shard,
+    return DTensor.from_local(local.contiguous(), _mesh(pm), placements,
                               run_check=False, shape=shape, stride=stride)
 
 
