@@ -15,6 +15,7 @@ from .comm_stats import collective_rows
 from .custom_ops import REGISTRY, is_custom_op
 from .ir import (Graph, RecomputeMark, Stage, Value, fmt_literal, print_graph, shard_slices)
 from .ir.printer import fmt_body, value_names
+from .runtime.rows import BufferRow, ConstRow, ParamRow
 
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} (plan unit {unit}, shard {shard} of {plan}).
 
@@ -70,7 +71,6 @@ def _rows(rows: list[tuple]) -> str:
 def rank_tables(g: Graph, rank: int) -> dict[str, list[tuple]]:
     """A rank's PARAMS, BUFFERS and CONSTS rows (runtime/rows.py), as the plain tuples its
     file prints (placements as text)."""
-    from .runtime.rows import BufferRow, ConstRow, ParamRow
     n = g.plan_ngpus
     shard = rank % n
     partial = set(g.plan_state.partial_grad_params)

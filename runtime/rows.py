@@ -33,6 +33,20 @@ def _slices(slices: Sequence[Sequence[int]]) -> Slices:
     return tuple((int(a), int(b)) for a, b in slices)
 
 
+# shared by the three row types (a NamedTuple cannot inherit methods)
+def _local_shape(row) -> tuple[int, ...]:
+    return tuple(b - a for a, b in row.slices)
+
+
+def _sharded(row) -> bool:
+    return isinstance(row.placement, Shard)
+
+
+def _plain(row) -> tuple:
+    """As a generated file prints it (placement as text)."""
+    return tuple(repr(x) if isinstance(x, Placement) else x for x in row)
+
+
 class ParamRow(NamedTuple):
     """A parameter: its local (attribute) name, original FQN, full shape, placement, the
     [start, stop) per dimension this rank holds, and whether its gradient is a partial sum."""
@@ -52,18 +66,9 @@ class ParamRow(NamedTuple):
         return cls(name, fqn, tuple(shape), _placement(placement), _slices(slices),
                    bool(partial and partial[0]))
 
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.slices)
-
-    @property
-    def sharded(self) -> bool:
-        return isinstance(self.placement, Shard)
-
-    def plain(self) -> tuple:
-        """As a generated file prints it (placement as text)."""
-        return (self.name, self.fqn, self.shape, repr(self.placement), self.slices,
-                self.partial_grad)
+    local_shape = property(_local_shape)
+    sharded = property(_sharded)
+    plain = _plain
 
 
 class BufferRow(NamedTuple):
@@ -81,16 +86,9 @@ class BufferRow(NamedTuple):
         name, fqn, shape, placement, slices, *_ = row
         return cls(name, fqn, tuple(shape), _placement(placement), _slices(slices))
 
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.slices)
-
-    @property
-    def sharded(self) -> bool:
-        return isinstance(self.placement, Shard)
-
-    def plain(self) -> tuple:
-        return (self.name, self.fqn, self.shape, repr(self.placement), self.slices)
+    local_shape = property(_local_shape)
+    sharded = property(_sharded)
+    plain = _plain
 
 
 class ConstRow(NamedTuple):
@@ -108,8 +106,8 @@ class ConstRow(NamedTuple):
         name, shape, placement, slices = row
         return cls(name, tuple(shape), _placement(placement), _slices(slices))
 
-    def plain(self) -> tuple:
-        return (self.name, self.shape, repr(self.placement), self.slices)
+    local_shape = property(_local_shape)
+    plain = _plain
 
 
 def param_rows(src: Any) -> list[ParamRow]:
