@@ -17,7 +17,9 @@ PAS_CONFIG_KEYS = frozenset({
     "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
     "constraints", "recompute_modules", "save_plan_path", "load_plan_path"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
-               "use_zero", "check")
+               "offload_params", "check")
+ZERO_STAGES = (0, 1, 2, 3)
+AUTO = "auto"
 
 
 def _is_int(v: Any) -> bool:
@@ -54,8 +56,12 @@ class ComputeConfig:
     use_async_reducer: bool = False      # all-reduce gradient buckets while backward still runs
     reducer_bucket_cap_mb: float = 25.0  # gradients are reduced in buckets of about this size
     reduce_in_fp32: bool = False         # reduce low-precision gradients in float32
-    use_zero: bool = False               # ZeRO-1: shard optimizer state over data-parallel ranks
+    use_zero: bool | int | str = False   # ZeRO stage 0-3 (True = 1) or "auto" (autodist picks):
+                                         # 1 shards optimizer state over data-parallel ranks,
+                                         # 2 also gradients, 3 also parameters (runtime/zero.py)
     zero_ngroups: int = 1                # shard within this many groups of data-parallel ranks
+    offload_optimizer: bool | str = False  # optimizer state and step in host memory (or "auto")
+    offload_params: bool = False         # ZeRO-3 parameter shards in host memory
     check: bool = False                  # after compiling, run every rank in one process and
                                          # refuse a plan whose loss or gradients differ
 
@@ -65,10 +71,9 @@ class ComputeConfig:
         for name in BOOL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
-                extra = (" (use_zero=True is ZeRO-1; ZeRO levels given as ints are not "
-                         "supported, only bools)") if name == "use_zero" else ""
                 raise ConfigError(f"{name}={value!r}; {name} must be a bool: choose one of "
-                                  f"(True, False){extra}")
+                                  f"(True, False)")
+        self._check_memory_fields()
         for name in ("pas_config", "user_config"):
             value = getattr(self, name)
             if not isinstance(value, dict):
@@ -96,6 +101,40 @@ class ComputeConfig:
                 f"data-parallel ranks (runtime_ngpus // plan_ngpus); pick a divisor of "
                 f"{self.dp_size}")
 
+    def _check_memory_fields(self) -> None:
+        z = self.use_zero
+        if not (isinstance(z, bool) or z in ZERO_STAGES or z == AUTO) or \
+                isinstance(z, float):
+            raise ConfigError(f"use_zero={z!r}; use_zero is a ZeRO stage: one of 0, 1, 2, 3 "
+                              f"(True is 1, False is 0) or 'auto' (autodist chooses)")
+        o = self.offload_optimizer
+        if not (isinstance(o, bool) or o == AUTO):
+            raise ConfigError(f"offload_optimizer={o!r}; choose one of (True, False, 'auto')")
+        if self.offload_params and self.zero_stage not in (3, AUTO):
+            raise ConfigError(f"offload_params=True keeps ZeRO-3's parameter shards in host "
+                              f"memory, but use_zero={z!r} does not shard parameters; use "
+                              f"use_zero=3 (or 'auto') with it, or offload_optimizer=True alone")
+        if self.inference_only and (self.zero_stage not in (0, 1) or o is not False):
+            raise ConfigError("inference_only=True trains nothing: ZeRO stages 2/3 and "
+                              "offload_optimizer need training; leave them at their defaults")
+
+    @property
+    def zero_stage(self) -> int | str:
+        """use_zero as a stage number (True is 1, False is 0), or "auto"."""
+        z = self.use_zero
+        return int(z) if isinstance(z, bool) else z
+
+    @property
+    def code_fields(self) -> dict[str, Any]:
+        """The memory fields that shape the generated code: ZeRO-3 gathers parameters in the
+        forward, and "auto" values are resolved by the plan. Empty otherwise, so plans without
+        them keep their fingerprints."""
+        if self.zero_stage not in (3, AUTO) and self.offload_optimizer != AUTO:
+            return {}
+        return {"use_zero": self.zero_stage, "zero_ngroups": self.zero_ngroups,
+                "offload_optimizer": self.offload_optimizer,
+                "offload_params": self.offload_params}
+
     @property
     def dp_size(self) -> int:
         return (self.runtime_ngpus or self.plan_ngpus) // self.plan_ngpus
@@ -111,16 +150,29 @@ class ComputeConfig:
 
     def plan_json(self) -> dict[str, Any]:
         """The fields that shape the generated code (what reuse compares)."""
-        return {k: v for k, v in self.to_json().items() if k not in RUNTIME_FIELDS}
+        return _plan_view(self.to_json())
 
     def diff(self, other: dict[str, Any]) -> list[str]:
         """Human-readable differences in plan fields from a saved config (as written by
         to_json)."""
         mine = self.plan_json()
-        other = {k: v for k, v in other.items() if k not in RUNTIME_FIELDS}
+        other = _plan_view(other)
         return [f"{k}: {other.get(k)!r} -> {mine.get(k)!r}" for k in sorted(set(mine) | set(other))
                 if mine.get(k) != other.get(k)]
 
 
 RUNTIME_FIELDS = ("use_async_reducer", "reducer_bucket_cap_mb", "reduce_in_fp32", "use_zero",
-                  "zero_ngroups", "check")
+                  "zero_ngroups", "offload_optimizer", "offload_params", "check")
+
+
+def _plan_view(saved: dict[str, Any]) -> dict[str, Any]:
+    """The plan fields of a to_json() dict, plus the memory fields when they shape code."""
+    out = {k: v for k, v in saved.items() if k not in RUNTIME_FIELDS}
+    z = saved.get("use_zero", False)
+    z = int(z) if isinstance(z, bool) else z
+    o = saved.get("offload_optimizer", False)
+    if z in (3, AUTO) or o == AUTO:
+        out["memory"] = {"use_zero": z, "zero_ngroups": saved.get("zero_ngroups", 1),
+                         "offload_optimizer": o,
+                         "offload_params": saved.get("offload_params", False)}
+    return out

@@ -201,9 +201,21 @@ class TraceInfo:
 
 
 @dataclass
+class MemoryChoice:
+    """How a plan stores its training state (ComputeConfig's values, or autodist's choice for
+    "auto"): the ZeRO stage, whether optimizer state / ZeRO-3 parameter shards live in host
+    memory, and the modules recomputed in backward."""
+    zero: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    recompute: tuple[str, ...] = ()
+
+
+@dataclass
 class PlanState:
     """What the plan passes decided, for the passes after them and for codegen."""
     policy: str = "?"
+    memory: MemoryChoice | None = None     # None: ComputeConfig's explicit values
     autodist: dict | None = None           # autodist's explanation data (plan_report)
     partial_grad_params: list[str] = field(default_factory=list)   # summed by the runtime
     recompute_regions: int = 0
