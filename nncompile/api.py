@@ -26,7 +26,7 @@ from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, staged_dir, write_json, write_text
 from .fingerprint import compute_fingerprint
 from .frontend import trace
-from .ir import Graph, print_graph
+from .ir import Graph, MemoryChoice, print_graph
 from .log import log as _log
 from nncompile.passes import build_pipeline, get_policy, run_pipeline
 from nncompile.passes.autodist import report_table as plan_report
@@ -92,11 +92,13 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
+    memory = memory_choice(final, config)
     _log(f"writing {config.runtime_ngpus} rank file(s) ...")
     with staged_dir(outdir) as staging:
         for r in range(config.runtime_ngpus):
             write_text(staging / f"gencode{r}.py",
-                       codegen.gencode(final, r, config.runtime_ngpus, fingerprint))
+                       codegen.gencode(final, r, config.runtime_ngpus, fingerprint,
+                                       memory=memory if config.code_fields else None))
         kept = keep_edited(outdir, old, staging)
         (staging / "graphs").mkdir()
         for fname, text in codegen.graph_dumps(result.history).items():
@@ -128,6 +130,22 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
          + ("; why each placement: plan_report.txt, nncompile.explain()"
             if final.plan_state.autodist else ""))
     return Compiled("generated", graph, final)
+
+
+def memory_choice(g, config: ComputeConfig) -> MemoryChoice:
+    """The plan's ZeRO stage and offload: the policy's choice where the config says "auto"
+    (autodist records it in plan_state.memory), else the config's own values."""
+    chosen = g.plan_state.memory
+    auto = "auto" in (config.zero_stage, config.offload_optimizer)
+    if chosen is None:
+        if auto:
+            raise ConfigError(f"use_zero={config.use_zero!r} / offload_optimizer="
+                              f"{config.offload_optimizer!r}: 'auto' is chosen by autodist; use "
+                              f"pas_policy='autodist' or give a concrete value")
+        chosen = MemoryChoice(zero=config.zero_stage, offload_optimizer=config.offload_optimizer,
+                              offload_params=config.offload_params)
+        g.plan_state.memory = chosen
+    return chosen
 
 
 def _code_lines(text: str) -> list[str]:

@@ -13,9 +13,11 @@ from typing import Any
 from . import __version__
 from .comm_stats import collective_rows
 from .custom_ops import REGISTRY, is_custom_op
-from .ir import (Graph, RecomputeMark, Stage, Value, fmt_literal, print_graph, shard_slices)
+from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, print_graph,
+                 shard_slices)
 from .ir.printer import fmt_body, value_names
 from .runtime.rows import BufferRow, ConstRow, ParamRow
+from .zero_codegen import zero_forward_body, zero_units
 
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} (plan unit {unit}, shard {shard} of {plan}).
 
@@ -63,6 +65,13 @@ class GenModel(ParallelModule):
     STATE_KEYS = {state_keys!r}
 '''
 
+MEMORY_HEADER = '''    # the ZeRO stage and offload this code was generated for (runtime/zero.py)
+    MEMORY = {memory!r}
+    ZERO_UNITS = [  # ZeRO-3: flat parameter, its module, the local parameters it holds
+{units}
+    ]
+'''
+
 
 def _rows(rows: list[tuple]) -> str:
     return "\n".join(f"        {fmt_literal(r)}," for r in rows)
@@ -88,7 +97,10 @@ def rank_tables(g: Graph, rank: int) -> dict[str, list[tuple]]:
     }
 
 
-def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
+def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
+            memory: MemoryChoice | None = None) -> str:
+    """A rank's file. `memory`: the ZeRO stage and offload choice to record in it (given when
+    it shapes the code: ZeRO-3's per-unit gathers, or a choice autodist made)."""
     n = g.plan_ngpus
     t = rank_tables(g, rank)
     text = HEADER.format(
@@ -106,6 +118,12 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
         signature=g.trace_info.signature, defaults=g.trace_info.defaults,
         params=_rows(t["params"]), frozen=[v.name for v in g.params if not v.requires_grad],
         buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
+    units = zero_units(g) if memory is not None and memory.zero == 3 else []
+    if memory is not None:
+        text += MEMORY_HEADER.format(
+            memory={"zero": memory.zero, "offload_optimizer": memory.offload_optimizer,
+                    "offload_params": memory.offload_params},
+            units=_rows([(attr, path, tuple(v.name for v in vs)) for attr, path, vs in units]))
     lines = [text.rstrip("\n")]
     if g.const_ops:
         args = ", ".join(v.name for v in g.buffers)
@@ -117,12 +135,18 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str) -> str:
         lines.append("        return {" + ", ".join(f"{v.name!r}: {v.name}"
                                                     for v in g.consts) + "}")
     # in the forward, parameters, buffers and constants are attributes of the module
-    with value_names({v: f"self.{v.name}" for v in g.params + g.buffers + g.consts}):
+    attrs = g.buffers + g.consts + ([] if units else g.params)
+    with value_names({v: f"self.{v.name}" for v in attrs}):
         lines.append("")
         args = ", ".join(v.name for v in g.inputs)
         lines.append(f"    def forward_impl(self{', ' + args if args else ''}):")
-        lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
-        lines += forward_body(g, indent="        ", local_n=n)
+        if units:
+            lines.append("        DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, "
+                         "self.zero")
+            lines += zero_forward_body(g, units, indent="        ", local_n=n)
+        else:
+            lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
+            lines += forward_body(g, indent="        ", local_n=n)
         lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
     return "\n".join(lines) + "\n"
 
@@ -140,8 +164,8 @@ def _custom_imports(g: Graph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
-    """The forward's ops; runs marked by the recompute pass become checkpointed closures."""
+def runs_of(g: Graph) -> list[tuple[RecomputeMark | None, list]]:
+    """The forward's ops in maximal runs of one recompute mark (None: not recomputed)."""
     runs: list[tuple[RecomputeMark | None, list]] = []
     for op in g.ops:
         mark = op.recompute
@@ -149,27 +173,43 @@ def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
             runs[-1][1].append(op)
         else:
             runs.append((mark, [op]))
+    return runs
+
+
+def closure(g: Graph, runs, i: int, indent: str, body: list[str],
+            defined_inside: set[int] = frozenset(), param_attrs: bool = True) -> list[str]:
+    """Run i as a checkpointed closure around `body`: its inputs from outside become
+    arguments (parameters too when they are local variables, `param_attrs=False`), except
+    the Values `defined_inside` the body."""
+    mark, ops = runs[i]
+    inside = {id(v) for op in ops for v in op.outputs} | set(defined_inside)
+    later = [v for _, rest in runs[i + 1:] for op in rest for v in op.inputs()] + \
+        [v for v in g.outputs if isinstance(v, Value)]
+    attrs = {id(v) for v in g.buffers + g.consts + (g.params if param_attrs else [])}
+    args = list({id(v): v for op in ops for v in op.inputs()
+                 if id(v) not in inside and id(v) not in attrs}.values())
+    outs = list({id(v): v for v in later if id(v) in inside and id(v) not in defined_inside}
+                .values())
+    fn = "recompute_" + mark.module_path.replace(".", "_")
+    names = ", ".join(fmt_literal(v) for v in args)
+    return [f"{indent}# recompute_modules: {mark.module_path} keeps no activations; "
+            "its forward runs again in backward",
+            f"{indent}def {fn}({names}):", *body,
+            f"{indent}    return ({''.join(v.name + ', ' for v in outs)})",
+            f"{indent}{''.join(v.name + ', ' for v in outs)}= checkpoint({fn}"
+            f"{', ' + names if names else ''}, use_reentrant=False)"]
+
+
+def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
+    """The forward's ops; runs marked by the recompute pass become checkpointed closures."""
+    runs = runs_of(g)
     lines: list[str] = []
     for i, (mark, ops) in enumerate(runs):
         if mark is None:
             lines += fmt_body(ops, indent=indent, local_n=local_n)
-            continue
-        inside = {id(v) for op in ops for v in op.outputs}
-        later = [v for _, rest in runs[i + 1:] for op in rest for v in op.inputs()] + \
-            [v for v in g.outputs if isinstance(v, Value)]
-        attrs = {id(v) for v in g.params + g.buffers + g.consts}     # self.<name>
-        args = list({id(v): v for op in ops for v in op.inputs()
-                     if id(v) not in inside and id(v) not in attrs}.values())
-        outs = list({id(v): v for v in later if id(v) in inside}.values())
-        fn = "recompute_" + mark.module_path.replace(".", "_")
-        names = ", ".join(v.name for v in args)
-        lines.append(f"{indent}# recompute_modules: {mark.module_path} keeps no activations; "
-                     "its forward runs again in backward")
-        lines.append(f"{indent}def {fn}({names}):")
-        lines += fmt_body(ops, indent=indent + "    ", local_n=local_n)
-        lines.append(f"{indent}    return ({''.join(v.name + ', ' for v in outs)})")
-        lines.append(f"{indent}{''.join(v.name + ', ' for v in outs)}= checkpoint({fn}"
-                     f"{', ' + names if names else ''}, use_reentrant=False)")
+        else:
+            lines += closure(g, runs, i, indent,
+                             fmt_body(ops, indent=indent + "    ", local_n=local_n))
     return lines
 
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from nncompile.collectives import lookup
 
+from .zero import gather as zero_gather, prefetch as zero_prefetch  # noqa: F401  (ZeRO-3 lines)
+
 
 def __getattr__(name: str):
     """comm.<kind> for a table entry whose runtime function has another name."""

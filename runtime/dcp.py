@@ -148,8 +148,8 @@ def _dtensor(pm, local: torch.Tensor, row: ParamRow | BufferRow) -> DTensor:
 
 
 def _model_state(pm) -> dict[str, DTensor]:
-    return {row.fqn: _dtensor(pm, getattr(pm, row.name).detach(), row)
-            for row in state_rows(pm)}
+    local = pm.local_tensors()
+    return {row.fqn: _dtensor(pm, local[row.name].detach(), row) for row in state_rows(pm)}
 
 
 def save_dcp(directory: str, pm, optimizer=None) -> None:
@@ -159,9 +159,9 @@ def save_dcp(directory: str, pm, optimizer=None) -> None:
         local = local_optimizer_state(pm, optimizer)["state"]
         optim = {}
         for row in param_rows(pm):
-            param = getattr(pm, row.name)
             optim[row.fqn] = {k: _dtensor(pm, v, row)
-                              if torch.is_tensor(v) and v.shape == param.shape and v.dim() else v
+                              if torch.is_tensor(v) and tuple(v.shape) == row.local_shape
+                              and v.dim() else v
                               for k, v in local.get(row.name, {}).items()}
         state["optim"] = optim
     dcp.save(state, checkpoint_id=directory)
@@ -185,15 +185,16 @@ def load_dcp(directory: str, pm, optimizer=None) -> None:
                     continue
                 entry = key[len(prefix):]
                 if tuple(md.size) == row.shape and len(md.size):
-                    target = _dtensor(pm, torch.zeros_like(getattr(pm, row.name)), row)
+                    target = _dtensor(pm, torch.zeros(row.local_shape,
+                                                      dtype=md.properties.dtype,
+                                                      device=pm.device), row)
                 else:
                     target = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
                 optim.setdefault(row.fqn, {})[entry] = target
         state["optim"] = optim
     load_state(state, directory)
-    with torch.no_grad():
-        for row in state_rows(pm):
-            getattr(pm, row.name).copy_(state["model"][row.fqn].to_local())
+    pm.load_local_tensors({row.name: state["model"][row.fqn].to_local()
+                           for row in state_rows(pm)})
     if optimizer is not None:
         local = {}
         for row in param_rows(pm):

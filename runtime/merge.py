@@ -18,7 +18,7 @@ import torch
 from nncompile.errors import CheckpointError
 
 from .rows import param_rows, state_rows
-from .state import load_local_optimizer_state, optimizer_state_by_name, shard_layout
+from .state import as_zero_state, load_local_optimizer_state, optimizer_state_by_name, shard_layout
 
 
 def _index(slices) -> tuple[slice, ...]:
@@ -134,6 +134,7 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
 def _unzero(infos: list[dict], opt_sds: list[dict]) -> list[dict | None]:
     """ZeRO pieces -> each rank's local-name state (None for non-ZeRO state dicts): the pieces
     of ranks in one ZeRO group are concatenated back into the flat state."""
+    opt_sds = [as_zero_state(info, sd) for info, sd in zip(infos, opt_sds)]
     out: list[dict | None] = [None] * len(opt_sds)
     groups: dict[tuple, list[int]] = {}
     for i, sd in enumerate(opt_sds):
@@ -182,13 +183,14 @@ def load_merged_state_dict(pm, state_dict: dict[str, torch.Tensor], optimizer=No
     for key, canon in pm.STATE_KEYS:
         if key in state_dict:
             by_canon.setdefault(canon, state_dict[key])
-    with torch.no_grad():
-        for row in state_rows(pm):
-            full = by_canon.get(row.fqn, state_dict.get(row.fqn))
-            if full is None:
-                raise CheckpointError(f"the state dict has no {row.fqn!r} (it has "
-                                      f"{len(state_dict)} keys, e.g. {list(state_dict)[:3]})")
-            getattr(pm, row.name).copy_(full[_index(row.slices)])
+    local = {}
+    for row in state_rows(pm):
+        full = by_canon.get(row.fqn, state_dict.get(row.fqn))
+        if full is None:
+            raise CheckpointError(f"the state dict has no {row.fqn!r} (it has "
+                                  f"{len(state_dict)} keys, e.g. {list(state_dict)[:3]})")
+        local[row.name] = full[_index(row.slices)]
+    pm.load_local_tensors(local)
     if optimizer is None:
         return
     if optimizer_state_dict is None:

@@ -17,13 +17,15 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from nncompile.config import ComputeConfig
-from nncompile.errors import InputMismatchError
+from nncompile.errors import ConfigError, InputMismatchError
+from nncompile.ir import MemoryChoice
 from nncompile.ir.placement import Placement, Shard
 from nncompile.mesh import Mesh, grad_reduction
 
 from . import arguments
 from .groups import get_groups, group_along
 from .reducer import Reducer
+from .zero import ZeroRuntime
 from .rows import buffer_rows, const_rows, param_rows
 from .state import check_same_plan, plan_info
 
@@ -51,6 +53,8 @@ class ParallelModule(torch.nn.Module):
     OUT_SPEC = ""
     PARAM_ORDER: list[str] = []        # the original module's parameters(), by FQN
     STATE_KEYS: list[tuple] = []       # the original module's state_dict() keys, canonical FQN
+    MEMORY: dict | None = None         # ZeRO stage / offload the code was generated for
+    ZERO_UNITS: list[tuple] = []       # ZeRO-3 flat parameters (runtime/zero.py)
 
     def __init__(self, module: torch.nn.Module | None = None, device: Any = None,
                  compute_config: ComputeConfig | None = None):
@@ -63,11 +67,26 @@ class ParallelModule(torch.nn.Module):
         self.device = torch.device(device)
         self._out_spec = pytree.treespec_loads(self.OUT_SPEC) if self.OUT_SPEC else None
         self._partial_grad = {row.name for row in param_rows(self) if row.partial_grad}
+        self.memory = memory_settings(self)
+        self.zero: ZeroRuntime | None = None
+        self._grad_shards = None       # a ZeRO-2 optimizer keeps the gradients (optimizer.py)
         state = _full_state(module)
-        for row in param_rows(self):
-            self.register_parameter(row.name, torch.nn.Parameter(
-                self._local_shard(state.get(row.fqn), row.slices),
-                requires_grad=not self.INFERENCE_ONLY and row.name not in self.FROZEN))
+        if self.memory.zero == 3:
+            self.zero = ZeroRuntime(self, self.ZERO_UNITS, self.memory.offload_params,
+                                    self.compute_config.zero_ngroups)
+            rows = {row.name: row for row in param_rows(self)}
+            for unit in self.zero.units:
+                pieces = [self._local_shard(state.get(rows[n].fqn), rows[n].slices)
+                          for n in unit.layout.names]
+                flat = torch.nn.Parameter(self.zero.shard_of(unit, pieces),
+                                          requires_grad=unit.trainable)
+                flat._zero_attr = unit.attr
+                self.register_parameter(unit.attr, flat)
+        else:
+            for row in param_rows(self):
+                self.register_parameter(row.name, torch.nn.Parameter(
+                    self._local_shard(state.get(row.fqn), row.slices),
+                    requires_grad=not self.INFERENCE_ONLY and row.name not in self.FROZEN))
         full_buffers = {}
         for row in buffer_rows(self):
             full = state[row.fqn].detach().to(self.device)
@@ -106,7 +125,12 @@ class ParallelModule(torch.nn.Module):
                   for name, shape, dtype in self.INPUTS]
         if self._reducer is not None and torch.is_grad_enabled():
             self._reducer.reset()         # a backward that raised must not leave state behind
-        out = self.forward_impl(*inputs)
+        if self.zero is not None:
+            self.zero.reset()
+            with torch.autograd.graph.saved_tensors_hooks(self.zero.pack, self.zero.unpack):
+                out = self.forward_impl(*inputs)
+        else:
+            out = self.forward_impl(*inputs)
         return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec else out
 
     def _check_input(self, name: str, x: Any, shape, dtype: str) -> torch.Tensor:
@@ -138,8 +162,8 @@ class ParallelModule(torch.nn.Module):
         """Each gradient is reduced as nncompile.mesh.grad_reduction says: partial sums over
         the plan unit (the world when there is also data parallelism), the rest over the
         data-parallel group, all averaged over data-parallel units; frozen ones not at all."""
-        if not dist.is_initialized() or self.INFERENCE_ONLY:
-            return None
+        if not dist.is_initialized() or self.INFERENCE_ONLY or self.zero is not None:
+            return None         # ZeRO-3 reduces each unit's gradient in the gather's backward
         mesh = Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
         params = []
         for name, param in self.named_parameters():
@@ -179,23 +203,56 @@ class ParallelModule(torch.nn.Module):
             return torch.cat(parts, dim=placement.dim)
         return local.clone()
 
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every parameter by local name (under ZeRO-3 gathered from the
+        flat pieces: a collective over the ZeRO group)."""
+        if self.zero is not None:
+            return self.zero.local_tensors()
+        return {row.name: getattr(self, row.name).detach() for row in param_rows(self)}
+
+    def local_grads(self) -> dict[str, torch.Tensor | None]:
+        """This rank's shard of every reduced gradient by local name (zeros before backward,
+        None for a frozen parameter); under ZeRO-2/3 gathered from the pieces (a collective)."""
+        if self.zero is not None:
+            return self.zero.local_tensors(grads=True)
+        if self._grad_shards is not None:
+            return self._grad_shards.local_grads()
+        out = {}
+        for row in param_rows(self):
+            param = getattr(self, row.name)
+            out[row.name] = None if not param.requires_grad else (
+                torch.zeros_like(param) if param.grad is None else param.grad).detach()
+        return out
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """local_params() and the persistent buffers, by local name (what checkpoints hold)."""
+        out = self.local_params()
+        out.update({row.name: getattr(self, row.name) for row in buffer_rows(self)})
+        return out
+
+    @torch.no_grad()
+    def load_local_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy shards of parameters and buffers (by local name, shaped like this rank's
+        shard) into the module (under ZeRO-3 into the flat pieces)."""
+        params = {row.name for row in param_rows(self)}
+        if self.zero is not None:
+            self.zero.load_local_tensors({n: t for n, t in tensors.items() if n in params})
+            tensors = {n: t for n, t in tensors.items() if n not in params}
+        for name, t in tensors.items():
+            getattr(self, name).copy_(t)
+
     def gather_params(self) -> dict[str, torch.Tensor]:
         """Full parameters keyed by original FQN (a collective over the plan unit)."""
-        return {row.fqn: self._gather(getattr(self, row.name).detach(), row.placement)
+        local = self.local_params()
+        return {row.fqn: self._gather(local[row.name], row.placement)
                 for row in param_rows(self)}
 
     def gather_grads(self) -> dict[str, torch.Tensor | None]:
         """Full (reduced) gradients keyed by original FQN (a collective over the plan unit);
         None for a frozen parameter."""
-        out = {}
-        for row in param_rows(self):
-            param = getattr(self, row.name)
-            if not param.requires_grad:
-                out[row.fqn] = None
-                continue
-            g = torch.zeros_like(param) if param.grad is None else param.grad
-            out[row.fqn] = self._gather(g.detach(), row.placement)
-        return out
+        local = self.local_grads()
+        return {row.fqn: None if local[row.name] is None
+                else self._gather(local[row.name], row.placement) for row in param_rows(self)}
 
     # ---- checkpoints ------------------------------------------------------------------------
     def get_extra_state(self) -> dict:
@@ -205,11 +262,59 @@ class ParallelModule(torch.nn.Module):
     def set_extra_state(self, state: dict) -> None:
         check_same_plan(state, self, "this state dict")
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Under ZeRO-3 the state dict still holds each parameter's shard by local name
+        (gathered from the flat pieces), so every checkpoint format reads it unchanged."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.zero is None:
+            return
+        rest = {k: destination.pop(k) for k in list(destination) if k.startswith(prefix)}
+        for name, t in self.zero.local_tensors().items():
+            destination[prefix + name] = t
+        for unit in self.zero.units:
+            rest.pop(prefix + unit.attr, None)
+        destination.update(rest)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self.zero is not None:
+            names = [row.name for row in param_rows(self)]
+            given = {n: state_dict.pop(prefix + n) for n in names if prefix + n in state_dict}
+            missing_keys.extend(prefix + n for n in names if n not in given)
+            if given:
+                self.zero.load_local_tensors(given)
+            for unit in self.zero.units:      # the flat pieces are loaded by now
+                state_dict[prefix + unit.attr] = getattr(self, unit.attr).detach()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Like nn.Module's, but checks the plan before touching any tensor."""
         if "_extra_state" in state_dict:
             check_same_plan(state_dict["_extra_state"], self, "this state dict")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def memory_settings(pm) -> MemoryChoice:
+    """The ZeRO stage and offload this module runs with: ComputeConfig's values, with "auto"
+    taken from the choice the code was generated with (MEMORY)."""
+    cfg, saved = pm.compute_config, pm.MEMORY
+    zero, offload = cfg.zero_stage, cfg.offload_optimizer
+    if saved is None:
+        if zero == 3 or "auto" in (zero, offload):
+            raise ConfigError(
+                f"use_zero={cfg.use_zero!r}, offload_optimizer={offload!r} shape the generated "
+                f"code, but {type(pm).__module__} was generated without them; call "
+                f"nncompile.parallelize with this ComputeConfig to regenerate it")
+        return MemoryChoice(zero=zero, offload_optimizer=offload)
+    zero = saved["zero"] if zero == "auto" else zero
+    if (zero == 3) != (saved["zero"] == 3):
+        raise ConfigError(f"use_zero={cfg.use_zero!r} but the generated code was made for ZeRO "
+                          f"stage {saved['zero']}; parallelize again with this ComputeConfig")
+    return MemoryChoice(zero=zero,
+                        offload_optimizer=saved["offload_optimizer"] if offload == "auto"
+                        else offload,
+                        offload_params=saved["offload_params"])
 
 
 def _full_state(module: torch.nn.Module | None) -> dict[str, torch.Tensor]:

@@ -64,6 +64,8 @@ class Reducer:
         self._next = 0
         self._queued = False
         self.overlapped = 0        # buckets the last backward launched before it ended
+        self.sink = None           # ZeRO-2: takes each reduced bucket (params, views); the
+                                   # bucket's buffer and the .grad are then freed
         cap = bucket_cap_mb * 2 ** 20
         open_: dict[tuple, Bucket] = {}
         for param, group, size, scale in reversed(params):
@@ -127,6 +129,15 @@ class Reducer:
                 b.work.wait()
                 if b.scale != 1.0:
                     b.buffer.mul_(b.scale)
+                if self.sink is not None:
+                    params, views = zip(*b.views())
+                    self.sink(list(params), list(views))
+                    for p in b.params:
+                        p.grad = None
+                    b.buffer = None
+                    b.ready.clear()
+                    b.work, b.launched = None, False
+                    continue
                 for p, view in b.views():
                     if view.dtype == p.dtype:
                         p.grad = view

@@ -14,7 +14,7 @@ import torch
 from nncompile.errors import CheckpointError
 from nncompile.ir.placement import Placement, Shard
 
-from .optimizer import ZeroOptimizer
+from .optimizer import ZeroOptimizer, flat_state_by_name, flat_state_piece
 from .rows import buffer_rows, param_rows
 
 
@@ -25,7 +25,42 @@ def plan_info(pm) -> dict[str, Any]:
             "params": [list(r.plain()) for r in param_rows(pm)],
             "buffers": [list(r.plain()) for r in buffer_rows(pm)],
             "param_order": list(pm.PARAM_ORDER), "frozen": list(pm.FROZEN),
-            "state_keys": [list(k) for k in pm.STATE_KEYS]}
+            "state_keys": [list(k) for k in pm.STATE_KEYS],
+            **({"zero3": zero3_layout(pm)} if pm.zero is not None else {})}
+
+
+def zero3_layout(pm) -> dict[str, Any]:
+    """Under ZeRO-3: how pm.parameters() (the flat pieces, in order) cut the local tensors, so
+    a plain optimizer's indexed state over them can be merged (merge.py)."""
+    z = pm.zero
+    ranks = z.size
+    return {"zero_rank": z.rank, "zero_size": ranks,
+            "ranks": [r for r in _zero_ranks(pm)],
+            "flats": [{"attr": u.attr, "names": u.layout.names, "numels": u.layout.numels,
+                       "lo": u.layout.lo, "hi": u.layout.hi, "trainable": u.trainable}
+                      for u in z.units]}
+
+
+def _zero_ranks(pm) -> list[int]:
+    from .groups import zero_ranks
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return [0]
+    return zero_ranks(dist.get_rank(), pm.PLAN_NGPUS, pm.RUNTIME_NGPUS,
+                      pm.compute_config.zero_ngroups)
+
+
+def as_zero_state(info: dict, opt_sd: dict) -> dict:
+    """A plain optimizer's state dict over ZeRO-3 flat pieces, with the layout that cut them
+    (the form ZeroOptimizer.state_dict() has); unchanged otherwise."""
+    z = info.get("zero3") if isinstance(info, dict) else None
+    if z is None or "nncompile_zero" in opt_sd:
+        return opt_sd
+    indexed = sum(len(g.get("params", [])) for g in opt_sd.get("param_groups", []))
+    flats = z["flats"] if indexed == len(z["flats"]) else [f for f in z["flats"] if f["trainable"]]
+    return {**opt_sd, "nncompile_zero": {
+        "zero_rank": z["zero_rank"], "zero_size": z["zero_size"], "ranks": z["ranks"],
+        "shards": [{k: f[k] for k in ("names", "numels", "lo", "hi")} for f in flats]}}
 
 
 def describe(info: dict) -> str:
@@ -115,6 +150,10 @@ def local_optimizer_state(pm, opt) -> dict[str, Any]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     if isinstance(opt, ZeroOptimizer):
         return {"state": opt.local_state(), "param_groups": groups}
+    if pm.zero is not None:                     # a plain optimizer over the ZeRO-3 pieces
+        flats = [(getattr(pm, u.attr), u.layout) for u in pm.zero.units]
+        return {"state": flat_state_by_name(opt.state, flats, pm.zero.gather_state),
+                "param_groups": groups}
     names = {id(p): n for n, p in _trainable(pm)}
     state = {}
     for p, st in opt.state.items():
@@ -135,6 +174,13 @@ def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
         group.update({k: v for k, v in saved.items() if k != "params"})
     if isinstance(opt, ZeroOptimizer):
         opt.load_local_state(local["state"])
+        return
+    if pm.zero is not None:
+        for u in pm.zero.units:
+            flat = getattr(pm, u.attr)
+            new = flat_state_piece(local["state"], u.layout, flat)
+            if new:
+                opt.state[flat] = new
         return
     params = dict(_trainable(pm))
     for name, st in local["state"].items():

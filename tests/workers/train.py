@@ -69,6 +69,10 @@ class Variant:
     no_sync: bool = True        # accumulate under pm.no_sync() (else reduce every micro-batch)
     clip: float | None = None
     bucket_mb: float = 25.0
+    offload: bool = False       # offload_optimizer
+    offload_params: bool = False
+    recompute: bool = False     # recompute every block
+    plain_opt: bool = False     # torch.optim.AdamW(pm.parameters()) instead of build_optimizer
 
 
 VARIANTS = [
@@ -79,6 +83,17 @@ VARIANTS = [
     Variant("zero", use_zero=True),
     Variant("zero+async+accum+clip", use_zero=True, use_async_reducer=True, accum=2, clip=0.3),
 ]
+# ZeRO stages 2 and 3, offload and recompute (--zero): on dp 1x4 and the hybrid tp 2x4
+ZERO_VARIANTS = [
+    Variant("zero2+clip", use_zero=2, clip=0.3),
+    Variant("zero3", use_zero=3),
+    Variant("zero3+plain AdamW", use_zero=3, plain_opt=True),
+    Variant("zero3+offload", use_zero=3, offload=True, offload_params=True),
+    Variant("zero2+offload_optimizer", use_zero=2, offload=True),
+    Variant("zero3+recompute+accum+clip", use_zero=3, recompute=True, accum=2, no_sync=False,
+            clip=0.3),
+]
+ZERO_PLANS = {4: [("dp", 1, 4), ("tp", 2, 4)], 2: [("dp", 1, 2)]}
 
 
 def global_batch(step: int, micro: int) -> dict[str, torch.Tensor]:
@@ -122,8 +137,12 @@ def reference(v: Variant, order: str = "as is"):
     return torch.tensor(losses), model.state_dict(), opt.state_dict(), clipped
 
 
-@functools.cache
 def references(v: Variant) -> list:
+    return _references(Variant("ref", accum=v.accum, clip=v.clip))
+
+
+@functools.cache
+def _references(v: Variant) -> list:
     """reference(v, order) for "as is" and each of ORDERS, each run on one rank and shared."""
     orders = ("as is",) + ORDERS
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -155,11 +174,18 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
     n_units = runtime // plan
     unit = dist.get_rank() // plan
     cfg = nncompile.ComputeConfig(plan, runtime, use_async_reducer=v.use_async_reducer,
-                                  reducer_bucket_cap_mb=v.bucket_mb, use_zero=v.use_zero)
+                                  reducer_bucket_cap_mb=v.bucket_mb, use_zero=v.use_zero,
+                                  offload_optimizer=v.offload, offload_params=v.offload_params,
+                                  pas_config={"recompute_modules": ["Block"]} if v.recompute
+                                  else {})
+    name = f"gpt_{policy}_{plan}x{runtime}" + (f"_z{int(v.use_zero)}" if v.use_zero else "") + \
+        ("_off" if v.offload_params else "") + ("_rc" if v.recompute else "")
     pm = nncompile.parallelize(models.build("gpt"), unit_batch(0, 0, 0, n_units), cfg,
-                               pas_policy=policy, gen_savedir=savedir,
-                               instance_name=f"gpt_{policy}_{plan}x{runtime}")
-    if v.use_zero:
+                               pas_policy=policy, gen_savedir=savedir, instance_name=name)
+    if v.use_zero == 3 or v.offload_params:
+        assert pm.zero is not None and all(n.startswith("zero_") for n, _ in
+                                           pm.named_parameters()), "ZeRO-3 stores flat pieces"
+    if v.use_zero and not v.plain_opt or v.offload:
         opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
     else:       # a plain optimizer over pm.parameters() needs no extra call
         opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -245,17 +271,24 @@ def check_fp32_reduce(savedir: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--savedir", default="./.nncompile/train")
-    ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS))
+    ap.add_argument("--variants", default=None)
+    ap.add_argument("--zero", action="store_true", help="the ZeRO-2/3, offload variants")
     args = ap.parse_args()
     nncompile.init_distributed("gloo", timeout_s=300)
     torch.manual_seed(0)
-    wanted = args.variants.split(",")
-    for policy, plan, runtime in PLANS[dist.get_world_size()]:
-        for v in VARIANTS:
+    variants = ZERO_VARIANTS if args.zero else VARIANTS
+    wanted = args.variants.split(",") if args.variants else [v.name for v in variants]
+    plans = (ZERO_PLANS if args.zero else PLANS)[dist.get_world_size()]
+    for policy, plan, runtime in plans:
+        for v in variants:
             if v.name in wanted:
                 line = check(policy, plan, runtime, v, args.savedir)
                 if dist.get_rank() == 0:
                     print(line, flush=True)
+    if args.zero:
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     line = check_fp32_reduce(args.savedir)
     if dist.get_rank() == 0:
         print(line, flush=True)

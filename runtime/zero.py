@@ -1,0 +1,329 @@
+"""ZeRO-3: parameters stored as flat shards over the data-parallel ranks, gathered per layer.
+
+The generated file lists ZERO_UNITS: one flat parameter per layer unit (a block of a
+ModuleList such as `transformer.h.3`, else a top-level module), holding that unit's local
+parameters (their plan-unit shards) flattened, padded to a multiple of the ZeRO group size Z,
+and cut into Z equal pieces. A rank stores only its piece:
+
+    before (ZeRO-1/2):  self.h_0_attn_w   [D, 3D]            every data-parallel rank: all of it
+    after  (ZeRO-3):    self.zero_h_0     [ceil(numel / Z)]  rank k: elements [k*c, (k+1)*c)
+
+and the forward gathers a unit right before its first use, issues the next unit's gather
+asynchronously (prefetch), and drops the full tensor after the unit's last use:
+
+    comm.zero_prefetch(self.zero_h_1, group=ZERO)            # starts while h.0 computes
+    h_0_attn_w, h_0_attn_b = comm.zero_gather(self.zero_h_0, group=ZERO)
+    ...                                                      # the unit's ops
+    del h_0_attn_w, h_0_attn_b                               # its full copy is freed
+
+Backward needs some of those weights again (a matmul saves its weight). Saved-tensor hooks
+(`ZeroRuntime.pack/unpack`) save a reference into the unit instead of the tensor, and the
+first unpack in backward gathers the unit again (the gather is recomputed, not saved); the
+gather's backward reduces the unit's gradient over the ranks `nncompile.mesh.grad_reduction`
+names and keeps this rank's piece (a reduce-scatter; gloo: all-reduce and slice), so
+`.grad` of the flat parameter is a shard too. With offload_params the shards and their
+gradients live in host memory and each gather first copies the piece to the device.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from nncompile.mesh import DP, Mesh, grad_reduction
+
+from .groups import get_zero_group, group_along
+
+
+class FlatLayout:
+    """Tensors of `numels` elements flattened into one vector, cut into `size` equal pieces
+    of `chunk` elements; piece `rank` holds elements [lo, hi) (the end is padding)."""
+
+    def __init__(self, names: list[str], shapes: list[tuple], rank: int, size: int):
+        self.names, self.shapes = list(names), [tuple(s) for s in shapes]
+        self.numels = [int(torch.Size(s).numel()) for s in self.shapes]
+        self.total = sum(self.numels)
+        self.size = size
+        self.chunk = max(1, -(-self.total // size))
+        self.lo = min(rank * self.chunk, self.total)
+        self.hi = min(self.lo + self.chunk, self.total)
+
+    def owned(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Elements [lo, hi) of the flattened `tensors`, copying only the overlapping ones."""
+        pieces, offset = [], 0
+        for t, n in zip(tensors, self.numels):
+            a, b = max(self.lo, offset), min(self.hi, offset + n)
+            if a < b:
+                pieces.append(t.reshape(-1)[a - offset:b - offset])
+            offset += n
+        if not pieces:
+            return tensors[0].new_zeros(0)
+        return torch.cat(pieces)
+
+    def padded(self, local: torch.Tensor) -> torch.Tensor:
+        """A piece of hi - lo elements as `chunk` elements (zeros after)."""
+        if local.numel() == self.chunk:
+            return local
+        out = local.new_zeros(self.chunk)
+        out[:local.numel()] = local
+        return out
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the full flat vector shaped like the tensors."""
+        return [t.view(s) for t, s in zip(flat[:self.total].split(self.numels), self.shapes)]
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(index, start, stop) within each tensor of the elements this piece owns."""
+        out, offset = [], 0
+        for i, n in enumerate(self.numels):
+            a, b = max(self.lo, offset), min(self.hi, offset + n)
+            if a < b:
+                out.append((i, a - offset, b - offset))
+            offset += n
+        return out
+
+
+def all_gather_flat(local: torch.Tensor, size: int, group, async_op: bool = False):
+    """Equal pieces of every rank of `group` concatenated: (full, work or None)."""
+    full = torch.empty(local.numel() * size, dtype=local.dtype, device=local.device)
+    if group is None:
+        full.copy_(local)
+        return full, None
+    work = dist.all_gather_into_tensor(full, local.contiguous(), group=group, async_op=async_op)
+    return full, work
+
+
+@dataclass
+class Unit:
+    """One flat parameter of ZERO_UNITS."""
+    attr: str
+    path: str
+    layout: FlatLayout
+    trainable: bool
+    reduce_group: object = None       # where the full gradient is summed (None: nowhere)
+    scale: float = 1.0
+    pending: tuple | None = None      # a prefetch in flight: (full, work)
+    again: torch.Tensor | None = None  # the unit gathered again in backward
+    live: dict = field(default_factory=dict)
+
+
+class _Saved:
+    """What a saved gathered weight becomes: where it sits in its unit's full tensor."""
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit, t):
+        self.unit, self.offset, self.size, self.stride = unit, t.storage_offset(), t.size(), \
+            t.stride()
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, flat, zero, unit):
+        ctx.zero, ctx.unit = zero, unit
+        return zero.full(unit)
+
+    @staticmethod
+    def backward(ctx, g):
+        unit = ctx.unit
+        unit.again = None             # the unit's backward is done: drop its second gather
+        return ctx.zero.reduce_grad(unit, g), None, None
+
+
+class ZeroRuntime:
+    """The ZeRO-3 units of one ParallelModule and the collectives on them."""
+
+    def __init__(self, pm, units: list[tuple], offload_params: bool, ngroups: int):
+        self.pm = pm
+        self.group, ranks = get_zero_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, ngroups)
+        self.size = len(ranks)
+        self.rank = ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+        self.device = pm.device
+        self.host = torch.device("cpu") if offload_params else pm.device
+        self.offload = offload_params
+        self.same_group = ngroups == 1
+        mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS)
+        self.mesh = mesh
+        rows = {row.name: row for row in _param_rows(pm)}
+        partial = pm._partial_grad
+        self.units: list[Unit] = []
+        self.by_attr: dict[str, Unit] = {}
+        for attr, path, names in units:
+            shapes = [rows[n].local_shape for n in names]
+            trainable = not pm.INFERENCE_ONLY and names[0] not in pm.FROZEN
+            u = Unit(attr, path, FlatLayout(names, shapes, self.rank, self.size), trainable)
+            red = grad_reduction(mesh, names[0] in partial, trainable) \
+                if dist.is_initialized() else None
+            if red is not None:
+                u.reduce_group = ("dims", red.dims)
+                u.scale = red.scale
+            self.units.append(u)
+            self.by_attr[attr] = u
+        self._backward_queued = False
+
+    # ---- building and reading the shards ---------------------------------------------------
+    def shard_of(self, unit: Unit, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's padded piece of the unit's local tensors, in host or device memory."""
+        piece = unit.layout.padded(unit.layout.owned([t.detach() for t in tensors]))
+        out = piece.to(self.host, copy=True)
+        if self.offload and out.device.type == "cpu" and torch.cuda.is_available():
+            out = out.pin_memory()
+        return out
+
+    def flat(self, unit: Unit) -> torch.nn.Parameter:
+        return getattr(self.pm, unit.attr)
+
+    def gather_now(self, unit: Unit, source: torch.Tensor | None = None) -> torch.Tensor:
+        """The full flat tensor of a unit (a collective), on the device; `source` instead of
+        the parameter (e.g. its gradient or an optimizer state piece)."""
+        local = (self.flat(unit) if source is None else source).detach()
+        local = local.to(self.device, non_blocking=True)
+        full, _ = all_gather_flat(unit.layout.padded(local), self.size, self.group)
+        return full
+
+    def gather_state(self, layout: FlatLayout, piece: torch.Tensor) -> torch.Tensor:
+        """The full flat vector of an optimizer state piece (a collective)."""
+        local = layout.padded(piece.reshape(-1).to(self.device))
+        return all_gather_flat(local, self.size, self.group)[0]
+
+    def local_tensors(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        """{local name: full local tensor} (every rank of the ZeRO group calls this)."""
+        out: dict[str, torch.Tensor | None] = {}
+        for unit in self.units:
+            flat = self.flat(unit)
+            if grads and (not unit.trainable):
+                out.update({n: None for n in unit.layout.names})
+                continue
+            src = (flat.grad if flat.grad is not None else torch.zeros_like(flat)) if grads \
+                else flat
+            full = self.gather_now(unit, src)
+            for name, t in zip(unit.layout.names, unit.layout.unflatten(full)):
+                out[name] = t.clone()
+        return out
+
+    @torch.no_grad()
+    def load_local_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Write full local tensors (every unit's, or only those given) into the shards."""
+        for unit in self.units:
+            if not any(n in tensors for n in unit.layout.names):
+                continue
+            missing = [n for n in unit.layout.names if n not in tensors]
+            if missing:
+                current = self.local_tensors_of(unit)
+                tensors = {**current, **tensors}
+            flat = self.flat(unit)
+            flat.copy_(self.shard_of(unit, [tensors[n].to(self.device)
+                                            for n in unit.layout.names]))
+
+    def local_tensors_of(self, unit: Unit) -> dict[str, torch.Tensor]:
+        full = self.gather_now(unit)
+        return dict(zip(unit.layout.names, (t.clone() for t in unit.layout.unflatten(full))))
+
+    # ---- forward: gather, prefetch ------------------------------------------------------------
+    def start(self, unit: Unit) -> None:
+        """Issue the unit's gather without waiting (prefetch)."""
+        if unit.pending is None:
+            local = self.flat(unit).detach().to(self.device, non_blocking=True)
+            unit.pending = all_gather_flat(local, self.size, self.group, async_op=True)
+
+    def full(self, unit: Unit) -> torch.Tensor:
+        """The unit's full flat tensor: a prefetched one waited for, or gathered now."""
+        if unit.pending is None:
+            self.start(unit)
+        full, work = unit.pending
+        unit.pending = None
+        if work is not None:
+            work.wait()
+        unit.live[full.untyped_storage().data_ptr()] = weakref.ref(full)
+        return full
+
+    def reset(self) -> None:
+        """Forget prefetches and backward gathers left by a step that raised."""
+        for unit in self.units:
+            if unit.pending is not None and unit.pending[1] is not None:
+                unit.pending[1].wait()
+            unit.pending, unit.again = None, None
+            unit.live.clear()
+
+    # ---- saved tensors: a gathered weight is saved as a reference ---------------------------
+    def pack(self, t: torch.Tensor):
+        if t.device != self.device or t.layout != torch.strided:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        for unit in self.units:
+            ref = unit.live.get(ptr)
+            if ref is None:
+                continue
+            full = ref()
+            if full is None or full.untyped_storage().data_ptr() != ptr:
+                del unit.live[ptr]
+                continue
+            return _Saved(unit, t)
+        return t
+
+    def unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        unit = saved.unit
+        if unit.again is None:
+            unit.again = self.gather_now(unit)
+            if not self._backward_queued:
+                self._backward_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        return unit.again.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _end_backward(self) -> None:
+        for unit in self.units:
+            unit.again = None
+        self._backward_queued = False
+
+    # ---- backward: the gradient's piece ----------------------------------------------------------
+    def reduce_grad(self, unit: Unit, g: torch.Tensor) -> torch.Tensor | None:
+        if g is None or not unit.trainable:
+            return None
+        g = g.contiguous()
+        layout = unit.layout
+        if unit.reduce_group is not None:
+            dims = unit.reduce_group[1]
+            group = group_along(dims, self.pm.PLAN_NGPUS, self.pm.RUNTIME_NGPUS)
+            if dims == (DP,) and self.same_group and self.group is not None and \
+                    dist.get_backend(self.group) != "gloo":
+                piece = torch.empty(layout.chunk, dtype=g.dtype, device=g.device)
+                dist.reduce_scatter_tensor(piece, g, group=self.group)
+            else:
+                if group is not None:
+                    g = g.clone()
+                    dist.all_reduce(g, group=group)
+                piece = g[self.rank * layout.chunk:(self.rank + 1) * layout.chunk]
+            if unit.scale != 1.0:
+                piece = piece * unit.scale
+        else:
+            piece = g[self.rank * layout.chunk:(self.rank + 1) * layout.chunk]
+        return piece.to(self.host, copy=True) if self.offload else piece.clone()
+
+    # ---- gradient pieces for clipping ------------------------------------------------------
+    def grad_pieces(self):
+        """(gradient piece, sharded over the plan unit) for every trainable unit."""
+        rows = {row.name: row for row in _param_rows(self.pm)}
+        for unit in self.units:
+            g = self.flat(unit).grad
+            if unit.trainable and g is not None:
+                yield g, rows[unit.layout.names[0]].sharded
+
+
+def gather(flat: torch.nn.Parameter, *, group: ZeroRuntime) -> tuple[torch.Tensor, ...]:
+    """comm.zero_gather: the unit's local parameters, gathered (views of one full tensor)."""
+    unit = group.by_attr[flat._zero_attr]
+    full = _Gather.apply(flat, group, unit)
+    return tuple(unit.layout.unflatten(full))
+
+
+def prefetch(flat: torch.nn.Parameter, *, group: ZeroRuntime) -> None:
+    """comm.zero_prefetch: start the unit's gather now; zero_gather waits for it."""
+    group.start(group.by_attr[flat._zero_attr])
+
+
+def _param_rows(pm):
+    from .rows import param_rows
+    return param_rows(pm)
