@@ -39,6 +39,18 @@ def test_dcp_loads_under_other_plans_and_world_size(saved):
         assert what in out, out[-3000:]
 
 
+def test_zero3_checkpoints_every_format_and_across_stages(saved):
+    """ZeRO-3 on the hybrid tp 2x4 loads a tp 2x2 dcp checkpoint; its sharded, deduped and dcp
+    checkpoints resume equal to uninterrupted training; its merged file and its dcp checkpoint
+    load under ZeRO-1 and ZeRO-2 dp 1x4."""
+    out = torchrun(WORKER, 4, "--phase", "zero3", "--dir", str(saved))
+    for what in ("dcp tp 2x2 -> tp 2x4 zero3", "zero3 tp 2x4 vs uninterrupted",
+                 "zero3 sharded resume", "zero3 deduped resume", "zero3 dcp resume",
+                 "z3_merged.pt (zero3 tp 2x4) -> dp 1x4 zero1",
+                 "z3_dcp (zero3 tp 2x4) -> dp 1x4 zero1", "z3_dcp (zero3 tp 2x4) -> dp 1x4 zero2"):
+        assert f"ok {what}" in out, out[-3000:]
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

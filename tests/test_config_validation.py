@@ -17,7 +17,7 @@ def _compile(tmp_path, config=None, **kw):
                                  load_module=False, **kw)
 
 
-@pytest.mark.parametrize("field", ["use_zero", "inference_only", "constant_folding",
+@pytest.mark.parametrize("field", ["inference_only", "constant_folding", "offload_params",
                                    "use_async_reducer", "reduce_in_fp32", "check"])
 def test_bool_fields_must_be_bools(field):
     with pytest.raises(nncompile.ConfigError) as e:
@@ -26,10 +26,35 @@ def test_bool_fields_must_be_bools(field):
     assert f"{field}='no'" in msg and "must be a bool" in msg and "(True, False)" in msg
 
 
-def test_use_zero_takes_no_int_level():
-    with pytest.raises(nncompile.ConfigError, match="use_zero=1; .*only bools"):
-        ComputeConfig(1, use_zero=1)
-    assert ComputeConfig(1, use_zero=True).use_zero is True
+def test_use_zero_is_a_stage():
+    for value, stage in ((True, 1), (False, 0), (0, 0), (1, 1), (2, 2), (3, 3),
+                         ("auto", "auto")):
+        assert ComputeConfig(1, use_zero=value).zero_stage == stage
+    for bad in (4, -1, 1.0, "3", "yes", None):
+        with pytest.raises(nncompile.ConfigError, match=r"use_zero=.*one of 0, 1, 2, 3"):
+            ComputeConfig(1, use_zero=bad)
+
+
+def test_offload_fields():
+    with pytest.raises(nncompile.ConfigError, match="offload_params=True .* use_zero=3"):
+        ComputeConfig(1, use_zero=2, offload_params=True)
+    with pytest.raises(nncompile.ConfigError, match="offload_optimizer='yes'"):
+        ComputeConfig(1, offload_optimizer="yes")
+    with pytest.raises(nncompile.ConfigError, match="inference_only"):
+        ComputeConfig(1, inference_only=True, use_zero=3)
+    assert ComputeConfig(1, use_zero=3, offload_params=True).offload_params
+
+
+def test_zero3_shapes_the_code_other_stages_do_not():
+    """ZeRO-3 and 'auto' enter the plan fingerprint; stages 0-2 and offload_optimizer are
+    runtime choices (changing them reuses the generated code)."""
+    base = ComputeConfig(1, 2).plan_json()
+    for runtime_only in (dict(use_zero=1), dict(use_zero=2), dict(offload_optimizer=True)):
+        assert ComputeConfig(1, 2, **runtime_only).plan_json() == base
+    assert ComputeConfig(1, 2, use_zero=3).plan_json()["memory"]["use_zero"] == 3
+    assert ComputeConfig(1, 2, use_zero=3).diff(ComputeConfig(1, 2).to_json()) == \
+        ["memory: None -> {'use_zero': 3, 'zero_ngroups': 1, 'offload_optimizer': False, "
+         "'offload_params': False}"]
 
 
 @pytest.mark.parametrize("field", ["pas_config", "user_config"])

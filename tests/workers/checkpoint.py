@@ -7,6 +7,8 @@ uninterrupted training. Phases (each a fresh set of processes):
               another plan, which must fail clearly) and train steps 10..19
     reshard   4 ranks: load the 2-rank dcp checkpoint under `data` plan 2 and `dp` plan 1 with
               ZeRO, and `tp` plan 2; then a ZeRO sharded/deduped round trip
+    zero3     4 ranks, ZeRO-3 tp 2x4: load that dcp checkpoint, save and resume every format,
+              and load ZeRO-3's merged / dcp checkpoints under ZeRO-1/2 dp 1x4
     crash     like save, a checkpoint every 3 steps; rank 1 is SIGKILLed when saving step 9
               (or, with --hang, stops responding in the middle of training: SIGSTOP)
     recover   load the last complete checkpoint after the crash and train to step 12
@@ -38,9 +40,9 @@ FORMATS = ("sharded", "deduped", "dcp")
 def build(policy: str, plan: int, savedir: str, use_zero: bool = False):
     runtime = dist.get_world_size()
     cfg = nncompile.ComputeConfig(plan, runtime, use_zero=use_zero)
+    name = f"gpt_{policy}_{plan}x{runtime}" + ("_z3" if use_zero == 3 else "")
     pm = nncompile.parallelize(models.build("gpt"), unit_batch(0, 0, 0, runtime // plan), cfg,
-                               pas_policy=policy, gen_savedir=savedir,
-                               instance_name=f"gpt_{policy}_{plan}x{runtime}")
+                               pas_policy=policy, gen_savedir=savedir, instance_name=name)
     return pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
@@ -126,6 +128,30 @@ def phase_reshard(d: Path, savedir: str) -> None:
     same(rest, want[3:], "zero dp 1x4 vs uninterrupted")
 
 
+def phase_zero3(d: Path, savedir: str) -> None:
+    """4 ranks, ZeRO-3 on the hybrid tp 2x4: load the 2-rank dcp checkpoint, save every format
+    under ZeRO-3, resume each (and the merged file, and the dcp one under ZeRO-1/2 dp 1x4)."""
+    want = json.loads((d / "losses.json").read_text())[STEPS // 2:]
+    pm, opt = build("tp", 2, savedir, use_zero=3)
+    nncompile.load_checkpoint(d / "dcp", pm, opt)
+    same(run(pm, opt, STEPS // 2, STEPS // 2 + 3), want[:3], "dcp tp 2x2 -> tp 2x4 zero3")
+    for fmt in FORMATS:
+        nncompile.save_checkpoint(d / f"z3_{fmt}", pm, opt, format=fmt, extra={"step": 13})
+    rest = run(pm, opt, STEPS // 2 + 3, STEPS)
+    same(rest, want[3:], "zero3 tp 2x4 vs uninterrupted")
+    for fmt in FORMATS:
+        pm2, opt2 = build("tp", 2, savedir, use_zero=3)
+        assert nncompile.load_checkpoint(d / f"z3_{fmt}", pm2, opt2) == {"step": 13}
+        same(run(pm2, opt2, 13, STEPS), rest, f"zero3 {fmt} resume tp 2x4")
+    if dist.get_rank() == 0:
+        nncompile.merge_checkpoint([d / "z3_sharded"], d / "z3_merged.pt")
+    dist.barrier()
+    for src, zero in (("z3_merged.pt", 1), ("z3_dcp", 1), ("z3_dcp", 2)):
+        pm2, opt2 = build("dp", 1, savedir, use_zero=zero)
+        nncompile.load_checkpoint(d / src, pm2, opt2)
+        same(run(pm2, opt2, 13, STEPS), rest, f"{src} (zero3 tp 2x4) -> dp 1x4 zero{zero}")
+
+
 def phase_crash(d: Path, savedir: str, die_at: int, hang: bool = False) -> None:
     pm, opt = build("tp", 2, savedir)
 
@@ -162,7 +188,7 @@ def phase_recover(d: Path, savedir: str, die_at: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", required=True,
-                    choices=["save", "resume", "reshard", "crash", "recover"])
+                    choices=["save", "resume", "reshard", "zero3", "crash", "recover"])
     ap.add_argument("--dir", required=True)
     ap.add_argument("--savedir", default=None)
     ap.add_argument("--die-at", type=int, default=9)

@@ -85,6 +85,7 @@ VARIANTS = [
 ]
 # ZeRO stages 2 and 3, offload and recompute (--zero): on dp 1x4 and the hybrid tp 2x4
 ZERO_VARIANTS = [
+    Variant("zero1", use_zero=1),
     Variant("zero2+clip", use_zero=2, clip=0.3),
     Variant("zero3", use_zero=3),
     Variant("zero3+plain AdamW", use_zero=3, plain_opt=True),
@@ -206,11 +207,48 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
                 f"async reducer overlapped {reducer.overlapped} of {len(reducer.buckets)} buckets"
         if v.clip is not None:
             nncompile.clip_grad_norm_(pm, v.clip)
+        grad_bytes = sum(_nbytes(g) for g in _grads(pm, opt))
         opt.step()
+        if step == STEPS - 1:
+            pm.persistent = persistent_bytes(pm, opt, grad_bytes)
         opt.zero_grad()
         dist.all_reduce(total)                  # each unit's loss counted `plan` times
         losses.append(float(total) / runtime)
     return pm, opt, losses
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+
+
+def _grads(pm, opt) -> list:
+    """The gradients a rank holds between backward and the step (ZeRO-2: its pieces)."""
+    out = [p.grad for p in pm.parameters() if p.grad is not None]
+    return out + [s.grad for s in getattr(opt, "shards", []) if s.grad is not None]
+
+
+def persistent_bytes(pm, opt, grad_bytes: int) -> dict[str, int]:
+    """Device bytes of parameters, gradients and optimizer state on this rank, counted from
+    the tensors (optimizer state: its state tensors and the flat pieces it steps when they are
+    copies); offloaded (host) bytes apart."""
+    host = torch.device("cpu") if pm.memory.offload_optimizer else None
+    params = sum(_nbytes(p) for p in pm.parameters())
+    state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
+    state += [s.param for s in getattr(opt, "shards", []) if s.param is not s.flat]
+    offloaded = sum(_nbytes(t) for t in state) if host is not None else 0
+    if pm.memory.offload_params:
+        offloaded += params + grad_bytes
+        params = grad_bytes = 0
+    optimizer = 0 if host is not None else sum(_nbytes(t) for t in state)
+    return {"params": params, "grads": grad_bytes, "optimizer": optimizer,
+            "total": params + grad_bytes + optimizer, "host": offloaded}
+
+
+def single_device_bytes() -> int:
+    """Parameters + gradients + AdamW state of the model on one device."""
+    model = models.build("gpt")
+    numel = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 4 * numel + 4 * len(list(model.parameters()))        # + AdamW's step counters
 
 
 def check(policy: str, plan: int, runtime: int, v: Variant, savedir: str) -> str:
@@ -240,7 +278,23 @@ def check(policy: str, plan: int, runtime: int, v: Variant, savedir: str) -> str
     fresh = models.build("gpt", seed=1)
     fresh.load_state_dict(model_sd)
     torch.optim.AdamW(fresh.parameters(), lr=LR).load_state_dict(opt_sd)
-    return f"ok train {what}: final loss {losses[-1]:.5f}"
+    line = f"ok train {what}: final loss {losses[-1]:.5f}"
+    if args_zero[0]:
+        mine = pm.persistent
+        totals = [None] * dist.get_world_size()
+        dist.all_gather_object(totals, mine["total"])
+        ratio = max(totals) / single_device_bytes()
+        line += (f"; persistent bytes per rank {max(totals)} (params {mine['params']}, grads "
+                 f"{mine['grads']}, optimizer {mine['optimizer']}, host {mine['host']}) = "
+                 f"{ratio:.3f} of one device")
+        if v.use_zero == 3 and policy == "dp" and runtime == 4 and not v.offload_params:
+            assert ratio <= 0.27, f"{what}: ZeRO-3 at dp 4 keeps {ratio:.3f} of one device"
+        if v.offload_params:
+            assert mine["total"] == 0 and mine["host"] > 0, mine
+    return line
+
+
+args_zero = [False]
 
 
 def check_fp32_reduce(savedir: str) -> str:
@@ -277,6 +331,7 @@ def main() -> None:
     nncompile.init_distributed("gloo", timeout_s=300)
     torch.manual_seed(0)
     variants = ZERO_VARIANTS if args.zero else VARIANTS
+    args_zero[0] = args.zero
     wanted = args.variants.split(",") if args.variants else [v.name for v in variants]
     plans = (ZERO_PLANS if args.zero else PLANS)[dist.get_world_size()]
     for policy, plan, runtime in plans:
