@@ -96,17 +96,18 @@ def zero_forward_body(g: Graph, units, indent: str, local_n: int) -> list[str]:
                 f"data-parallel ranks",
                 f"{ind}{names} = comm.zero_gather(self.{attr}, group=ZERO)"]
 
-    def prefetch(u: int | None) -> list[str]:
+    def prefetch(u: int | None, why: str = "its gather runs while this one computes"
+                 ) -> list[str]:
         if u is None:
             return []
         return [f"{indent}comm.zero_prefetch(self.{units[u][0]}, group=ZERO)  # next unit "
-                f"{units[u][1]}: its gather runs while this one computes"]
+                f"{units[u][1]}: {why}"]
 
     def free(u: int) -> list[str]:
         return [f"{indent}del {', '.join(v.name for v in units[u][2])}  # ZeRO-3: unit "
                 f"{units[u][1]} is freed (gathered again in backward)"]
 
-    lines = prefetch(order[0]) if order else []
+    lines = prefetch(order[0], "the first gather starts now") if order else []
     starts = {}
     for u in order:
         starts.setdefault(first[u], []).append(u)

@@ -1,0 +1,108 @@
+"""ZeRO-3 in one process: the generated per-unit lines, gathered weights not kept for backward,
+parity with the original module (with recompute too), and the config checks. Multi-rank
+parity for every stage is in test_training.py (tests/workers/train.py --zero) and the
+checkpoints in test_checkpoint.py."""
+import gc
+
+import pytest
+import torch
+
+import models
+import nncompile
+from nncompile import ComputeConfig
+
+
+def compile_gpt(tmp_path, name="z3", **kw):
+    return nncompile.parallelize(models.build("gpt"), models.batch("gpt", 0),
+                                 ComputeConfig(1, 1, use_zero=3, **kw), pas_policy="dp",
+                                 gen_savedir=tmp_path, instance_name=name)
+
+
+def test_generated_code_gathers_prefetches_and_frees_per_unit(tmp_path):
+    pm = compile_gpt(tmp_path)
+    code = (tmp_path / "z3" / "gencode0.py").read_text()
+    units = [u.path for u in pm.zero.units]
+    assert units == ["wte", "wpe", "h.0", "h.1", "ln_f"], units
+    assert [n for n, _ in pm.named_parameters()] == [f"zero_{u.replace('.', '_')}"
+                                                     for u in units]
+    lines = code.splitlines()
+    gathers = [i for i, ln in enumerate(lines) if "comm.zero_gather(self.zero_" in ln]
+    prefetches = [i for i, ln in enumerate(lines) if "comm.zero_prefetch(self.zero_" in ln]
+    frees = [ln for ln in lines if ln.strip().startswith("del ") and "ZeRO-3" in ln]
+    assert len(gathers) == len(units) and len(prefetches) == len(units)
+    # unit k+1's gather is issued right after unit k's gather, before unit k computes
+    for g, p in zip(gathers, prefetches[1:]):
+        assert p == g + 1, (lines[g], lines[p])
+    # every unit is freed after its last use; the tied embedding only after lm_head's matmul
+    assert len(frees) == len(units)
+    assert "del wte_weight" in frees[-1]
+    i_h0 = next(i for i in gathers if "zero_h_0" in lines[i])
+    i_free_h0 = next(i for i, ln in enumerate(lines) if ln.strip().startswith("del h0_"))
+    i_h1 = next(i for i in gathers if "zero_h_1" in lines[i])
+    assert i_h0 < i_free_h0 < i_h1, "h.0 is freed before h.1 is gathered"
+
+
+def test_backward_does_not_keep_the_gathered_weights(tmp_path):
+    """After forward no gathered unit is alive (autograd saved references, not tensors);
+    backward gathers them again. Without the saved-tensor hooks they stay alive."""
+    pm = compile_gpt(tmp_path)
+    batch = models.batch("gpt", 0)
+
+    def alive():
+        gc.collect()
+        return sum(r() is not None for u in pm.zero.units for r in u.live.values())
+    loss = pm(**batch)
+    assert alive() == 0
+    loss.backward()
+    assert all(u.again is None for u in pm.zero.units)       # backward's copies dropped
+    pm.zero.pack = lambda t: t                                # hooks off: weights are kept
+    loss = pm(**batch)
+    assert alive() >= 4
+    loss.backward()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_one_rank_parity_and_plain_adamw(tmp_path, recompute):
+    ref = models.build("gpt")
+    pm = compile_gpt(tmp_path, name=f"z3rc{int(recompute)}",
+                     pas_config={"recompute_modules": ["Block"]} if recompute else {})
+    if recompute:
+        code = (tmp_path / "z3rc1" / "gencode0.py").read_text()
+        # the block's unit is gathered inside its checkpointed function (gathered again when
+        # backward recomputes it)
+        inner = code.split("def recompute_h_0(")[1].split("checkpoint(")[0]
+        assert "comm.zero_gather(self.zero_h_0" in inner
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)         # over the flat pieces
+    for step in range(3):
+        batch = models.batch("gpt", step)
+        want = ref(**batch)
+        want.backward()
+        got = pm(**batch)
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        grads = pm.gather_grads()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    full = pm.gather_params()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), rtol=1e-5, atol=1e-6)
+    sd = pm.state_dict()                                      # local names, as without ZeRO
+    assert not any(k.startswith("zero_") for k in sd) and "h0_mlp_fc_weight" in sd
+
+
+def test_auto_needs_autodist_and_zero3_needs_its_code(tmp_path):
+    with pytest.raises(nncompile.ConfigError, match="autodist"):
+        nncompile.parallelize(models.build("gpt"), models.batch("gpt", 0),
+                              ComputeConfig(1, 1, use_zero="auto"), pas_policy="dp",
+                              gen_savedir=tmp_path, instance_name="auto")
+    pm = nncompile.parallelize(models.build("gpt"), models.batch("gpt", 0),
+                               ComputeConfig(1, 1, use_zero=1), pas_policy="dp",
+                               gen_savedir=tmp_path, instance_name="z1")
+    with pytest.raises(nncompile.ConfigError, match="parallelize again|regenerate"):
+        type(pm)(models.build("gpt"), compute_config=ComputeConfig(1, 1, use_zero=3))
