@@ -7,6 +7,10 @@ Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/c
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
 after each pass, records `(name, graph, ms)`, runs `verify` between passes when asked, and
 names the failing pass and the ones before it.
+
+"auto" memory options (use_zero, offload_optimizer, pas_config recompute_modules) are chosen
+by autodist in the plan pass (graph.plan_state.memory; recompute reads its choice); under any
+other policy build_pipeline refuses them with a ConfigError.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from nncompile.errors import NNCompileError
+from nncompile.errors import ConfigError, NNCompileError
 from nncompile.ir import Graph, verify
 
 from .constant_fold import constant_fold
@@ -23,14 +27,29 @@ from .dce import dce
 from .insert_comm import insert_comm
 from .localize import localize
 from .plan import Plan
-from .recompute import Recompute
-from .policies import get_policy
+from .recompute import AUTO, Recompute
+from .policies import POLICIES, get_policy
+from .autodist import auto_fields
 
 Pass = Callable[[Graph], Graph]
 
 
+def check_auto_memory(config: Any, policy: Callable) -> None:
+    """"auto" memory options (use_zero, offload_optimizer, recompute_modules) are chosen by
+    autodist with the plan: ConfigError under any other policy."""
+    auto = auto_fields(config)
+    if auto and policy is not POLICIES["autodist"]:
+        name = getattr(policy, "__name__", repr(policy))
+        raise ConfigError(
+            f"{', '.join(f'{a}={AUTO!r}' for a in auto)}: 'auto' memory options are chosen by "
+            f"autodist together with the plan, but the policy is {name!r}; pass "
+            "pas_policy='autodist' or a concrete value (use_zero 0-3, offload_optimizer "
+            "True/False, pas_config['recompute_modules'] a list of module names or globs)")
+
+
 def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
     """The passes, in order, one per line."""
+    check_auto_memory(config, policy)
     return [p for p in [
         constant_fold if config.constant_folding else None,
         dce,
@@ -93,5 +112,5 @@ def _stages(stages) -> str:
     return ", ".join(f"{s.name} ({s.value})" for s in stages)
 
 
-__all__ = ["build_pipeline", "run_pipeline", "constant_fold", "dce", "Plan", "insert_comm",
+__all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce", "Plan", "insert_comm",
            "localize", "Recompute", "get_policy", "PassError", "PipelineResult", "contract"]

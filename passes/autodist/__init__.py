@@ -1,7 +1,14 @@
 """autodist: the default policy. Plans by solving an ILP over a cost model, without a GPU.
 
     profile (profiles.py) -> cost model (cost_model.py) -> decision problem (problem.py)
-        -> ILP (ilp.py) -> placements on the graph -> explanation data (report.py)
+        -> per memory option (memory_model.py, memory_search.py) -> ILP (ilp.py)
+        -> placements on the graph -> explanation data (report.py)
+
+Memory options: with ComputeConfig(use_zero="auto") (a ZeRO stage 0-3),
+offload_optimizer="auto" and/or pas_config recompute_modules="auto", autodist also picks those,
+the fastest combination whose plan fits mem_limit_gb (memory_search.py, formulas in
+memory_model.py); explicit values are kept and counted. The result is graph.plan_state.memory
+and plan.json's autodist["memory"] (choice, bytes per rank by kind, host bytes, candidates).
 
 pas_config keys:
     device               built-in profile name ('cpu', 'a100-80g', 'h100-80g', 'h200') or a
@@ -12,7 +19,9 @@ pas_config keys:
     optimizer_state_bytes  bytes of optimizer state per parameter element (overrides optimizer)
     solver_time_limit    seconds (default 60)
     constraints          pinned partitions, see constraints.py
-    recompute_modules    module classes or path globs to checkpoint (counted in memory)
+    recompute_modules    module classes or path globs to checkpoint (counted in memory), or
+                         "auto": none or every block of the repeated ModuleLists, chosen
+                         with the plan
     save_plan_path / load_plan_path   write the chosen plan / reuse a saved one (skips the ILP)
 """
 from __future__ import annotations
@@ -26,9 +35,10 @@ from nncompile.log import log as _log
 
 from .constraints import parse_constraints
 from .cost_model import OPTIMIZER_STATE_BYTES, CostModel
-from .ilp import PlanInfeasibleError, Solution, leanest_memory, objective_of, replicated_memory, \
-    solve
-from .plan_file import load_plan, save_plan
+from .ilp import PlanInfeasibleError, leanest_memory, objective_of, replicated_memory
+from .memory_model import MemoryModel
+from .memory_search import AUTO, auto_fields, label, memory_report, search
+from .plan_file import load_plan, loaded_memory, save_plan
 from .problem import Problem, build_problem
 from .profiles import BUILTIN, DeviceProfile, cpu_fallback_note, get_profile, measure_profile, \
     save_profile
@@ -48,8 +58,10 @@ def cost_model(config) -> CostModel:
                      training=not config.inference_only, optimizer_state_bytes=state)
 
 
-def plan_problem(graph: Graph, config) -> tuple[Graph, Problem]:
-    """The graph to place (a copy) and its decision problem."""
+def plan_problem(graph: Graph, config, recompute: list[str] | None = None
+                 ) -> tuple[Graph, Problem]:
+    """The graph to place (a copy) and its decision problem; `recompute`: the modules to
+    recompute (default: pas_config's, none for "auto")."""
     pc = config.pas_config
     unknown = set(pc) - KEYS
     if unknown:
@@ -57,8 +69,11 @@ def plan_problem(graph: Graph, config) -> tuple[Graph, Problem]:
                           f"known: {sorted(KEYS)}")
     g = graph.clone()
     g.plan_ngpus = config.plan_ngpus
+    if recompute is None:
+        rc = pc.get("recompute_modules")
+        recompute = [] if rc == AUTO else list(rc or [])
     prob = build_problem(g, cost_model(config), parse_constraints(pc.get("constraints")),
-                         list(pc.get("recompute_modules") or []))
+                         recompute)
     return g, prob
 
 
@@ -74,32 +89,41 @@ def autodist(graph: Graph, config) -> Graph:
     pc = config.pas_config
     if pc.get("load_plan_path"):
         g = load_plan(graph, pc["load_plan_path"], config.plan_ngpus)
+        g.plan_state.memory = loaded_memory(g.plan_state.memory, config, pc["load_plan_path"])
         _log(f"autodist: loaded the plan in {pc['load_plan_path']}")
         return g
     start = time.perf_counter()
-    g, prob = plan_problem(graph, config)
-    mem = pc.get("mem_limit_gb", prob.model.profile.mem_capacity_gb)
+    mem = pc.get("mem_limit_gb", get_profile(pc.get("device")).mem_capacity_gb)
     note = cpu_fallback_note(pc.get("device"))
     if note:
         _log(f"autodist: {note}")
     try:
-        sol: Solution = solve(prob, mem, float(pc.get("solver_time_limit", 60.0)))
+        found = search(graph, config, lambda rc: plan_problem(graph, config, rc), mem,
+                       float(pc.get("solver_time_limit", 60.0)))
     except PlanInfeasibleError as e:
         if not note:
             raise
         raise PlanInfeasibleError(f"{e} Note: {note}") from None
+    best = found.chosen
+    g, prob, sol = best.graph, best.prob, best.sol
     apply(g, prob, sol.picks)
+    g.plan_state.memory = best.choice
     g.plan_state.autodist = explanation_data(prob, sol, g, prob.model.profile.name)
+    g.plan_state.autodist["memory"] = memory_report(found, mem)
     shared = ", ".join(f"{p} x{k}" for p, k in prob.layers.items()) or "none"
     _log(f"autodist: {len(g.ops)} ops -> {len(prob.choices)} decisions (identical layers: "
          f"{shared}); {sol.solver} solved {sol.variables} vars in {sol.seconds:.2f}s; model "
          f"{sol.objective * 1e3:.3f} ms/step, {sol.memory / 1e9:.3f} GB/rank on "
          f"{prob.model.profile.name} ({time.perf_counter() - start:.2f}s)")
+    if len(found.candidates) > 1:
+        _log(f"autodist: memory options {label(best.choice)}, the fastest of "
+             f"{len(found.candidates)} combinations that fits ({found.solves} ILPs solved)")
     if pc.get("save_plan_path"):
         save_plan(g, pc["save_plan_path"])
     return g
 
 
 __all__ = ["autodist", "explain", "report_table", "cost_model", "plan_problem", "apply",
-           "objective_of", "leanest_memory", "replicated_memory", "PlanInfeasibleError", "DeviceProfile", "BUILTIN", "get_profile",
-           "measure_profile", "save_profile", "save_plan", "load_plan"]
+           "objective_of", "leanest_memory", "replicated_memory", "PlanInfeasibleError",
+           "DeviceProfile", "BUILTIN", "get_profile", "measure_profile", "save_profile",
+           "save_plan", "load_plan", "MemoryModel", "auto_fields", "AUTO"]

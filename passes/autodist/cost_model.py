@@ -16,8 +16,8 @@ network's. A transition costs its forward collectives plus, with a gradient, the
 Memory per rank: parameters, their gradients and optimizer state (Adam: two fp32 moments, 8
 bytes per element; `pas_config["optimizer_state_bytes"]`), at their local size; plus the
 activations saved for backward (every differentiable op output that is not a view, at its
-local size; Partial values are full size); ops inside `recompute_modules` save nothing but
-run their forward twice.
+local size; Partial values are full size); ops inside `recompute_modules` save only what their
+region hands on but run their forward twice. ZeRO stages and offload: memory_model.py.
 """
 from __future__ import annotations
 

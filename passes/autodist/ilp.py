@@ -17,7 +17,10 @@ Constraints
     edge_<a>_<b>_src_<i>:  sum_j y[a,b,i,j] = x[a,i]           (linearizes the product
     edge_<a>_<b>_dst_<j>:  sum_i y[a,b,i,j] = x[b,j]            x[a,i] x[b,j] exactly)
     sync_<v>_<r>:          z[v] >= sum_{k in S_r} x[b_r,k]      for each reader r of v
-    memory_limit:          sum_{c,k} memory[c,k] x[c,k] <= mem_limit   (bytes per rank)
+    peak_<p>_unit_<u>:     u[p] >= sum_{c,k in unit u} bytes[c,k] x[c,k]   (u[p] >= 0: the
+                                                              largest unit, e.g. ZeRO-3 gathers)
+    memory_limit:          sum_{c,k} memory[c,k] x[c,k] + sum_p weight[p] u[p] + fixed
+                               <= mem_limit                  (bytes per rank)
 
 Identical layers share x (see problem.py), so the model's size does not grow with depth.
 When memory_limit makes the problem infeasible, the same model is solved for minimum memory
@@ -88,6 +91,14 @@ def _model(prob: Problem, minimize_memory: bool = False):
         cost.append(seconds * US * z)
     memory = pulp.lpSum(ch.memory[k] / GB * x[c][k] for c, ch in enumerate(prob.choices)
                         for k in range(len(ch.options)) if ch.memory[k])
+    for p, (weight, units) in enumerate(prob.peaks):
+        u = pulp.LpVariable(f"peak_{p}", lowBound=0)
+        for i, unit in enumerate(units):
+            m += u >= pulp.lpSum(b / GB * x[c][k] for c, row in unit.items()
+                                 for k, b in enumerate(row) if b), f"peak_{p}_unit_{i}"
+        memory = memory + weight * u
+    if prob.fixed_memory:
+        memory = memory + prob.fixed_memory / GB
     m += memory if minimize_memory else pulp.lpSum(cost)
     return m, x, memory
 
@@ -104,11 +115,8 @@ def _run(m, time_limit: float) -> tuple[str, str, float]:
 
 
 def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -> Solution:
-    m, x, memory = _model(prob)
-    if mem_limit_gb is not None:
-        m += memory <= mem_limit_gb, "memory_limit"
-    status, name, secs = _run(m, time_limit)
-    if status == "Infeasible":
+    sol = solve_within(prob, mem_limit_gb, time_limit)
+    if sol is None:
         lean = leanest_memory(prob, time_limit)
         need = "an unknown amount" if lean is None else f"{lean / GB:.4g} GB"
         raise PlanInfeasibleError(
@@ -116,6 +124,18 @@ def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -
             f"plan needs {need} per rank (parameters, gradients, optimizer state and saved "
             "activations). Raise pas_config['mem_limit_gb'], increase plan_ngpus, shrink the "
             "batch, or add pas_config['recompute_modules'].")
+    return sol
+
+
+def solve_within(prob: Problem, mem_limit_gb: float | None,
+                 time_limit: float = 60.0) -> Solution | None:
+    """The fastest plan within `mem_limit_gb` (None: no limit); None when no plan fits."""
+    m, x, memory = _model(prob)
+    if mem_limit_gb is not None:
+        m += memory <= mem_limit_gb, "memory_limit"
+    status, name, secs = _run(m, time_limit)
+    if status == "Infeasible":
+        return None
     picks = []
     for xs in x:
         vals = [v.value() or 0.0 for v in xs]
@@ -152,4 +172,9 @@ def objective_of(prob: Problem, picks: list[int]) -> float:
 
 
 def memory_of(prob: Problem, picks: list[int]) -> float:
-    return sum(ch.memory[k] for ch, k in zip(prob.choices, picks))
+    """Bytes per rank of a full assignment, as the ILP's memory_limit counts them."""
+    total = sum(ch.memory[k] for ch, k in zip(prob.choices, picks)) + prob.fixed_memory
+    for weight, units in prob.peaks:
+        total += weight * max((sum(row[picks[c]] for c, row in unit.items()) for unit in units),
+                              default=0.0)
+    return total

@@ -1,7 +1,9 @@
 """Save a plan to JSON and apply a saved one (`save_plan_path` / `load_plan_path`).
 
 The file names every op's strategy by its input and output placements and every parameter,
-buffer and constant by its placement; op names are stable for a given model and shapes.
+buffer and constant by its placement; op names are stable for a given model and shapes. It
+also keeps the memory options the plan was made for (`memory`), which a load uses for the
+options the config leaves to autodist ("auto").
 """
 from __future__ import annotations
 
@@ -10,14 +12,14 @@ from pathlib import Path
 
 from nncompile.errors import ConfigError, PolicyError
 from nncompile.fileio import write_json
-from nncompile.ir import Graph, parse_placement
+from nncompile.ir import Graph, MemoryChoice, parse_placement
 from nncompile.rules import strategies
 
 FORMAT = "nncompile-plan"
 
 
 def plan_dict(g: Graph) -> dict:
-    return {
+    out = {
         "format": FORMAT, "version": 1, "model": g.trace_info.model,
         "plan_ngpus": g.plan_ngpus,
         "ops": {op.name: {"op": op.target_name, "strategy": op.strategy.note,
@@ -26,6 +28,11 @@ def plan_dict(g: Graph) -> dict:
                 for op in g.ops},
         "values": {v.name: repr(v.placement) for v in g.params + g.buffers + g.consts},
     }
+    m = g.plan_state.memory
+    if m is not None:
+        out["memory"] = {"zero": m.zero, "offload_optimizer": m.offload_optimizer,
+                         "offload_params": m.offload_params, "recompute": list(m.recompute)}
+    return out
 
 
 def save_plan(g: Graph, path: str | Path) -> Path:
@@ -66,4 +73,29 @@ def load_plan(graph: Graph, path: str | Path, n: int) -> Graph:
     for v in g.params + g.buffers + g.consts:
         if v.name in saved["values"]:
             v.placement = parse_placement(saved["values"][v.name])
+    m = saved.get("memory")
+    g.plan_state.memory = None if m is None else MemoryChoice(
+        int(m["zero"]), bool(m["offload_optimizer"]), bool(m["offload_params"]),
+        tuple(m["recompute"]))
     return g
+
+
+def loaded_memory(saved: MemoryChoice | None, config, path) -> MemoryChoice:
+    """The memory options of a loaded plan: the config's explicit values, the saved plan's
+    for those left to autodist ("auto")."""
+    auto = "auto"
+    rc = config.pas_config.get("recompute_modules")
+    asked = [name for name, v in (("use_zero", config.zero_stage),
+                                  ("offload_optimizer", config.offload_optimizer),
+                                  ("recompute_modules", rc)) if v == auto]
+    if asked and saved is None:
+        raise PolicyError(f"the plan in {path} records no memory options, and {asked} are "
+                          "'auto' (chosen with a plan); give them concrete values or re-plan "
+                          "without load_plan_path")
+    zero = saved.zero if config.zero_stage == auto else int(config.zero_stage)
+    return MemoryChoice(
+        zero,
+        saved.offload_optimizer if config.offload_optimizer == auto
+        else bool(config.offload_optimizer),
+        bool(config.offload_params) and zero == 3,
+        saved.recompute if rc == auto else tuple(rc or ()))

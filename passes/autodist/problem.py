@@ -11,6 +11,11 @@
   inside the group, data-parallel gradient reduction), `memory`; and `pairs[(a, b)][i][j]`:
   the transition cost on edges from choice a's option i to choice b's option j. `syncs` lists backward all-reduces of replicated values read by
   split ops (one per value, however many split readers it has).
+- Memory terms outside the choices (set per ZeRO/offload/recompute combination by
+  memory_model.py): `fixed_memory` bytes, and `peaks`: (weight, units), adding
+  weight x max over units of the unit's bytes (each unit: {choice: bytes per option}).
+- Recomputed ops save nothing but the outputs their region hands to ops outside it (the next
+  region's checkpoint input).
 """
 from __future__ import annotations
 
@@ -54,6 +59,8 @@ class Problem:
     vcanon: dict[int, Value]            # id(free value) -> canonical free value
     layers: dict[str, int]              # layer prefix -> instances sharing choices
     model: CostModel
+    fixed_memory: float = 0.0           # bytes per rank whatever the options
+    peaks: list[tuple[float, list[dict[int, list[float]]]]] = field(default_factory=list)
 
     def strategy(self, op: Op, ks: list[int]) -> Strategy:
         c = self.canon[id(op)]
@@ -172,13 +179,18 @@ def build_problem(g: Graph, model: CostModel, constraints: list[PartitionConstra
             choices.append(Choice(v.fqn or v.name, [], v, opts, count=vcount[id(v)]))
 
     prob = Problem(choices, {}, [], choice_of, canon, vcanon, layers, model)
-    recomputed = {id(op) for op in g.ops if recompute_region(op, recompute)}
-    _node_costs(prob, recomputed)
+    region = {id(op): recompute_region(op, recompute) for op in g.ops}
+    recomputed = {i for i, r in region.items() if r}
+    handed = {id(v.producer) for op in g.ops for v in op.tensor_inputs()
+              if region.get(id(v.producer)) not in (None, region[id(op)])}
+    handed |= {id(v.producer) for v in g.outputs
+               if isinstance(v, Value) and region.get(id(v.producer))}
+    _node_costs(prob, recomputed, handed)
     _edge_costs(g, prob)
     return prob
 
 
-def _node_costs(prob: Problem, recomputed: set[int]) -> None:
+def _node_costs(prob: Problem, recomputed: set[int], handed: set[int] = frozenset()) -> None:
     """Compute, memory and gradient reduction of each option, summed over instances."""
     model = prob.model
     for ch in prob.choices:
@@ -198,6 +210,8 @@ def _node_costs(prob: Problem, recomputed: set[int]) -> None:
                 t = model.compute(op, s.inputs, s.outputs)
                 if id(op) in recomputed:        # forward runs again in backward
                     t += model.compute(op, s.inputs, s.outputs) / 3.0
+                    if id(op) in handed:        # kept: the next region's checkpoint input
+                        ch.memory[k] += ch.count * model.activation_memory(op, s.outputs)
                 else:
                     ch.memory[k] += ch.count * model.activation_memory(op, s.outputs)
                 ch.compute[k] += ch.count * t

@@ -35,13 +35,23 @@ class DeviceProfile:
     inter_latency: float = 2e-5
     devices_per_node: int = 8
     collective_overhead: float = 1e-5            # s per collective call (launch, sync)
+    host_bandwidth: float | None = None          # bytes/s device <-> host memory (offload);
+                                                 # None: HOST_BANDWIDTH[name], else 25 GB/s
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).replace("torch.", "")
         return self.flops.get(name) or self.flops.get("float32") or 1e12
 
+    @property
+    def host_bytes_per_s(self) -> float:
+        """Bandwidth of copies between device and host memory (optimizer/parameter offload)."""
+        return self.host_bandwidth or HOST_BANDWIDTH.get(self.name, DEFAULT_HOST_BANDWIDTH)
+
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out["host_bandwidth"] is None:       # unset: profiles written before it existed
+            del out["host_bandwidth"]           # keep their JSON (and plan fingerprints)
+        return out
 
 
 def _gpu(name, bf16, fp32, bw, cap, nvlink, net):
@@ -50,6 +60,12 @@ def _gpu(name, bf16, fp32, bw, cap, nvlink, net):
                          intra_latency=5e-6, inter_bandwidth=net, inter_latency=1e-5,
                          devices_per_node=8, collective_overhead=1.5e-5)
 
+
+# device <-> host copies when `host_bandwidth` is unset: PCIe 4.0 x16 (A100) and 5.0 x16 (H100,
+# H200) in practice; on the 'cpu' profile "host" memory is the same memory: a memcpy (it reads
+# and writes, so half of mem_bandwidth)
+DEFAULT_HOST_BANDWIDTH = 25e9
+HOST_BANDWIDTH = {"cpu": 5e9, "a100-80g": 25e9, "h100-80g": 50e9, "h200": 50e9}
 
 BUILTIN: dict[str, DeviceProfile] = {
     # a 2-core CPU host running gloo over loopback
@@ -142,6 +158,10 @@ def measure_profile(name: str = "measured", size: int | None = None) -> DevicePr
         capacity = torch.cuda.get_device_properties(0).total_memory / GB
     else:
         capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB
+    host = bandwidth / 2                  # on a CPU "host" memory is this memory: a memcpy
+    if dev == "cuda":                     # pinned host -> device copy
+        pinned = torch.empty(x.numel(), pin_memory=True)
+        host = x.numel() * 4 / _timeit(lambda: x.copy_(pinned, non_blocking=True))
     link = {}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         n = dist.get_world_size()
@@ -153,7 +173,7 @@ def measure_profile(name: str = "measured", size: int | None = None) -> DevicePr
                 "intra_bandwidth": 2 * (n - 1) / n * big.numel() * 4 / max(t_big - t_small,
                                                                             1e-9)}
     return dataclasses.replace(base, name=name, flops=flops, mem_bandwidth=bandwidth,
-                               mem_capacity_gb=capacity, **link)
+                               mem_capacity_gb=capacity, host_bandwidth=host, **link)
 
 
 def save_profile(profile: DeviceProfile, path: str | Path) -> Path:

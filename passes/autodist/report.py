@@ -2,7 +2,9 @@
 
 For every choice the plan keeps each option's compute, communication and memory, and what the
 whole step would cost had that option been taken with the rest of the plan fixed; `explain`
-prints those for one op, `report_table` lists the chosen options.
+prints those for one op, `report_table` lists the chosen options. Both show the memory options
+(ZeRO stage, offload, recompute) from `autodist["memory"]` (memory_search.memory_report):
+`report_table` after the decisions, `explain(target, "memory")` with why the choice won.
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ def _load(target: Any) -> dict:
 
 def explain(target: Any, op: str) -> str:
     """Why `op` (an op name, a parameter FQN or a glob over either, first match) got its
-    placement, and what each alternative would have cost with the rest of the plan fixed."""
+    placement, and what each alternative would have cost with the rest of the plan fixed;
+    `op="memory"`: the memory options chosen, the bytes per rank and the candidates."""
     plan = _load(target)
     data = plan.get("autodist")
     if not data:
@@ -85,6 +88,8 @@ def explain(target: Any, op: str) -> str:
                           "an autodist plan")
     names = [n for n in data["where"] if n == op] or \
         [n for n in data["where"] if fnmatch.fnmatchcase(n, op)]
+    if not names and op == "memory" and data.get("memory"):
+        return explain_memory(data["memory"])
     if not names:
         close = [n for n in data["where"] if op.lower() in n.lower()][:5]
         raise ConfigError(f"no op or parameter named {op!r} in this plan"
@@ -119,6 +124,84 @@ def explain(target: Any, op: str) -> str:
     return "\n".join(lines)
 
 
+KINDS = ("parameters", "gradients", "optimizer_state", "activations", "communication_buffers",
+         "total")
+
+
+def choice_label(c: dict) -> str:
+    """A memory choice (plan.json form) in words, e.g. 'ZeRO-3, optimizer offload, recompute
+    h.*'."""
+    parts = [f"ZeRO-{c['zero']}" if c["zero"] else "no ZeRO"]
+    if c["offload_optimizer"]:
+        parts.append("optimizer offload")
+    if c["offload_params"]:
+        parts.append("parameter offload")
+    parts.append("recompute " + ", ".join(c["recompute"]) if c["recompute"] else "no recompute")
+    return ", ".join(parts)
+
+
+def _limit(mem: dict) -> str:
+    lim = mem.get("mem_limit_bytes")
+    return "no limit" if lim is None else f"limit {lim / MB:.3f} MB"
+
+
+def explain_memory(mem: dict) -> str:
+    """The memory options chosen, the bytes per rank by kind and why this combination won."""
+    auto = mem.get("auto") or []
+    how = f"chosen by autodist ({', '.join(auto)} 'auto')" if auto else "as configured"
+    lines = [f"memory options: {choice_label(mem['choice'])}  {how}; ZeRO group "
+             f"{mem.get('zero_group', 1)} rank(s)",
+             f"  per rank ({_limit(mem)}):"]
+    for kind in KINDS:
+        size = mem["per_rank_bytes"][kind] / MB
+        lines.append(f"    {kind.replace('_', ' '):<22} {size:12.3f} MB")
+    lines.append(f"  in host memory (offloaded)  {mem.get('host_bytes', 0) / MB:10.3f} MB")
+    cands = mem.get("candidates") or []
+    if len(cands) > 1:
+        chosen = next(c for c in cands if c["status"] == "chosen")
+        lines.append(f"  {len(cands)} combinations considered, the fastest whose plan fits wins "
+                     f"({mem.get('ilp_solves', '?')} ILPs solved):")
+        for c in cands:
+            why = {"chosen": "chosen",
+                   "fits": f"fits, step {c['time_ms'] - chosen['time_ms']:+.4f} ms",
+                   "too large": "does not fit even at its leanest",
+                   "slower (bound)": "not solved: its step is at least "
+                                     f"{c['time_ms'] - chosen['time_ms']:+.4f} ms slower"
+                   }.get(c["status"], c["status"])
+            lines.append(f"    {choice_label(c['choice']):<48} {c['total'] / MB:10.3f} MB "
+                         f"{c['time_ms']:10.4f} ms  {why}")
+    return "\n".join(lines)
+
+
+def _memory_tables(mem: dict):
+    """Renderables for the report: a heading, the bytes per rank, the candidates."""
+    from rich.table import Table
+    from rich.text import Text
+    auto = mem.get("auto") or []
+    yield Text(f"\nmemory per rank: {choice_label(mem['choice'])} "
+               + (f"(chosen by autodist: {', '.join(auto)} 'auto'; " if auto else "(")
+               + f"{_limit(mem)}, ZeRO group {mem.get('zero_group', 1)})")
+    t = Table()
+    t.add_column("kind")
+    t.add_column("MB", justify="right")
+    for kind in KINDS:
+        t.add_row(kind.replace("_", " "), f"{mem['per_rank_bytes'][kind] / MB:.3f}")
+    t.add_row("host (offloaded)", f"{mem.get('host_bytes', 0) / MB:.3f}")
+    yield t
+    cands = mem.get("candidates") or []
+    if len(cands) > 1:
+        yield Text(f"memory options considered ({mem.get('ilp_solves', '?')} ILPs solved): the "
+                   "fastest whose plan fits wins. ms/step of one not solved: a lower bound; "
+                   "MB/rank of one that does not fit or was not solved: its leanest plan")
+        c2 = Table()
+        for col in ("combination", "MB/rank", "ms/step", "status"):
+            c2.add_column(col, justify="right" if col[0] in "Mm" else "left")
+        for c in cands:
+            c2.add_row(choice_label(c["choice"]), f"{c['total'] / MB:.3f}",
+                       f"{c['time_ms']:.4f}", c["status"])
+        yield c2
+
+
 def report_table(target: Any, width: int = 120) -> str:
     """The chosen plan as a table: one row per decision, with its cost."""
     from rich.console import Console
@@ -137,5 +220,9 @@ def report_table(target: Any, width: int = 120) -> str:
         t.add_row(ch["name"] + more, str(ch["count"]), o["label"], f"{o['compute_ms']:.4f}",
                   f"{o['comm_ms']:.4f}", f"{o['memory_mb']:.2f}")
     buf = io.StringIO()
-    Console(file=buf, width=width, force_terminal=False, force_jupyter=False).print(t)
+    console = Console(file=buf, width=width, force_terminal=False, force_jupyter=False)
+    console.print(t)
+    if data.get("memory"):
+        for extra in _memory_tables(data["memory"]):
+            console.print(extra)
     return buf.getvalue()
