@@ -25,6 +25,7 @@ from nncompile.runtime.dedup import deduped_state_dict, load_deduped_state_dict 
 from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  # noqa: E402
 from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # noqa: E402
                                           save_checkpoint)
+from . import memory  # noqa: E402,F401  (nncompile.memory.profile: measured vs predicted memory)
 
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
            "init_distributed", "build_optimizer", "clip_grad_norm_",

@@ -14,6 +14,9 @@
                                     what differs between two plans: config, placements,
                                     collectives, bytes per rank; --code adds gencode{R}.py's diff
     plot DIR -o FILE                draw the op graph coloured by placement (png, svg, pdf)
+    memory PROFILE [-o FILE [--x events|time]] [--predicted PLAN]
+                                    a memory profile (nncompile.memory.profile(...).save): the
+                                    predicted-vs-measured table; -o draws the timeline per rank
 
 DIR is a gen_savedir (holding one instance) or an instance directory (holding manifest.json).
 """
@@ -72,6 +75,27 @@ def _inspect(args) -> int:
     return 0
 
 
+def _memory(args) -> int:
+    from nncompile import memory
+    from nncompile.errors import NNCompileError
+    try:
+        prof = memory.load(args.profile)
+        if args.predicted:
+            found = memory.load_predicted(args.predicted)
+            if found is None:
+                print(f"nncompile memory: {args.predicted} has no autodist memory estimate; "
+                      "showing the profile's own prediction", file=sys.stderr)
+            else:
+                prof.predicted = found
+        print(prof.table())
+        if args.output:
+            print(f"wrote {prof.plot(args.output, x=args.x)}")
+    except NNCompileError as e:
+        print(f"nncompile memory: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nncompile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,6 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="gen_savedir or instance directory")
     p.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, .pdf)")
     p.set_defaults(func=_inspect)
+    p = sub.add_parser("memory", help="a memory profile: predicted vs measured, timeline image")
+    p.add_argument("profile", help="profile .json written by nncompile.memory.profile().save()")
+    p.add_argument("-o", "--output", help="image of the timeline to write (.png, .svg, .pdf)")
+    p.add_argument("--x", choices=("events", "time"), default="events",
+                   help="the image's x axis: memory changes in order (default) or ms")
+    p.add_argument("--predicted", metavar="PLAN",
+                   help="compare with the autodist estimate in this plan.json, instance "
+                        "directory or gen_savedir")
+    p.set_defaults(func=_memory)
     args = ap.parse_args(argv)
     if args.command == "diff":
         if args.rank is not None and not args.code:
