@@ -20,7 +20,8 @@ Backward needs some of those weights again (a matmul saves its weight). Saved-te
 (`ZeroRuntime.pack/unpack`) save a reference into the unit instead of the tensor, and the
 first unpack in backward gathers the unit again (the gather is recomputed, not saved); the
 gather's backward reduces the unit's gradient over the ranks `nncompile.mesh.grad_reduction`
-names and keeps this rank's piece (a reduce-scatter; gloo: all-reduce and slice), so
+names and keeps this rank's piece (a reduce-scatter over the ZeRO group; an all-reduce and a
+slice where the sum spans more ranks: partial sums over the plan unit, zero_ngroups > 1), so
 `.grad` of the flat parameter is a shard too. With offload_params the shards and their
 gradients live in host memory and each gather first copies the piece to the device.
 """
@@ -85,13 +86,18 @@ class FlatLayout:
         return out
 
 
+# torch >= 2.13 names them *_single; older releases have only the *_tensor spelling
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_flat(local: torch.Tensor, size: int, group, async_op: bool = False):
     """Equal pieces of every rank of `group` concatenated: (full, work or None)."""
     full = torch.empty(local.numel() * size, dtype=local.dtype, device=local.device)
     if group is None:
         full.copy_(local)
         return full, None
-    work = dist.all_gather_into_tensor(full, local.contiguous(), group=group, async_op=async_op)
+    work = _ALL_GATHER(full, local.contiguous(), group=group, async_op=async_op)
     return full, work
 
 
@@ -287,10 +293,9 @@ class ZeroRuntime:
         if unit.reduce_group is not None:
             dims = unit.reduce_group[1]
             group = group_along(dims, self.pm.PLAN_NGPUS, self.pm.RUNTIME_NGPUS)
-            if dims == (DP,) and self.same_group and self.group is not None and \
-                    dist.get_backend(self.group) != "gloo":
+            if dims == (DP,) and self.same_group and self.group is not None:
                 piece = torch.empty(layout.chunk, dtype=g.dtype, device=g.device)
-                dist.reduce_scatter_tensor(piece, g, group=self.group)
+                _REDUCE_SCATTER(piece, g, group=self.group)
             else:
                 if group is not None:
                     g = g.clone()
