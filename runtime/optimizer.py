@@ -226,6 +226,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "merged or dcp checkpoint instead (nncompile.load_checkpoint)")
         self.inner.load_state_dict({k: v for k, v in state_dict.items()
                                     if k != "nncompile_zero"})
+        self.param_groups = self.inner.param_groups    # torch replaced both: keep LR
+        self.state = self.inner.state                  # schedulers writing into the live ones
 
     def local_state(self) -> dict[str, dict[str, Any]]:
         """Full optimizer state of this rank's local parameters, by local name (gathered over

@@ -1,6 +1,7 @@
 """Lightning: NnCompileStrategy + NnCompilePrecision against Lightning's own training on the
-nanoGPT example (CPU config, --deterministic): per-step losses, resume, merge, bad input and
-the loss-curve PNG. Each run is a fresh `train.py` process (torchrun for 2 ranks)."""
+nanoGPT example (CPU config, --deterministic): per-step losses, resume, merge, ZeRO stages and
+offload, bad input and the loss-curve PNG. Each run is a fresh `train.py` process (torchrun
+for 2 ranks)."""
 import json
 import os
 import subprocess
@@ -121,16 +122,94 @@ def test_merged_checkpoint_loads_under_plan_1_and_plain_lightning(data, runs, st
         same(losses(got)[:1], want[:1])
 
 
+# ZeRO over the 2 data-parallel ranks of plan 1, against plain Lightning DDP on the same
+# batches (the "ddp2" run: accumulate 2, so each record is one micro-batch). The runs go
+# through tests/workers/lightning_zero.py, which also checks inside the run that the
+# optimizer is a ZeroOptimizer of that stage, that the lr it steps with is the scheduler's at
+# every step (the example's warmup changes it every step) and that clipping ran
+# nncompile.clip_grad_norm_ once per step.
+DP2 = ("--plan_ngpus", "1", "--policy", "dp", "--accumulate", "2")
+ZSTOP, ZEND = 8, 12          # ZeRO-3 stops (with a checkpoint) at step 8; resumes to step 12
+
+
+def train_zero(data, runs, name, stage, *args, offload=False):
+    """A 2-rank run of the example through the ZeRO checking worker: (records, output)."""
+    log = runs / f"{name}.jsonl"
+    if log.exists():
+        log.unlink()
+    argv = ["--data_dir", str(data), "--out_dir", str(runs / name), "--max_iters", str(STEPS),
+            "--deterministic", "true", "--eval_interval", "15", "--loss_log", str(log),
+            "--use_zero", str(stage), *DP2, *args]
+    out = torchrun("tests/workers/lightning_zero.py", 2, "--expect_zero", str(stage),
+                   *(["--expect_offload"] if offload else []), "--", *argv)
+    assert "ok zero optimizer" in out and "ok lr follows the scheduler" in out and \
+        "ok clip" in out, out[-3000:]
+    return [json.loads(line) for line in log.read_text().splitlines()], out
+
+
+@pytest.fixture(scope="module")
+def zero3_stopped(data, runs):
+    """ZeRO-3 from scratch to step ZSTOP, with its checkpoint there."""
+    first, out = train_zero(data, runs, "zero3", 3, "--max_iters", str(ZSTOP),
+                            "--ckpt_interval", str(ZSTOP))
+    assert "ok zero optimizer: stage 3" in out
+    ckpt = runs / "zero3" / "ckpt" / f"step={ZSTOP}.ckpt"
+    assert (ckpt / "checkpoint.json").exists() and (ckpt / "rank1.pt").exists()
+    return first, ckpt
+
+
+def test_zero3_matches_ddp_and_resumes(data, runs, zero3_stopped):
+    """ZeRO-3 (flat parameter pieces, LR schedule, clipping, accumulation) equals DDP step by
+    step, and resuming from its sharded checkpoint continues exactly like the uninterrupted
+    DDP run."""
+    ddp = losses(logged(data, runs, "ddp2", 2, "--use_nncompile", "false", "--accumulate", "2"))
+    first, _ = zero3_stopped
+    assert len(losses(first)) == 2 * ZSTOP
+    resumed, out = train_zero(data, runs, "zero3", 3, "--ckpt_interval", "1000",
+                              "--init_from", "resume", "--max_iters", str(ZEND))
+    assert f"from step {ZSTOP}" in out, "resume must continue at the saved step"
+    assert min(r["step"] for r in resumed) == ZSTOP
+    got = losses(first) + losses(resumed)
+    assert len(got) == 2 * ZEND
+    same(got, ddp[:len(got)])
+
+
+def test_zero3_checkpoint_merges_and_resumes_under_zero2_offload(data, runs, zero3_stopped):
+    """The merged ZeRO-3 checkpoint (weights and AdamW state from the flat pieces) is an
+    ordinary Lightning checkpoint: ZeRO-2 with the optimizer offloaded resumes from it and
+    continues like DDP (the steps after the first depend on the merged AdamW moments)."""
+    _, ckpt = zero3_stopped
+    merged = runs / "zero3_merged.ckpt"
+    proc = subprocess.run([sys.executable, "-m", "nncompile", "merge", str(ckpt), "-o",
+                           str(merged)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    ddp = losses(logged(data, runs, "ddp2", 2, "--use_nncompile", "false", "--accumulate", "2"))
+    got, out = train_zero(data, runs, "zero2_offload", 2, "--offload_optimizer", "true",
+                          "--init_from", str(merged), "--max_iters", str(ZEND), offload=True)
+    assert "ok zero optimizer: stage 2, offload True" in out
+    got = losses(got)
+    assert got[0][0] == ZSTOP and len(got) == 2 * (ZEND - ZSTOP)
+    same(got, ddp[2 * ZSTOP:2 * ZEND])
+
+
 def test_bad_lightning_setups_get_clear_errors(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
     proc = subprocess.run([sys.executable, "tests/workers/lightning_errors.py", "--savedir",
                            str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for what in ("two optimizers", "two param groups", "no dummy args", "clip by value"):
+    for what in ("two optimizers", "two param groups", "no dummy args", "clip by value",
+                 "zero two param groups", "zero optimizer misses parameters", "zero auto tp",
+                 "lightning precision plugin"):
         assert f"ok error {what}" in proc.stdout, proc.stdout
     for precision in ("16-true", "bf16-true", "16-mixed", "bf16-mixed"):
         assert f"ok precision {precision}" in proc.stdout, proc.stdout
+    assert "ok error zero sharded checkpoint under another stage" in proc.stdout, proc.stdout
+    for zero in ("zero1 16-mixed", "zero1 offload", "zero3 built by build_optimizer",
+                 "zero3 offload_optimizer offload_params",
+                 "zero3 deduped checkpoint resumes under zero1"):
+        assert f"ok {zero}" in proc.stdout, proc.stdout
+    assert "ok default precision" in proc.stdout, proc.stdout
 
 
 def test_loss_curve_png(data, runs, tmp_path):

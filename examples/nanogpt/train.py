@@ -41,6 +41,10 @@ def flag(s: str) -> bool:
     return s.lower() in ("1", "true", "yes", "y")
 
 
+def zero_stage(s: str) -> int | str:
+    return s if s == "auto" else int(s)
+
+
 def windows(data: np.ndarray, n: int, block: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(len(data) - block - 1, (n,), generator=g)
@@ -155,6 +159,10 @@ def parse_args(argv=None):
     ap.add_argument("--plan_ngpus", type=int, default=1)
     ap.add_argument("--runtime_ngpus", type=int, default=None, help="default: world size")
     ap.add_argument("--use_nncompile", type=flag, default=True)
+    ap.add_argument("--use_zero", "--use-zero", type=zero_stage, default=0,
+                    help="ZeRO stage 0-3 over the data-parallel ranks, or auto (autodist)")
+    ap.add_argument("--offload_optimizer", "--offload-optimizer", type=flag, default=False,
+                    help="optimizer state and step in host memory")
     ap.add_argument("--policy", default="autodist", help="nncompile pas_policy")
     ap.add_argument("--deterministic", type=flag, default=False,
                     help="no dropout, deterministic algorithms: runs are exactly comparable")
@@ -188,7 +196,9 @@ def build_trainer(args, cfg) -> L.Trainer:
     if args.use_nncompile:
         import nncompile
         from nncompile.integration.lightning import NnCompilePrecision, NnCompileStrategy
-        config = nncompile.ComputeConfig(args.plan_ngpus, args.runtime_ngpus or world)
+        config = nncompile.ComputeConfig(args.plan_ngpus, args.runtime_ngpus or world,
+                                         use_zero=args.use_zero,
+                                         offload_optimizer=args.offload_optimizer)
         kwargs["strategy"] = NnCompileStrategy(
             config, pas_policy=args.policy, gen_savedir=str(Path(args.out_dir) / "gen"),
             reuse="moo", state_dict_type=args.state_dict_type)

@@ -8,12 +8,16 @@
 
 Autocast applies to the generated code as to eager code: it calls aten ops, and autocast sits
 in the dispatcher. With a scaler, "found inf" is agreed across all ranks before the step, so
-ranks holding different shards skip or take a step together. Gradient clipping goes through
-nncompile.clip_grad_norm_ (the true global norm); clipping by value is refused.
+ranks holding different shards skip or take a step together. The scaler unscales the parallel
+module's gradients (and a ZeRO-2 optimizer's gradient pieces), not the optimizer's own
+tensors: under ZeRO-1/2 and offload those are copies that get their gradients inside step().
+Gradient clipping goes through nncompile.clip_grad_norm_ (the true global norm, ZeRO pieces
+included); clipping by value is refused.
 """
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from nncompile.errors import ConfigError
 from nncompile.runtime.clip import clip_grad_norm_
+from nncompile.runtime.optimizer import ZeroOptimizer
 
 MODES = {"32-true": None, "16-true": torch.float16, "bf16-true": torch.bfloat16,
          "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -82,7 +87,7 @@ class NnCompilePrecision(Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
-        self.scaler.unscale_(optimizer)
+        self._unscale(optimizer)
         self._agree_on_inf(optimizer)
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
@@ -91,13 +96,43 @@ class NnCompilePrecision(Precision):
         self.scaler.update()
         return out
 
-    def _agree_on_inf(self, optimizer) -> None:
-        """A non-finite gradient on any rank's shard must skip the step on every rank."""
-        if not dist.is_initialized():
+    def _unscale(self, optimizer) -> None:
+        """scaler.unscale_ on the gradients the step will read: the parallel module's (ZeRO-3:
+        its flat pieces') and a ZeRO-2 optimizer's pieces. A plain optimizer over pm's
+        parameters, and ZeRO-3 without offload, step those very tensors."""
+        if not isinstance(optimizer, ZeroOptimizer) or \
+                all(s.param is s.flat for s in optimizer.shards):
+            self.scaler.unscale_(optimizer)
             return
+        pm = optimizer.pm
+        grads = [p.grad for p in pm.parameters() if p.grad is not None]
+        grads += [s.grad for s in optimizer.shards if s.grad is not None]
+        holders = []                 # GradScaler reads param.grad: an alias of each gradient
+        for g in grads:
+            holder = g.detach()
+            holder.grad = g
+            holders.append(holder)
+        view = SimpleNamespace(param_groups=[{"params": holders}])
+        self.scaler.unscale_(view)
+        states = self.scaler._per_optimizer_states
+        states[id(optimizer)] = states.pop(id(view))
+
+    def _agree_on_inf(self, optimizer) -> None:
+        """A non-finite gradient on any rank's shard must skip the step on every rank: one
+        flag, the maximum over this rank's devices, all-reduced over the world (ranks may hold
+        gradients on different devices, or none)."""
         state = self.scaler._per_optimizer_states[id(optimizer)]
-        for found in state["found_inf_per_device"].values():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        found = state["found_inf_per_device"]
+        device = self.scaler._scale.device
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        for f in found.values():
+            flag = torch.maximum(flag, f.to(device))
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not found:
+            found[device] = flag
+        for f in found.values():
+            f.copy_(flag)
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         if self.parallel_module is None:

@@ -10,6 +10,16 @@ submodules whose parameters it traced (frozen ones too) are set to None, so `sel
 the parallel module's shards. Ranks of one plan unit get the same batches (the sampler is
 sized by data-parallel units) and `sync_dist` logging averages over the data-parallel group.
 
+ZeRO and offload (ComputeConfig's use_zero 1/2/3 or "auto", offload_optimizer,
+offload_params): the optimizer `configure_optimizers` returns is rebuilt on the shards, as
+`nncompile.build_optimizer(pm, type(opt), **hyperparameters)` would build it (a ZeroOptimizer;
+under ZeRO-3 over pm's flat pieces), with the user's param group values copied over, and its LR
+schedulers re-pointed to the new optimizer:
+
+    before: AdamW(self.parameters(), lr=1e-3) + LambdaLR(opt)      (stepping pm's local shards)
+    after:  ZeroOptimizer(pm, AdamW, lr=1e-3, ...) + the same LambdaLR, scheduler.optimizer
+            is the ZeroOptimizer (its param_groups are the inner AdamW's)
+
 Checkpoints are directories with one `rank{r}.pt` per rank ("sharded" or "deduped"), written
 atomically; `merge_checkpoint` turns one into an ordinary Lightning checkpoint that another
 plan, or plain Lightning, loads.
@@ -18,7 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import inspect
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +42,7 @@ from lightning.fabric.utilities.distributed import (_get_default_process_group_b
                                                     _init_dist_connection,
                                                     _sync_ddp_if_available)
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
@@ -41,6 +55,7 @@ from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_stat
                                      load_deduped_model_state, load_deduped_optimizer_state)
 from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
                                      merge_state_dicts)
+from nncompile.runtime.optimizer import ZeroOptimizer
 from nncompile.runtime.rows import param_rows, state_rows
 from nncompile.runtime.state import describe, plan_info, plan_mismatch
 
@@ -67,9 +82,13 @@ class NnCompileStrategy(ParallelStrategy):
             raise ConfigError(f"state_dict_type={state_dict_type!r}; choose one of "
                               f"{STATE_DICT_TYPES}")
         self.compute_config = compute_config or nncompile.ComputeConfig(plan_ngpus=1)
-        if self.compute_config.use_zero:
-            raise ConfigError("use_zero is not available with NnCompileStrategy yet; train "
-                              "with nncompile.build_optimizer outside Lightning for ZeRO")
+        cfg = self.compute_config
+        if "auto" in (cfg.zero_stage, cfg.offload_optimizer) and isinstance(pas_policy, str) \
+                and pas_policy != "autodist":
+            raise ConfigError(f"use_zero={cfg.use_zero!r} / offload_optimizer="
+                              f"{cfg.offload_optimizer!r}: 'auto' is chosen by autodist, but "
+                              f"pas_policy={pas_policy!r}; use pas_policy='autodist' or give a "
+                              f"concrete value (use_zero=0-3, offload_optimizer=True/False)")
         self.pas_policy, self.gen_savedir, self.reuse = pas_policy, gen_savedir, reuse
         self.instance_name = instance_name
         self.state_dict_type = state_dict_type
@@ -82,6 +101,26 @@ class NnCompileStrategy(ParallelStrategy):
     @property
     def is_distributed(self) -> bool:
         return True
+
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = NnCompilePrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """Lightning's default plugin (32-true) becomes NnCompilePrecision("32-true"), which
+        clips by the true global norm and unscales the gradients the optimizer steps; other
+        Lightning plugins are refused (their clipping and unscaling see only local shards)."""
+        if plugin is not None and not isinstance(plugin, NnCompilePrecision):
+            if type(plugin) is not Precision:
+                mode = getattr(plugin, "precision", "32-true")
+                raise ConfigError(f"NnCompileStrategy needs NnCompilePrecision, got "
+                                  f"{type(plugin).__name__}; pass plugins=[NnCompilePrecision("
+                                  f"{str(mode)!r})] to the Trainer instead of precision=...")
+            plugin = NnCompilePrecision("32-true")
+        self._precision_plugin = plugin
 
     @property
     def root_device(self) -> torch.device:
@@ -146,6 +185,7 @@ class NnCompileStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_optimizers()
+            self._shard_optimizer()
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
@@ -204,11 +244,62 @@ class NnCompileStrategy(ParallelStrategy):
                               f"configure_optimizers returned {len(self.optimizers)}")
         groups = self.optimizers[0].param_groups
         if len(groups) != 1:
+            memory = self.parallel_module.memory
+            why = " (under ZeRO and offload the optimizer steps flat pieces cut across " \
+                  "parameters, which cannot carry per-parameter hyperparameters)" \
+                if memory.zero or memory.offload_optimizer else ""
             raise ConfigError(f"NnCompileStrategy supports one parameter group; the optimizer "
-                              f"has {len(groups)} (put every parameter in one group)")
+                              f"has {len(groups)}{why}: put every parameter in one group, e.g. "
+                              f"{type(self.optimizers[0]).__name__}(self.parameters(), ...)")
         if len(self.lr_scheduler_configs) > 1:
             raise ConfigError(f"NnCompileStrategy supports at most one LR scheduler; got "
                               f"{len(self.lr_scheduler_configs)}")
+
+    def _shard_optimizer(self) -> None:
+        """ZeRO / offload: rebuild configure_optimizers' optimizer on the shards (what
+        nncompile.build_optimizer builds), keep its param group's values, re-point the LR
+        schedulers to it."""
+        pm, old = self.parallel_module, self.optimizers[0]
+        memory = pm.memory
+        if memory.zero == 0 and not memory.offload_optimizer:
+            return
+        if isinstance(old, ZeroOptimizer):
+            if old.pm is not pm:
+                raise ConfigError("configure_optimizers returned a ZeroOptimizer of another "
+                                  "ParallelModule; build it over self.parameters() (or "
+                                  "nncompile.build_optimizer(self.nncompile_module, ...))")
+            return                 # built with nncompile.build_optimizer already
+        trainable = [p for p in pm.parameters() if p.requires_grad]
+        given = {id(p) for g in old.param_groups for p in g["params"]}
+        mine = {id(p) for p in pm.parameters()}
+        missing = [n for n, p in pm.named_parameters() if p.requires_grad and id(p) not in given]
+        outside = [p for g in old.param_groups for p in g["params"]
+                   if id(p) not in mine and p.requires_grad]
+        if missing or outside:
+            what = f"misses {len(missing)} of the parallel module's {len(trainable)} trainable " \
+                   f"parameters (e.g. {missing[0]!r})" if missing else \
+                   f"holds {len(outside)} parameters outside the parallelized forward"
+            raise ConfigError(
+                f"under ZeRO and offload NnCompileStrategy rebuilds the optimizer over every "
+                f"trainable shard of the parallel module, but the one configure_optimizers "
+                f"returned {what}; build it over self.parameters() and freeze "
+                f"(requires_grad=False) what must not train")
+        cls = type(old)
+        params = inspect.signature(cls.__init__).parameters
+        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        kwargs = {k: v for k, v in old.defaults.items() if anything or k in params}
+        try:
+            new = nncompile.build_optimizer(pm, cls, **kwargs)
+        except TypeError as e:
+            raise ConfigError(
+                f"could not rebuild {cls.__name__} on the ZeRO shards as {cls.__name__}(params, "
+                f"**optimizer.defaults) ({e}); build it in configure_optimizers with "
+                f"nncompile.build_optimizer(self.nncompile_module, {cls.__name__}, ...)") from e
+        new.param_groups[0].update({k: v for k, v in old.param_groups[0].items()
+                                    if k != "params"})
+        for config in self.lr_scheduler_configs:
+            _repoint(config.scheduler, old, new)
+        self.optimizers = [new]
 
     # ---- collectives ---------------------------------------------------------------------
     def barrier(self, *args, **kwargs) -> None:
@@ -317,7 +408,26 @@ class NnCompileStrategy(ParallelStrategy):
         elif "nncompile" in opt_sd:
             load_deduped_optimizer_state(pm, optimizer, opt_sd)
         else:
+            saved = opt_sd.get("nncompile_zero")
+            mine = optimizer.layout() if isinstance(optimizer, ZeroOptimizer) else None
+            if saved != mine:
+                raise CheckpointError(
+                    f"the checkpoint's optimizer state is {_pieces(saved)}, but this run's "
+                    f"optimizer steps {_pieces(mine)} (use_zero={self.compute_config.use_zero!r}"
+                    f", zero_ngroups={self.compute_config.zero_ngroups}); sharded optimizer "
+                    f"state loads only under the ZeRO stage and groups it was saved with. "
+                    f"Resume with those, or merge the checkpoint first: NnCompileStrategy."
+                    f"merge_checkpoint([dir], 'merged.ckpt') (or python -m nncompile merge "
+                    f"dir -o merged.ckpt) and resume from merged.ckpt; state_dict_type="
+                    f"'deduped' checkpoints also load under any ZeRO stage")
             optimizer.load_state_dict(opt_sd)
+        if isinstance(optimizer, ZeroOptimizer):
+            # torch's load_state_dict gives the inner optimizer new param_groups / state
+            # objects; ZeroOptimizer's aliases (what LR schedulers write the lr into) must
+            # follow, or the inner optimizer keeps stepping with the checkpoint's lr
+            optimizer.param_groups = optimizer.inner.param_groups
+            optimizer.state = optimizer.inner.state
+            self.optimizers = self.optimizers         # Lightning's wrappers copy __dict__
 
     def _is_deduped(self, sd: dict) -> bool:
         names = {row.name for row in state_rows(self.parallel_module)}
@@ -337,6 +447,33 @@ class NnCompileStrategy(ParallelStrategy):
     def register_strategies(cls, registry) -> None:
         registry.register("nncompile", cls, description="nncompile: compiled tensor/data "
                           "parallel training")
+
+
+def _pieces(layout: dict | None) -> str:
+    if layout is None:
+        return "whole local shards (no ZeRO)"
+    return (f"ZeRO pieces over a group of {layout['zero_size']} ranks cut into "
+            f"{len(layout['shards'])} flat vectors")
+
+
+def _repoint(scheduler, old, new) -> None:
+    """Make an LR scheduler (and those it chains) drive `new` instead of `old`, with the
+    step tracking torch's LRScheduler installs on its optimizer (no spurious "lr_scheduler.step()
+    before optimizer.step()" warning)."""
+    if getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = new
+        if not hasattr(new.step, "_wrapped_by_lr_sched"):
+            func, ref = type(new).step, weakref.ref(new)
+
+            @functools.wraps(func)
+            def step(*args, **kwargs):
+                opt = ref()
+                opt._opt_called = True
+                return func(opt, *args, **kwargs)
+            step._wrapped_by_lr_sched = True
+            new.step = step
+    for inner in getattr(scheduler, "_schedulers", None) or []:
+        _repoint(inner, old, new)
 
 
 def merge_lightning_checkpoints(ckpts: list[dict]) -> dict:

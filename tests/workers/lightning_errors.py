@@ -1,5 +1,7 @@
 """Bad Lightning set-ups get clear errors (one process, gloo): two optimizers, two parameter
-groups, no trace inputs, clipping by value; and the sampler is sized by data-parallel units.
+groups, no trace inputs, clipping by value, ZeRO with an optimizer that cannot be rebuilt on
+the shards, 'auto' ZeRO without autodist, a Lightning precision plugin; and ZeRO-1 (16-mixed,
+offload) and a ZeRO-3 optimizer from nncompile.build_optimizer train like plain.
 
     python tests/workers/lightning_errors.py --savedir DIR
 """
@@ -22,6 +24,7 @@ from nncompile.integration.lightning import NnCompilePrecision, NnCompileStrateg
 class Lit(L.LightningModule):
     def __init__(self, optimizers="one", dummy=True):
         super().__init__()
+        torch.manual_seed(0)
         self.net = models.MLP()
         self.optimizers_kind = optimizers
         self.automatic_optimization = optimizers != "two"   # Lightning's rule for several
@@ -35,7 +38,8 @@ class Lit(L.LightningModule):
         return self(**batch)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader([models.batch("mlp", i) for i in range(4)],
+        # one epoch = 2 steps, so a checkpoint after fit(max_steps=2) resumes at an epoch end
+        return torch.utils.data.DataLoader([models.batch("mlp", i) for i in range(2)],
                                            batch_size=None)
 
     def configure_optimizers(self):
@@ -44,17 +48,24 @@ class Lit(L.LightningModule):
             return [torch.optim.SGD(ps[:2], lr=0.1), torch.optim.SGD(ps[2:], lr=0.1)]
         if self.optimizers_kind == "groups":
             return torch.optim.SGD([{"params": ps[:2]}, {"params": ps[2:], "lr": 0.01}], lr=0.1)
+        if self.optimizers_kind == "subset":
+            return torch.optim.SGD(ps[:2], lr=0.1)
+        if self.optimizers_kind == "build_optimizer":
+            return nncompile.build_optimizer(self.nncompile_module, torch.optim.SGD, lr=0.1,
+                                             momentum=0.9)
+        if self.optimizers_kind == "momentum":
+            return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
         return torch.optim.SGD(ps, lr=0.1)
 
 
-def fit(lit, savedir, precision="32-true", **kwargs):
-    strategy = NnCompileStrategy(nncompile.ComputeConfig(1), pas_policy="dp",
+def fit(lit, savedir, precision="32-true", config=None, ckpt_path=None, max_steps=2, **kwargs):
+    strategy = NnCompileStrategy(config or nncompile.ComputeConfig(1), pas_policy="dp",
                                  gen_savedir=savedir, reuse="moo")
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps,
                         plugins=[NnCompilePrecision(precision)], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, **kwargs)
-    trainer.fit(lit)
+    trainer.fit(lit, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -94,6 +105,89 @@ def main() -> None:
         print(f"ok precision {precision}: 2 steps, parameters in {dtype}", flush=True)
     expect("state_dict_type", lambda: NnCompileStrategy(state_dict_type="full"), "sharded")
     expect("precision", lambda: NnCompilePrecision("64-true"), "supports")
+    zero_checks(d)
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return trainer.lightning_module.nncompile_module.gather_params()
+
+
+def same_weights(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7), f"{what}: {k}"
+
+
+def zero_checks(d: str) -> None:
+    from nncompile.runtime.optimizer import ZeroOptimizer
+    z1 = nncompile.ComputeConfig(1, use_zero=1)
+    expect("zero two param groups", lambda: fit(Lit("groups"), f"{d}/z1", config=z1),
+           "has 2 (under ZeRO and offload")
+    expect("zero optimizer misses parameters", lambda: fit(Lit("subset"), f"{d}/z1", config=z1),
+           "freeze (requires_grad=False)")
+    expect("zero auto tp", lambda: NnCompileStrategy(nncompile.ComputeConfig(1, use_zero="auto"),
+                                                     pas_policy="tp"), "pas_policy='autodist'")
+    expect("lightning precision plugin", lambda: L.Trainer(
+        accelerator="cpu", devices=1, precision="bf16-mixed", logger=False,
+        strategy=NnCompileStrategy(nncompile.ComputeConfig(1), pas_policy="dp",
+                                   gen_savedir=f"{d}/z0")), "plugins=[NnCompilePrecision(")
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False,
+                        strategy=NnCompileStrategy(nncompile.ComputeConfig(1), pas_policy="dp",
+                                                   gen_savedir=f"{d}/z0"))
+    assert type(trainer.strategy.precision_plugin) is NnCompilePrecision
+    print("ok default precision: Lightning's 32-true plugin becomes NnCompilePrecision",
+          flush=True)
+
+    # ZeRO-1 (a group of one rank here) and offload step copies of the parameters: the
+    # scaler must unscale the module's gradients, not the copies'; the result equals plain
+    for name, precision, cfg in (
+            ("zero1 16-mixed", "16-mixed", nncompile.ComputeConfig(1, use_zero=1)),
+            ("zero1 offload", "32-true", nncompile.ComputeConfig(1, use_zero=1,
+                                                                 offload_optimizer=True))):
+        kw = dict(precision=precision, gradient_clip_val=0.5)
+        init = {f"net.{k}": v.detach().clone() for k, v in Lit().net.named_parameters()}
+        plain = fit(Lit("momentum"), f"{d}/z0", **kw)
+        assert all(not torch.equal(v, init[k]) for k, v in weights(plain).items()), \
+            f"{name}: the steps were skipped"
+        trainer = fit(Lit("momentum"), f"{d}/z1", config=cfg, **kw)
+        opt = trainer.strategy.optimizers[0]
+        assert isinstance(opt, ZeroOptimizer) and isinstance(opt.inner, torch.optim.SGD)
+        assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["lr"] == 0.1
+        same_weights(weights(trainer), weights(plain), name)
+        print(f"ok {name}: ZeroOptimizer(SGD) equals plain SGD after 2 steps", flush=True)
+
+    z3 = nncompile.ComputeConfig(1, use_zero=3)
+    plain = fit(Lit("momentum"), f"{d}/z0", gradient_clip_val=0.5)
+    trainer = fit(Lit("build_optimizer"), f"{d}/z3", config=z3, gradient_clip_val=0.5)
+    pm = trainer.lightning_module.nncompile_module
+    assert trainer.strategy.optimizers[0].pm is pm and pm.memory.zero == 3
+    assert all(n.startswith("zero_") for n, _ in pm.named_parameters())
+    same_weights(weights(trainer), weights(plain), "zero3")
+    print("ok zero3 built by build_optimizer in configure_optimizers: kept, equals plain",
+          flush=True)
+    z3o = nncompile.ComputeConfig(1, use_zero=3, offload_optimizer=True, offload_params=True)
+    offloaded = fit(Lit("momentum"), f"{d}/z3o", config=z3o, gradient_clip_val=0.5)
+    opt = offloaded.strategy.optimizers[0]
+    assert isinstance(opt, ZeroOptimizer) and opt.stage == 3 and opt.host is not None
+    same_weights(weights(offloaded), weights(plain), "zero3 offload")
+    print("ok zero3 offload_optimizer offload_params: equals plain", flush=True)
+
+    # a ZeRO-3 checkpoint under ZeRO-1: sharded optimizer pieces are refused with the fix,
+    # deduped ones (state by local name) load, and training continues like plain SGD resumed
+    # from the same checkpoint (momentum buffers included)
+    trainer.save_checkpoint(f"{d}/z3_sharded")
+    trainer.strategy.state_dict_type = "deduped"
+    trainer.save_checkpoint(f"{d}/z3_deduped")
+    expect("zero sharded checkpoint under another stage", lambda: fit(
+        Lit("momentum"), f"{d}/z1", config=z1, ckpt_path=f"{d}/z3_sharded", max_steps=4),
+        "merge_checkpoint([dir], 'merged.ckpt')")
+    plain = fit(Lit("momentum"), f"{d}/z0", ckpt_path=f"{d}/z3_deduped", max_steps=4,
+                gradient_clip_val=0.5)
+    trainer = fit(Lit("momentum"), f"{d}/z1", config=z1, ckpt_path=f"{d}/z3_deduped",
+                  max_steps=4, gradient_clip_val=0.5)
+    assert trainer.global_step == plain.global_step == 4
+    same_weights(weights(trainer), weights(plain), "zero3 deduped -> zero1")
+    print("ok zero3 deduped checkpoint resumes under zero1 like plain", flush=True)
 
 
 if __name__ == "__main__":
