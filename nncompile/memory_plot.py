@@ -4,11 +4,11 @@ matplotlib's Agg canvas (no pyplot, no display needed)."""
 from __future__ import annotations
 
 import bisect
-import os
 from pathlib import Path
 
 from .errors import ConfigError
 from .memory import CATEGORIES, MemoryProfile, RankMemory
+from .plot import save_figure
 
 COLOURS = {"parameters": "#2e7d32", "gradients": "#1f5fbf", "optimizer_state": "#d4a017",
            "activations": "#c62828", "communication_buffers": "#7b3fa0", "other": "#9e9e9e"}
@@ -75,16 +75,4 @@ def plot_profile(prof: MemoryProfile, output: Path, x: str = "events") -> Path:
     fig.suptitle(f"memory per rank ({prof.world_size} rank(s), plan_ngpus {prof.plan_ngpus})",
                  fontsize=11)
 
-    fmt = output.suffix.lstrip(".").lower() or "png"
-    supported = fig.canvas.get_supported_filetypes()
-    if fmt not in supported:
-        raise ConfigError(f"cannot write {output}: .{fmt} is not an image format matplotlib "
-                          f"writes; use one of {', '.join('.' + f for f in sorted(supported))}")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-    try:
-        fig.savefig(tmp, format=fmt, bbox_inches="tight")
-        os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return output
+    return save_figure(fig, output)

@@ -171,6 +171,12 @@ def plot_plan(plan: dict[str, Any], manifest: dict[str, Any], output: Path) -> P
                  f"{cfg.get('runtime_ngpus', '?')} ({len(plan['ops'])} ops, {n_comm} comm ops)",
                  fontsize=11)
 
+    return save_figure(fig, output, dpi=dpi)
+
+
+def save_figure(fig, output: Path, dpi=None) -> Path:
+    """Write a matplotlib figure in the format its suffix names, atomically (temp name, then
+    rename); a suffix matplotlib cannot write is a ConfigError naming the ones it can."""
     fmt = output.suffix.lstrip(".").lower() or "png"
     supported = fig.canvas.get_supported_filetypes()
     if fmt not in supported:
@@ -179,7 +185,7 @@ def plot_plan(plan: dict[str, Any], manifest: dict[str, Any], output: Path) -> P
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
     try:
-        fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight")
+        fig.savefig(tmp, format=fmt, bbox_inches="tight", **({"dpi": dpi} if dpi else {}))
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)

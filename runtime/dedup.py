@@ -63,12 +63,12 @@ def load_deduped_state_dict(pm, model_sd: dict, optimizer=None,
 
 def load_deduped_model_state(pm, model_sd: dict) -> None:
     check_same_plan(model_sd.get("_extra_state", {}), pm, "the deduped state dict")
-    local = {}
+    local, dtypes = {}, _local_dtypes(pm)
     for row in state_rows(pm):
         if is_owner(pm, row.placement):
-            t = model_sd[row.name].to(pm.device, _dtype_of(pm, row)).contiguous().clone()
+            t = model_sd[row.name].to(pm.device, dtypes[row.name]).contiguous().clone()
         else:
-            t = torch.empty(row.local_shape, dtype=_dtype_of(pm, row), device=pm.device)
+            t = torch.empty(row.local_shape, dtype=dtypes[row.name], device=pm.device)
         group, shared = _group(pm, row.placement)
         if shared:
             dist.broadcast(t, src=owner_rank(pm, row.placement), group=group)
@@ -76,13 +76,12 @@ def load_deduped_model_state(pm, model_sd: dict) -> None:
     pm.load_local_tensors(local)
 
 
-def _dtype_of(pm, row) -> torch.dtype:
-    """The dtype of a parameter or buffer of this rank (ZeRO-3: of its flat piece)."""
-    if pm.zero is not None and row.name not in dict(pm.named_buffers()):
-        for unit in pm.zero.units:
-            if row.name in unit.layout.names:
-                return getattr(pm, unit.attr).dtype
-    return getattr(pm, row.name).dtype
+def _local_dtypes(pm) -> dict[str, torch.dtype]:
+    """Each parameter's and buffer's dtype by local name (ZeRO-3: its flat piece's)."""
+    out = {n: t.dtype for n, t in [*pm.named_parameters(), *pm.named_buffers()]}
+    for unit in pm.zero.units if pm.zero is not None else []:
+        out.update(dict.fromkeys(unit.layout.names, out[unit.attr]))
+    return out
 
 
 def load_deduped_optimizer_state(pm, optimizer, optimizer_sd: dict | None) -> None:

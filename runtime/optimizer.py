@@ -34,7 +34,7 @@ from nncompile.errors import CheckpointError, ConfigError
 
 from .groups import get_zero_group
 from .rows import param_rows
-from .zero import FlatLayout, all_gather_flat
+from .zero import FlatLayout, gather_piece
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam",
                "ASGD", "Rprop", "Adadelta")
@@ -150,7 +150,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g = s.grad if s.grad is not None else torch.zeros(s.layout.hi - s.layout.lo,
                                                                dtype=s.param.dtype,
                                                                device=self.pm.device)
-            for name, p, t in zip(s.names, s.params, s.layout.unflatten(self._gather(s, g))):
+            for name, p, t in zip(s.names, s.params, s.layout.unflatten(self._gather_layout(s.layout, g))):
                 out[name] = t.clone() if p.grad is None else t + p.grad.detach()
         for row in param_rows(self.pm):
             out.setdefault(row.name, None)
@@ -191,14 +191,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 continue
             s.param.grad = None
             local = s.param.detach().to(s.params[0].device, non_blocking=True)
-            full = self._gather(s, local)
+            full = self._gather_layout(s.layout, local)
             for p, value in zip(s.params, s.layout.unflatten(full)):
                 p.copy_(value)
         return loss
-
-    def _gather(self, s: _Shard, local: torch.Tensor) -> torch.Tensor:
-        local = s.layout.padded(local.reshape(-1).to(self.pm.device))
-        return all_gather_flat(local, self.zero_size, self.group)[0]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.pm.zero_grad(set_to_none=set_to_none)
@@ -236,8 +232,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                   self._gather_layout)
 
     def _gather_layout(self, layout: FlatLayout, v: torch.Tensor) -> torch.Tensor:
-        local = layout.padded(v.reshape(-1).to(self.pm.device))
-        return all_gather_flat(local, self.zero_size, self.group)[0]
+        return gather_piece(layout, v, self.zero_size, self.group, self.pm.device)
 
     def load_local_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Inverse of local_state: keep this rank's slice of each full local state tensor."""

@@ -33,21 +33,11 @@ def zero3_layout(pm) -> dict[str, Any]:
     """Under ZeRO-3: how pm.parameters() (the flat pieces, in order) cut the local tensors, so
     a plain optimizer's indexed state over them can be merged (merge.py)."""
     z = pm.zero
-    ranks = z.size
-    return {"zero_rank": z.rank, "zero_size": ranks,
-            "ranks": [r for r in _zero_ranks(pm)],
+    return {"zero_rank": z.rank, "zero_size": z.size,
+            "ranks": list(z.ranks),
             "flats": [{"attr": u.attr, "names": u.layout.names, "numels": u.layout.numels,
                        "lo": u.layout.lo, "hi": u.layout.hi, "trainable": u.trainable}
                       for u in z.units]}
-
-
-def _zero_ranks(pm) -> list[int]:
-    from .groups import zero_ranks
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return [0]
-    return zero_ranks(dist.get_rank(), pm.PLAN_NGPUS, pm.RUNTIME_NGPUS,
-                      pm.compute_config.zero_ngroups)
 
 
 def as_zero_state(info: dict, opt_sd: dict) -> dict:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from nncompile.mesh import DP, Mesh, grad_reduction
 
 from .groups import get_zero_group, group_along
+from .rows import param_rows
 
 
 class FlatLayout:
@@ -91,6 +92,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def gather_piece(layout: "FlatLayout", piece: torch.Tensor, size: int, group,
+                 device) -> torch.Tensor:
+    """The full flat vector of a piece cut by `layout` (a parameter, a gradient or an optimizer
+    state piece; hi - lo or chunk elements), gathered on `device` (a collective)."""
+    local = layout.padded(piece.detach().reshape(-1).to(device, non_blocking=True))
+    return all_gather_flat(local, size, group)[0]
+
+
 def all_gather_flat(local: torch.Tensor, size: int, group, async_op: bool = False):
     """Equal pieces of every rank of `group` concatenated: (full, work or None)."""
     full = torch.empty(local.numel() * size, dtype=local.dtype, device=local.device)
@@ -108,7 +117,7 @@ class Unit:
     path: str
     layout: FlatLayout
     trainable: bool
-    reduce_group: object = None       # where the full gradient is summed (None: nowhere)
+    reduce_dims: tuple | None = None  # mesh dims the full gradient is summed over (None: none)
     scale: float = 1.0
     pending: tuple | None = None      # a prefetch in flight: (full, work)
     again: torch.Tensor | None = None  # the unit gathered again in backward
@@ -142,16 +151,16 @@ class ZeroRuntime:
 
     def __init__(self, pm, units: list[tuple], offload_params: bool, ngroups: int):
         self.pm = pm
-        self.group, ranks = get_zero_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, ngroups)
-        self.size = len(ranks)
-        self.rank = ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+        self.group, self.ranks = get_zero_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, ngroups)
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
         self.device = pm.device
         self.host = torch.device("cpu") if offload_params else pm.device
         self.offload = offload_params
         self.same_group = ngroups == 1
         mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS)
         self.mesh = mesh
-        rows = {row.name: row for row in _param_rows(pm)}
+        rows = {row.name: row for row in param_rows(pm)}
         partial = pm._partial_grad
         self.units: list[Unit] = []
         self.by_attr: dict[str, Unit] = {}
@@ -162,11 +171,11 @@ class ZeroRuntime:
             red = grad_reduction(mesh, names[0] in partial, trainable) \
                 if dist.is_initialized() else None
             if red is not None:
-                u.reduce_group = ("dims", red.dims)
-                u.scale = red.scale
+                u.reduce_dims, u.scale = red.dims, red.scale
             self.units.append(u)
             self.by_attr[attr] = u
         self._backward_queued = False
+        self._by_storage: dict[int, Unit] = {}     # storage of a gathered unit -> the unit
 
     # ---- building and reading the shards ---------------------------------------------------
     def shard_of(self, unit: Unit, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -182,16 +191,12 @@ class ZeroRuntime:
 
     def gather_now(self, unit: Unit, source: torch.Tensor | None = None) -> torch.Tensor:
         """The full flat tensor of a unit (a collective), on the device; `source` instead of
-        the parameter (e.g. its gradient or an optimizer state piece)."""
-        local = (self.flat(unit) if source is None else source).detach()
-        local = local.to(self.device, non_blocking=True)
-        full, _ = all_gather_flat(unit.layout.padded(local), self.size, self.group)
-        return full
+        the parameter (e.g. its gradient)."""
+        return self.gather_state(unit.layout, self.flat(unit) if source is None else source)
 
     def gather_state(self, layout: FlatLayout, piece: torch.Tensor) -> torch.Tensor:
-        """The full flat vector of an optimizer state piece (a collective)."""
-        local = layout.padded(piece.reshape(-1).to(self.device))
-        return all_gather_flat(local, self.size, self.group)[0]
+        """The full flat vector of a piece cut by `layout` (a collective)."""
+        return gather_piece(layout, piece, self.size, self.group, self.device)
 
     def local_tensors(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
         """{local name: full local tensor} (every rank of the ZeRO group calls this)."""
@@ -214,17 +219,13 @@ class ZeroRuntime:
         for unit in self.units:
             if not any(n in tensors for n in unit.layout.names):
                 continue
-            missing = [n for n in unit.layout.names if n not in tensors]
-            if missing:
-                current = self.local_tensors_of(unit)
-                tensors = {**current, **tensors}
+            if any(n not in tensors for n in unit.layout.names):   # keep the others as they are
+                full = self.gather_now(unit)
+                tensors = {**dict(zip(unit.layout.names, unit.layout.unflatten(full))),
+                           **tensors}
             flat = self.flat(unit)
             flat.copy_(self.shard_of(unit, [tensors[n].to(self.device)
                                             for n in unit.layout.names]))
-
-    def local_tensors_of(self, unit: Unit) -> dict[str, torch.Tensor]:
-        full = self.gather_now(unit)
-        return dict(zip(unit.layout.names, (t.clone() for t in unit.layout.unflatten(full))))
 
     # ---- forward: gather, prefetch ------------------------------------------------------------
     def start(self, unit: Unit) -> None:
@@ -241,7 +242,9 @@ class ZeroRuntime:
         unit.pending = None
         if work is not None:
             work.wait()
-        unit.live[full.untyped_storage().data_ptr()] = weakref.ref(full)
+        ptr = full.untyped_storage().data_ptr()
+        unit.live[ptr] = weakref.ref(full)
+        self._by_storage[ptr] = unit
         return full
 
     def reset(self) -> None:
@@ -251,22 +254,23 @@ class ZeroRuntime:
                 unit.pending[1].wait()
             unit.pending, unit.again = None, None
             unit.live.clear()
+        self._by_storage.clear()
 
     # ---- saved tensors: a gathered weight is saved as a reference ---------------------------
     def pack(self, t: torch.Tensor):
         if t.device != self.device or t.layout != torch.strided:
             return t
         ptr = t.untyped_storage().data_ptr()
-        for unit in self.units:
-            ref = unit.live.get(ptr)
-            if ref is None:
-                continue
-            full = ref()
-            if full is None or full.untyped_storage().data_ptr() != ptr:
-                del unit.live[ptr]
-                continue
-            return _Saved(unit, t)
-        return t
+        unit = self._by_storage.get(ptr)
+        if unit is None:
+            return t
+        ref = unit.live.get(ptr)
+        full = ref() if ref is not None else None
+        if full is None or full.untyped_storage().data_ptr() != ptr:   # freed; memory reused
+            unit.live.pop(ptr, None)
+            del self._by_storage[ptr]
+            return t
+        return _Saved(unit, t)
 
     def unpack(self, saved):
         if not isinstance(saved, _Saved):
@@ -290,8 +294,8 @@ class ZeroRuntime:
             return None
         g = g.contiguous()
         layout = unit.layout
-        if unit.reduce_group is not None:
-            dims = unit.reduce_group[1]
+        if unit.reduce_dims is not None:
+            dims = unit.reduce_dims
             group = group_along(dims, self.pm.PLAN_NGPUS, self.pm.RUNTIME_NGPUS)
             if dims == (DP,) and self.same_group and self.group is not None:
                 piece = torch.empty(layout.chunk, dtype=g.dtype, device=g.device)
@@ -310,7 +314,7 @@ class ZeroRuntime:
     # ---- gradient pieces for clipping ------------------------------------------------------
     def grad_pieces(self):
         """(gradient piece, sharded over the plan unit) for every trainable unit."""
-        rows = {row.name: row for row in _param_rows(self.pm)}
+        rows = {row.name: row for row in param_rows(self.pm)}
         for unit in self.units:
             g = self.flat(unit).grad
             if unit.trainable and g is not None:
@@ -328,7 +332,3 @@ def prefetch(flat: torch.nn.Parameter, *, group: ZeroRuntime) -> None:
     """comm.zero_prefetch: start the unit's gather now; zero_gather waits for it."""
     group.start(group.by_attr[flat._zero_attr])
 
-
-def _param_rows(pm):
-    from .rows import param_rows
-    return param_rows(pm)
