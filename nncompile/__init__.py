@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 from .config import ComputeConfig  # noqa: E402
 from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError,  # noqa: E402
-                     InputMismatchError, NNCompileError, PlanCheckError, PolicyError, ReuseError,
+                     InputMismatchError, NNCompileError, PipelineError, PlanCheckError, PolicyError,
+                     ReuseError,
                      TraceError)
 from .api import parallelize  # noqa: E402
 from .check import verify  # noqa: E402
@@ -33,5 +34,5 @@ __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "Co
            "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",
            "load_merged_state_dict", "CheckpointError", "EditedCodeWarning",
            "NNCompileError", "ConfigError", "TraceError", "PolicyError", "ReuseError",
-           "GraphError", "InputMismatchError", "PlanInfeasibleError", "PlanCheckError",
+           "GraphError", "InputMismatchError", "PlanInfeasibleError", "PlanCheckError", "PipelineError",
            "__version__"]

@@ -28,6 +28,7 @@ from .fingerprint import compute_fingerprint
 from .frontend import trace
 from .ir import Graph, MemoryChoice, print_graph
 from .log import log as _log
+from .pipeline_config import microbatch_dummy
 from nncompile.passes import build_pipeline, get_policy, run_pipeline
 from nncompile.passes.autodist import report_table as plan_report
 
@@ -55,8 +56,14 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     check_writable(outdir.parent)
     start = time.perf_counter()
     _log(f"tracing {type(module).__name__} ...")
+    m = config.pipeline.microbatches
+    dummy_args, batch = microbatch_dummy(dummy_args, m)
     graph = trace(module, dummy_args)
     graph.trace_info.inference_only = config.inference_only
+    if m > 1:       # the code runs one micro-batch; train_step splits the batch
+        graph.trace_info.microbatches = m
+        graph.trace_info.batched = [v.name for v in graph.inputs
+                                    if v.meta.shape and v.meta.shape[0] == batch // m]
     if config.inference_only:
         for v in graph.values():
             v.requires_grad = False

@@ -97,12 +97,31 @@ def rank_tables(g: Graph, rank: int) -> dict[str, list[tuple]]:
     }
 
 
+PIPELINE_HEADER = '''    # pipeline parallelism (runtime/pipeline.py runs the stages on torch.distributed.pipelining)
+    PIPE_RANKS = {ranks}  # pipeline ranks in the plan unit; PLAN_NGPUS is one stage's tensor-parallel ranks
+    PIPELINE = {info!r}
+    STAGES = [  # this rank's stages: index, inputs, outputs, their (local shape, dtype, grad), parameters
+{rows}
+    ]
+'''
+
+
 def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
             memory: MemoryChoice | None = None) -> str:
     """A rank's file. `memory`: the ZeRO stage and offload choice to record in it (given when
-    it shapes the code: ZeRO-3's per-unit gathers, or a choice autodist made)."""
+    it shapes the code: ZeRO-3's per-unit gathers, or a choice autodist made). A pipelined
+    plan's file holds this rank's stages (pipeline_codegen.py) instead of one forward."""
+    from . import pipeline_codegen as pc
     n = g.plan_ngpus
-    t = rank_tables(g, rank)
+    pp = g.plan_state.pipeline
+    tg, stages = g, None
+    if pp is not None:
+        if "stage_graphs" not in g.meta:
+            g.meta["stage_graphs"] = pc.stage_graphs(g)
+        stages = g.meta["stage_graphs"]
+        _, pipe_rank, ids = pc.rank_position(g, rank)
+        tg = table_graph(g, rank)
+    t = rank_tables(tg, rank)
     text = HEADER.format(
         custom_imports=_custom_imports(g),
         runtime_modules="comm, rng" if any(op.target_name.startswith("rng.") for op in g.ops)
@@ -116,9 +135,22 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),
         args=_rows([tuple(r) for r in g.trace_info.args]),
         signature=g.trace_info.signature, defaults=g.trace_info.defaults,
-        params=_rows(t["params"]), frozen=[v.name for v in g.params if not v.requires_grad],
+        params=_rows(t["params"]), frozen=[v.name for v in tg.params if not v.requires_grad],
         buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
-    units = zero_units(g) if memory is not None and memory.zero == 3 else []
+    if g.trace_info.microbatches > 1:
+        text += (f"    MICROBATCHES = {g.trace_info.microbatches}  # train_step splits the batch "
+                 f"into this many; the code runs one\n"
+                 f"    BATCHED = {g.trace_info.batched!r}  # inputs split (the others are "
+                 f"passed whole to each micro-batch)\n")
+    if pp is not None:
+        unit = rank // (n * pp.ranks)
+        text = text.replace(f"(plan unit {rank // n}, shard {rank % n} of {n})",
+                            f"(plan unit {unit}: pipeline rank {pipe_rank} of {pp.ranks}, "
+                            f"tensor-parallel shard {rank % n} of {n})", 1)
+    units = zero_units(tg) if memory is not None and memory.zero == 3 else []
+    if pp is not None:
+        info, rows = pc.pipeline_tables(g, rank, stages, units)
+        text += PIPELINE_HEADER.format(ranks=pp.ranks, info=info, rows=_rows(rows))
     if memory is not None:
         text += MEMORY_HEADER.format(
             memory={"zero": memory.zero, "offload_optimizer": memory.offload_optimizer,
@@ -126,7 +158,7 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
             units=_rows([(attr, path, tuple(v.name for v in vs)) for attr, path, vs in units]))
     lines = [text.rstrip("\n")]
     if g.const_ops:
-        args = ", ".join(v.name for v in g.buffers)
+        args = ", ".join(v.name for v in tg.buffers)
         lines.append("")
         lines.append(f"    def compute_constants(self{', ' + args if args else ''}):")
         lines.append('        """Evaluated once at load time, on full buffers."""')
@@ -134,6 +166,9 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         lines += fmt_body(g.const_ops, indent="        ", local_n=n)
         lines.append("        return {" + ", ".join(f"{v.name!r}: {v.name}"
                                                     for v in g.consts) + "}")
+    if pp is not None:
+        lines += pc.stage_methods(g, rank, stages, units)
+        return "\n".join(lines) + "\n"
     # in the forward, parameters, buffers and constants are attributes of the module
     attrs = g.buffers + g.consts + ([] if units else g.params)
     with value_names({v: f"self.{v.name}" for v in attrs}):
@@ -213,12 +248,23 @@ def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
     return lines
 
 
+def table_graph(g: Graph, rank: int) -> Graph:
+    """The graph whose parameters a rank holds (a pipelined plan: its stages' only)."""
+    if g.plan_state.pipeline is None:
+        return g
+    from . import pipeline_codegen as pc
+    if "stage_graphs" not in g.meta:
+        g.meta["stage_graphs"] = pc.stage_graphs(g)
+    stages = g.meta["stage_graphs"]
+    return pc.rank_graph(g, [stages[s] for s in pc.rank_position(g, rank)[2]])
+
+
 def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[str, Any]:
     ranks = {}
     dtypes = {v.fqn: str(v.meta.dtype).replace("torch.", "") for v in g.params}
     frozen = {v.name for v in g.params if not v.requires_grad}
     for r in range(config.runtime_ngpus):
-        t = rank_tables(g, r)
+        t = rank_tables(table_graph(g, r), r)
         ranks[str(r)] = {
             "file": f"gencode{r}.py",
             "params": [{"local": name, "fqn": fqn, "full_shape": list(shape),

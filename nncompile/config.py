@@ -15,7 +15,8 @@ from .errors import ConfigError
 # unknown key is an error under every policy, so a typo never silently does nothing.
 PAS_CONFIG_KEYS = frozenset({
     "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
-    "constraints", "recompute_modules", "save_plan_path", "load_plan_path"})
+    "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
+    "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
                "offload_params", "check")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -80,6 +81,10 @@ class ComputeConfig:
                 raise ConfigError(f"{name}={value!r}; {name} must be a dict (got "
                                   f"{type(value).__name__}), e.g. {name}={{}}")
         check_pas_config_keys(self.pas_config)
+        if self.pipeline.enabled and self.check:     # (checks the pipeline options too)
+            raise ConfigError("check=True runs the plan in one process through forward, which "
+                              "a pipelined plan does not have; leave check off with "
+                              "pipeline_stages (the parity tests cover pipelines)")
         if self.runtime_ngpus is not None:
             if not _is_int(self.runtime_ngpus) or self.runtime_ngpus < 1:
                 raise ConfigError(f"runtime_ngpus must be a positive int, "
@@ -134,6 +139,12 @@ class ComputeConfig:
         return {"use_zero": self.zero_stage, "zero_ngroups": self.zero_ngroups,
                 "offload_optimizer": self.offload_optimizer,
                 "offload_params": self.offload_params}
+
+    @property
+    def pipeline(self):
+        """The pipeline options (nncompile/pipeline_config.py)."""
+        from .pipeline_config import pipeline_config
+        return pipeline_config(self.pas_config, self.plan_ngpus)
 
     @property
     def dp_size(self) -> int:

@@ -39,3 +39,8 @@ class PlanCheckError(NNCompileError):
 
 class EditedCodeWarning(UserWarning):
     """A generated file was edited after nncompile wrote it; the edited file runs."""
+
+
+class PipelineError(NNCompileError, RuntimeError):
+    """A pipelined plan used the way only an unpipelined one can be (e.g. pm(...) instead of
+    pm.train_step(...))."""

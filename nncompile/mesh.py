@@ -5,7 +5,9 @@ A job of `runtime_ngpus` ranks is a 2-D mesh, outermost first:
     ("dp", runtime_ngpus // plan_ngpus)   data-parallel units (each runs the whole model)
     ("plan", plan_ngpus)                  the ranks of one plan unit (tensor parallelism)
 
-rank = dp_index * plan_ngpus + plan_index. A tensor's placement is one Placement per mesh
+rank = dp_index * plan_ngpus + plan_index. A pipelined plan adds ("pp", S) between them: a unit
+is S pipeline ranks (stages) of plan_ngpus tensor-parallel ranks each, and every collective of
+the generated code runs along "plan" inside one stage. A tensor's placement is one Placement per mesh
 dimension, DTensor-style. Plans place values along "plan"; along "dp" every parameter is
 Replicate (each unit holds the whole plan) and every activation is Shard(0) (each unit sees
 its own batch). ZeRO-3 and pipeline stages are later placements along these dimensions.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from nncompile.ir.placement import Placement, Replicate, Shard
 
-DP, PLAN = "dp", "plan"
+DP, PP, PLAN = "dp", "pp", "plan"
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,12 @@ class Mesh:
     dims: tuple[tuple[str, int], ...]
 
     @classmethod
-    def of(cls, plan_ngpus: int, runtime_ngpus: int) -> "Mesh":
+    def of(cls, plan_ngpus: int, runtime_ngpus: int, pipe_ranks: int = 1) -> "Mesh":
+        """plan_ngpus: the ranks of one (stage's) tensor-parallel plan; with pipe_ranks > 1 a
+        unit is pipe_ranks stages of plan_ngpus ranks: ("dp", "pp", "plan")."""
+        if pipe_ranks > 1:
+            return cls(((DP, runtime_ngpus // (plan_ngpus * pipe_ranks)), (PP, pipe_ranks),
+                        (PLAN, plan_ngpus)))
         return cls(((DP, runtime_ngpus // plan_ngpus), (PLAN, plan_ngpus)))
 
     @property

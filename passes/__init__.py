@@ -1,7 +1,7 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
-    trace -> constant_fold -> dce -> plan(policy) -> insert_comm -> [recompute] -> localize
-          -> codegen
+    trace -> constant_fold -> dce -> [pipeline_stages] -> plan(policy) -> insert_comm
+          -> [recompute] -> localize -> codegen
 
 Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
@@ -26,6 +26,7 @@ from .contract import contract, produces_of, requires_of
 from .dce import dce
 from .insert_comm import insert_comm
 from .localize import localize
+from .pipeline_stages import PartitionStages
 from .plan import Plan
 from .recompute import AUTO, Recompute
 from .policies import POLICIES, get_policy
@@ -53,6 +54,8 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
     return [p for p in [
         constant_fold if config.constant_folding else None,
         dce,
+        PartitionStages(config, autodist=policy is POLICIES["autodist"])
+        if config.pipeline.enabled else None,
         Plan(policy, config),
         insert_comm,
         Recompute(config.pas_config["recompute_modules"])
@@ -113,4 +116,4 @@ def _stages(stages) -> str:
 
 
 __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce", "Plan", "insert_comm",
-           "localize", "Recompute", "get_policy", "PassError", "PipelineResult", "contract"]
+           "localize", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]

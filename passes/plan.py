@@ -4,7 +4,8 @@ Before:                                         After (tp, plan_ngpus=2):
     y = aten.linear.default(x, w)  # f32[8, 64] R     y = aten.linear.default(x, w)  # f32[8, 64] S(1)  [split n]
 
 Every op ends with a legal strategy (ops the policy left alone run replicated) and every op
-output takes the placement its strategy names. Precondition: none. Idempotent: yes, for a
+output takes the placement its strategy names. Under a pipeline (plan_state.pipeline) the
+policy plans for one stage's tensor-parallel ranks. Precondition: none. Idempotent: yes, for a
 deterministic policy.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ from nncompile.errors import PolicyError
 from nncompile.ir import Graph, Partial, Replicate, Stage
 from nncompile.rules import replicated, strategies
 
+from .pipeline_stages import stage_config
+
 
 @dataclass
 class Plan:
@@ -26,13 +29,17 @@ class Plan:
     produces: ClassVar[tuple] = (Stage.PLANNED,)
 
     def __call__(self, graph: Graph) -> Graph:
-        g = self.policy(graph, self.config)
+        config = self.config
+        pp = graph.plan_state.pipeline
+        if pp is not None:         # each stage runs on its pp.tp tensor-parallel ranks
+            config = stage_config(config, pp.tp, pp.ranks)
+        g = self.policy(graph, config)
         if not isinstance(g, Graph):
             raise PolicyError(f"policy {getattr(self.policy, '__name__', self.policy)!r} "
                               f"returned {type(g).__name__}, not a Graph")
         if g is graph:
             g = graph.clone()
-        n = self.config.plan_ngpus
+        n = config.plan_ngpus
         g.plan_ngpus = n
         g.plan_state.policy = getattr(self.policy, "__name__", str(self.policy))
         for v in g.params + g.buffers:

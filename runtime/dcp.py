@@ -127,7 +127,7 @@ _MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default gro
 
 def _mesh(pm):
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS)
+    mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
     device = "cuda" if pm.device.type == "cuda" else "cpu"
     key = (device, mesh.dims)
     meshes = _MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})

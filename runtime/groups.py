@@ -16,19 +16,19 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from nncompile.mesh import DP, PLAN, Mesh
+from nncompile.mesh import DP, PLAN, PP, Mesh
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> groups
 
 
-def shard_ranks(rank: int, plan: int, runtime: int) -> list[int]:
+def shard_ranks(rank: int, plan: int, runtime: int, pipe: int = 1) -> list[int]:
     """The ranks holding the same shard as `rank`: its group along "dp"."""
-    return Mesh.of(plan, runtime).ranks_along((DP,), rank)
+    return Mesh.of(plan, runtime, pipe).ranks_along((DP,), rank)
 
 
-def zero_ranks(rank: int, plan: int, runtime: int, ngroups: int) -> list[int]:
+def zero_ranks(rank: int, plan: int, runtime: int, ngroups: int, pipe: int = 1) -> list[int]:
     """The ranks this rank shards optimizer state with (a slice of its shard group)."""
-    ranks = shard_ranks(rank, plan, runtime)
+    ranks = shard_ranks(rank, plan, runtime, pipe)
     size = len(ranks) // ngroups
     i = ranks.index(rank) // size
     return ranks[i * size:(i + 1) * size]
@@ -59,27 +59,55 @@ def _cached(key: tuple, all_ranks: list[list[int]]) -> list:
     return next(g for ranks, g in cache[key] if rank in ranks)
 
 
-def get_groups(plan: int, runtime: int):
-    """(plan group, data-parallel group) of this rank; None where the group has one rank."""
+def get_groups(plan: int, runtime: int, pipe: int = 1):
+    """(plan group, data-parallel group) of this rank; None where the group has one rank.
+    Under a pipeline (pipe > 1) the plan group is one stage's tensor-parallel ranks."""
     if not dist.is_initialized():
         return None, None
-    mesh = Mesh.of(plan, runtime)
-    return (_cached(("unit", plan, runtime), mesh.groups_along((PLAN,))),
-            _cached(("shard", plan, runtime), mesh.groups_along((DP,))))
+    mesh = Mesh.of(plan, runtime, pipe)
+    return (_cached(("unit", plan, runtime, pipe), mesh.groups_along((PLAN,))),
+            _cached(("shard", plan, runtime, pipe), mesh.groups_along((DP,))))
 
 
-def group_along(dims: tuple[str, ...], plan: int, runtime: int):
+def group_along(dims: tuple[str, ...], plan: int, runtime: int, pipe: int = 1):
     """This rank's group along mesh `dims` (the default group for all of them)."""
-    if set(dims) == {DP, PLAN}:
+    mesh = Mesh.of(plan, runtime, pipe)
+    if set(dims) == set(mesh.names):
         return dist.group.WORLD
-    unit, shard = get_groups(plan, runtime)
-    return unit if dims == (PLAN,) else shard
+    if dims in ((PLAN,), (DP,)):
+        unit, shard = get_groups(plan, runtime, pipe)
+        return unit if dims == (PLAN,) else shard
+    return _cached(("along", tuple(sorted(dims)), plan, runtime, pipe),
+                   mesh.groups_along(tuple(dims)))
 
 
-def get_zero_group(plan: int, runtime: int, ngroups: int):
+def pipe_group(plan: int, runtime: int, pipe: int):
+    """(group, ranks) of this rank's pipeline: its unit's stages with its tensor-parallel
+    shard, in pipeline order."""
+    mesh = Mesh.of(plan, runtime, pipe)
+    ranks = mesh.ranks_along((PP,), dist.get_rank())
+    return _cached(("pipe", plan, runtime, pipe), mesh.groups_along((PP,))), ranks
+
+
+def tie_group(pipe_ranks: tuple[int, ...], plan: int, runtime: int, pipe: int):
+    """The group of the pipeline ranks `pipe_ranks` sharing a tied weight (with this rank's
+    unit and tensor-parallel shard), or None when this rank is not one of them. Every rank
+    calls it for every tie, in the same order (creating groups is collective)."""
+    mesh = Mesh.of(plan, runtime, pipe)
+    groups = [[mesh.rank_of({DP: d, PP: p, PLAN: t}) for p in sorted(set(pipe_ranks))]
+              for d in range(mesh.size(DP)) for t in range(plan)]
+    key = ("tie", tuple(sorted(set(pipe_ranks))), plan, runtime, pipe)
+    cache = _CACHE.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if key not in cache:
+        cache[key] = [(ranks, _new_group(ranks)) for ranks in groups]
+    rank = dist.get_rank()
+    return next((g for ranks, g in cache[key] if rank in ranks), None)
+
+
+def get_zero_group(plan: int, runtime: int, ngroups: int, pipe: int = 1):
     """(group, ranks) this rank shards optimizer state over; group is None for one rank."""
     if not dist.is_initialized():
         return None, [0]
-    groups = sorted({tuple(zero_ranks(r, plan, runtime, ngroups)) for r in range(runtime)})
-    ranks = zero_ranks(dist.get_rank(), plan, runtime, ngroups)
-    return _cached(("zero", plan, runtime, ngroups), [list(g) for g in groups]), ranks
+    groups = sorted({tuple(zero_ranks(r, plan, runtime, ngroups, pipe)) for r in range(runtime)})
+    ranks = zero_ranks(dist.get_rank(), plan, runtime, ngroups, pipe)
+    return _cached(("zero", plan, runtime, ngroups, pipe), [list(g) for g in groups]), ranks

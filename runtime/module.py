@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from nncompile.config import ComputeConfig
-from nncompile.errors import ConfigError, InputMismatchError
+from nncompile.errors import ConfigError, InputMismatchError, PipelineError
 from nncompile.ir import MemoryChoice
 from nncompile.ir.placement import Placement, Shard
 from nncompile.mesh import Mesh, grad_reduction
@@ -55,12 +55,18 @@ class ParallelModule(torch.nn.Module):
     STATE_KEYS: list[tuple] = []       # the original module's state_dict() keys, canonical FQN
     MEMORY: dict | None = None         # ZeRO stage / offload the code was generated for
     ZERO_UNITS: list[tuple] = []       # ZeRO-3 flat parameters (runtime/zero.py)
+    MICROBATCHES = 1                   # train_step splits the batch into this many
+    BATCHED: list[str] = []            # the inputs it splits
+    PIPE_RANKS = 1                     # pipeline ranks per plan unit (runtime/pipeline.py)
+    PIPELINE: dict | None = None       # a pipelined plan's stages and schedule
+    STAGES: list[tuple] = []           # this rank's stages
 
     def __init__(self, module: torch.nn.Module | None = None, device: Any = None,
                  compute_config: ComputeConfig | None = None):
         super().__init__()
         self.compute_config = compute_config or ComputeConfig(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
-        self.plan_group, self.dp_group = get_groups(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
+        self.plan_group, self.dp_group = get_groups(self.PLAN_NGPUS, self.RUNTIME_NGPUS,
+                                                    self.PIPE_RANKS)
         if device is None:
             device = next((t.device for t in (module.parameters() if module is not None else [])
                            if not t.is_meta), torch.device("cpu"))
@@ -98,6 +104,10 @@ class ParallelModule(torch.nn.Module):
                 self.register_buffer(row.name, _slice(consts[row.name], row.slices).contiguous(),
                                      persistent=False)
         self._reducer = self._build_reducer()
+        self.pipeline = None
+        if self.PIPELINE is not None and dist.is_initialized():
+            from .pipeline import PipelineRuntime
+            self.pipeline = PipelineRuntime(self)
 
     def _local_shard(self, full: torch.Tensor | None, slices) -> torch.Tensor:
         """This rank's slice of a full weight; uninitialized when the weight is on meta
@@ -117,12 +127,42 @@ class ParallelModule(torch.nn.Module):
     # ---- calling ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Called like the original module's forward (runtime/arguments.py)."""
-        if self.ARGS is None:           # files generated before ARGS: one tensor per argument
-            type(self).ARGS = [(name, "*", [("input", name)]) for name, _, _ in self.INPUTS]
-            type(self).SIGNATURE = [name for name, _, _ in self.INPUTS]
+        if self.PIPELINE is not None:
+            raise PipelineError(
+                f"this plan is pipelined ({self.PIPELINE['ranks']} pipeline ranks, schedule "
+                f"{self.PIPELINE['schedule']!r}): a forward alone cannot run, since the stages "
+                "run forward and backward together over micro-batches; call "
+                "`loss = pm.train_step(*args, **kwargs)` instead of `pm(...)` + backward")
+        self._legacy_args()
         bound = dict(arguments.bind(self, args, kwargs))
         inputs = [self._check_input(name, bound[name], shape, dtype)
                   for name, shape, dtype in self.INPUTS]
+        return self._run(inputs)
+
+    def _legacy_args(self) -> None:
+        if self.ARGS is None:           # files generated before ARGS: one tensor per argument
+            type(self).ARGS = [(name, "*", [("input", name)]) for name, _, _ in self.INPUTS]
+            type(self).SIGNATURE = [name for name, _, _ in self.INPUTS]
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of one optimizer step on the unit's whole batch, split into
+        the plan's micro-batches (pipelined: on the plan's schedule; otherwise accumulated).
+        Leaves reduced gradients in .grad (as loss.backward() would) and returns the mean
+        loss over the micro-batches, on every rank. Call optimizer.step() after it."""
+        from .pipeline import accumulate, split_check
+        self._legacy_args()
+        if not torch.is_grad_enabled():
+            raise ConfigError("train_step runs backward; call it outside torch.no_grad()")
+        inputs = split_check(self, args, kwargs)
+        if self.PIPELINE is None:
+            return accumulate(self, inputs)
+        if self.pipeline is None:
+            raise ConfigError("a pipelined plan's train_step needs the process group it was "
+                              "loaded in (torch.distributed.init_process_group first)")
+        return self.pipeline.step(inputs)
+
+    def _run(self, inputs: list[torch.Tensor]):
+        """The generated forward on checked inputs."""
         if self._reducer is not None and torch.is_grad_enabled():
             self._reducer.reset()         # a backward that raised must not leave state behind
         if self.zero is not None:
@@ -164,7 +204,7 @@ class ParallelModule(torch.nn.Module):
         data-parallel group, all averaged over data-parallel units; frozen ones not at all."""
         if not dist.is_initialized() or self.INFERENCE_ONLY or self.zero is not None:
             return None         # ZeRO-3 reduces each unit's gradient in the gather's backward
-        mesh = Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
+        mesh = Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS)
         params = []
         for name, param in self.named_parameters():
             reduction = grad_reduction(mesh, name in self._partial_grad, param.requires_grad)
@@ -173,7 +213,8 @@ class ParallelModule(torch.nn.Module):
             size = 1
             for dim in reduction.dims:
                 size *= mesh.size(dim)
-            group = group_along(reduction.dims, self.PLAN_NGPUS, self.RUNTIME_NGPUS)
+            group = group_along(reduction.dims, self.PLAN_NGPUS, self.RUNTIME_NGPUS,
+                                self.PIPE_RANKS)
             params.append((param, group, size, reduction.scale))
         if not params:
             return None

@@ -149,6 +149,12 @@ class Reducer:
         self._next = 0
         self._queued = False
 
+    def reduce_now(self) -> None:
+        """Reduce every bucket from the current .grad now (after a pipeline schedule ran all
+        its backwards with sync off)."""
+        self._next = 0
+        self._finish()
+
     def reset(self) -> None:
         """Forget a backward that did not finish (it raised before the final callback)."""
         if self._queued:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from nncompile.errors import ConfigError
 from nncompile.mesh import DP, Mesh, grad_reduction
 
 from .groups import get_zero_group, group_along
@@ -151,14 +152,15 @@ class ZeroRuntime:
 
     def __init__(self, pm, units: list[tuple], offload_params: bool, ngroups: int):
         self.pm = pm
-        self.group, self.ranks = get_zero_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, ngroups)
+        self.group, self.ranks = get_zero_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, ngroups,
+                                                 pm.PIPE_RANKS)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
         self.device = pm.device
         self.host = torch.device("cpu") if offload_params else pm.device
         self.offload = offload_params
         self.same_group = ngroups == 1
-        mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS)
+        mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
         self.mesh = mesh
         rows = {row.name: row for row in param_rows(pm)}
         partial = pm._partial_grad
@@ -296,7 +298,8 @@ class ZeroRuntime:
         layout = unit.layout
         if unit.reduce_dims is not None:
             dims = unit.reduce_dims
-            group = group_along(dims, self.pm.PLAN_NGPUS, self.pm.RUNTIME_NGPUS)
+            group = group_along(dims, self.pm.PLAN_NGPUS, self.pm.RUNTIME_NGPUS,
+                                    self.pm.PIPE_RANKS)
             if dims == (DP,) and self.same_group and self.group is not None:
                 piece = torch.empty(layout.chunk, dtype=g.dtype, device=g.device)
                 _REDUCE_SCATTER(piece, g, group=self.group)
@@ -310,6 +313,22 @@ class ZeroRuntime:
         else:
             piece = g[self.rank * layout.chunk:(self.rank + 1) * layout.chunk]
         return piece.to(self.host, copy=True) if self.offload else piece.clone()
+
+    # ---- tied weights (pipeline stages sharing one) ------------------------------------------
+    def tied_grad(self, name: str) -> torch.Tensor:
+        """The gradient piece of the unit holding tied parameter `name` (zeros when none
+        flowed), to be summed with the other stages' identical unit."""
+        unit = next(u for u in self.units if name in u.layout.names)
+        if unit.layout.names != [name]:
+            raise ConfigError(
+                f"ZeRO-3 shards {name!r} in one flat unit with {unit.layout.names}, but only "
+                f"{name!r} is shared with another pipeline stage; its gradient cannot be "
+                "summed across stages piecewise. Use use_zero 1 or 2 with this pipeline, or "
+                "keep the tied weight in a module of its own")
+        flat = self.flat(unit)
+        if flat.grad is None:
+            flat.grad = torch.zeros_like(flat)
+        return flat.grad
 
     # ---- gradient pieces for clipping ------------------------------------------------------
     def grad_pieces(self):

@@ -1,5 +1,5 @@
 """nncompile's IR: Graph, Op, Value, placements, the printer and the verifier."""
-from .graph import (BUFFER, CONST, FREE_KINDS, PARAM, USER_INPUT, Graph, MemoryChoice, Op, PlanState,
+from .graph import (BUFFER, CONST, FREE_KINDS, PARAM, USER_INPUT, Graph, MemoryChoice, Op, PipelinePlan, PlanState,
                     RecomputeMark, SourceInfo, Stage, Strategy, TensorMeta, TraceInfo, Value,
                     flatten, map_nested, target_name)
 from .placement import (P, R, Partial, Placement, Replicate, Shard, local_shape, parse_placement,
@@ -12,7 +12,7 @@ __all__ = ["P", "R", "Graph", "Op", "Value", "TensorMeta", "SourceInfo", "Strate
            "Replicate", "Shard", "Partial", "print_graph", "verify", "local_shape",
            "shard_slices", "parse_placement", "flatten", "map_nested", "target_name", "Symbol", "DEVICE",
            "PLAN_GROUP", "fmt_literal", "run_graph", "USER_INPUT", "PARAM", "BUFFER", "CONST",
-           "FREE_KINDS", "Stage", "RecomputeMark", "TraceInfo", "PlanState", "MemoryChoice"]
+           "FREE_KINDS", "Stage", "RecomputeMark", "TraceInfo", "PlanState", "MemoryChoice", "PipelinePlan"]
 from .parse import (IRParseError, assert_graph_equal, graph_diff, graphs_equal,  # noqa: E402
                     parse_graph)
 __all__ += ["parse_graph", "graph_diff", "graphs_equal", "assert_graph_equal", "IRParseError"]

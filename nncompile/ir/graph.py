@@ -100,6 +100,7 @@ class Op:
         self.strategy: Strategy | None = None
         self.module_stack: tuple[tuple[str, str], ...] = ()   # (module path, class), outermost first
         self.recompute: RecomputeMark | None = None
+        self.stage: int | None = None      # pipeline stage (passes/pipeline_stages.py)
         self.attrs: dict[str, Any] = {}    # free for user passes; unread by nncompile
         for v in outputs:
             v.producer = self
@@ -178,6 +179,7 @@ class Stage(enum.Enum):
     COMM_INSERTED = "every placement change is an explicit collective"
     RECOMPUTE_MARKED = "ops of recomputed modules are marked with their region"
     LOCALIZED = "ops run on one rank's shards (local sizes, local implementations)"
+    STAGED = "every op of the forward belongs to a pipeline stage"
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,8 @@ class TraceInfo:
     param_order: list[str] = field(default_factory=list)    # module.parameters() by FQN
     state_keys: list[tuple[str, str]] = field(default_factory=list)  # (key, canonical FQN)
     inference_only: bool = False
+    microbatches: int = 1          # the batch was traced split into this many (train_step)
+    batched: list[str] = field(default_factory=list)   # inputs split into micro-batches
 
 
 @dataclass
@@ -212,6 +216,25 @@ class MemoryChoice:
 
 
 @dataclass
+class PipelinePlan:
+    """The pipeline cut (passes/pipeline_stages.py): S pipeline ranks of `tp` tensor-parallel
+    ranks, `nstages` = S * V stages, each a run of whole layers."""
+    ranks: int                     # S
+    stages_per_rank: int           # V
+    schedule: str
+    microbatches: int
+    tp: int
+    layers: list[list[str]]        # per stage: the layers (module paths) it runs
+    predicted_ms: list[float]      # per stage: the cost model's forward+backward time
+    memory_bytes: list[float] = field(default_factory=list)   # per stage, in-flight included
+    chosen_by: str = "layer cost"  # what chose the cuts (and S, under "auto")
+
+    @property
+    def nstages(self) -> int:
+        return self.ranks * self.stages_per_rank
+
+
+@dataclass
 class PlanState:
     """What the plan passes decided, for the passes after them and for codegen."""
     policy: str = "?"
@@ -219,6 +242,7 @@ class PlanState:
     autodist: dict | None = None           # autodist's explanation data (plan_report)
     partial_grad_params: list[str] = field(default_factory=list)   # summed by the runtime
     recompute_regions: int = 0
+    pipeline: PipelinePlan | None = None
 
 
 @dataclass
@@ -289,6 +313,7 @@ class Graph:
             new.strategy = None if op.strategy is None else replace(op.strategy)
             new.attrs = dict(op.attrs)
             new.module_stack, new.recompute = op.module_stack, op.recompute
+            new.stage = op.stage
             return new
 
         ins = [cv(v) for v in self.inputs]

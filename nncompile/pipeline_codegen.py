@@ -1,0 +1,197 @@
+"""Pipelined plans: the final graph cut into stage graphs, and a rank's file with its stages.
+
+A stage's inputs are the values it needs from earlier stages (stage 0: every input of the
+model); its outputs are the values later stages need, the last stage's the loss. A value that
+skips a stage is relayed through it (`targets = targets.clone()`), since a stage only talks to
+its neighbours. Parameters, buffers and constants stay attributes of the rank's module.
+
+A rank's file holds, besides the usual tables (only the parameters its stages use):
+
+    PIPELINE = {...}     # stages, schedule, micro-batches, this rank's pipeline position, ties
+    STAGES = [...]       # per stage on this rank: index, input and output names and metas
+    def stage_1(self, add_7, targets):
+        '''Stage 1 of 2 (pipeline rank 1): layers transformer.h.2 ... transformer.h.3, ...
+        receives add_7, targets from stage 0 (rank 0); sends loss (last stage).'''
+        ...
+"""
+from __future__ import annotations
+
+from nncompile.errors import ConfigError
+from nncompile.ir import Graph, Value, fmt_literal
+from nncompile.pipeline_config import PipelineConfig
+
+from .zero_codegen import zero_forward_body
+
+
+def loss_value(g: Graph) -> Value:
+    """The loss the pipeline trains on: the first scalar floating-point output of forward."""
+    for v in g.outputs:
+        if isinstance(v, Value) and v.is_tensor and v.meta.dtype.is_floating_point and \
+                len(v.meta.shape) == 0:
+            return v
+    outs = [f"{v.name}: {v.meta.dtype}{list(v.meta.shape)}" for v in g.outputs
+            if isinstance(v, Value) and v.is_tensor]
+    raise ConfigError(
+        f"a pipelined plan trains on forward's loss, but {g.trace_info.model}.forward returns "
+        f"no scalar floating-point tensor ({', '.join(outs) or 'no tensors'}); return the loss "
+        "(alone or first among the outputs), e.g. pass labels/targets to forward")
+
+
+def _fill_stages(g: Graph) -> None:
+    """Ops added after the cut (collectives) run in the stage of their first consumer."""
+    users = g.users()
+    for op in reversed(g.ops):
+        if op.stage is None:
+            cons = [u.stage for v in op.outputs for u in users.get(v, []) if u.stage is not None]
+            prods = [v.producer.stage for v in op.inputs()
+                     if getattr(v, "producer", None) is not None and v.producer.stage is not None]
+            op.stage = min(cons) if cons else max(prods, default=0)
+
+
+def stage_graphs(g: Graph) -> list[Graph]:
+    """One graph per stage, sharing g's Values: inputs from earlier stages, outputs for later
+    ones (relays included), the last stage's output the loss."""
+    pp = g.plan_state.pipeline
+    _fill_stages(g)
+    k = pp.nstages
+    loss = loss_value(g)
+    defined: dict[int, int] = {id(v): -1 for v in g.inputs}
+    order: dict[int, Value] = {id(v): v for v in g.inputs}
+    last_use: dict[int, int] = {}
+    for op in g.ops:
+        for v in op.inputs():
+            if id(v) in defined:
+                last_use[id(v)] = max(last_use.get(id(v), -1), op.stage)
+        for v in op.outputs:
+            defined[id(v)] = op.stage
+            order[id(v)] = v
+    last_use[id(loss)] = k
+    out = []
+    for s in range(k):
+        ops = [op for op in g.ops if op.stage == s]
+        if s == 0:
+            inputs = list(g.inputs)
+        else:
+            inputs = [v for i, v in order.items() if defined[i] < s and last_use.get(i, -2) >= s]
+        outputs = [loss] if s == k - 1 else \
+            [v for i, v in order.items() if defined[i] <= s and last_use.get(i, -2) > s]
+        used = {id(v) for op in ops for v in op.inputs()}
+        sg = Graph(inputs, [v for v in g.params if id(v) in used],
+                   [v for v in g.buffers if id(v) in used], ops, outputs, [], g.out_spec,
+                   g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state)
+        sg.meta["relayed"] = [v for v in outputs if id(v) in {id(x) for x in inputs}]
+        out.append(sg)
+    return out
+
+
+def rank_position(g: Graph, rank: int) -> tuple[int, int, list[int]]:
+    """(plan unit, pipeline rank, stage indices) of a global rank."""
+    pp = g.plan_state.pipeline
+    plan = pp.ranks * pp.tp
+    pipe_rank = (rank % plan) // pp.tp
+    cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)
+    return rank // plan, pipe_rank, cfg.stage_ids(pipe_rank, pp.ranks)
+
+
+def stage_rank(g: Graph, rank: int, stage: int) -> int:
+    """The global rank that runs `stage` with the same unit and tensor-parallel shard."""
+    pp = g.plan_state.pipeline
+    plan = pp.ranks * pp.tp
+    cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)
+    pipe = next(p for p in range(pp.ranks) if stage in cfg.stage_ids(p, pp.ranks))
+    return (rank // plan) * plan + pipe * pp.tp + rank % pp.tp
+
+
+def rank_graph(g: Graph, stages: list[Graph]) -> Graph:
+    """The whole graph restricted to the parameters and buffers a rank's stages use (and the
+    buffers its constants are computed from), with the stages' ops in order."""
+    params = {id(v) for sg in stages for v in sg.params}
+    const_in = {id(v) for op in g.const_ops for v in op.inputs()}
+    buffers = {id(v) for sg in stages for v in sg.buffers} | const_in
+    ops = [op for sg in stages for op in sg.ops]
+    return Graph(g.inputs, [v for v in g.params if id(v) in params],
+                 [v for v in g.buffers if id(v) in buffers], ops, g.outputs, g.const_ops,
+                 g.out_spec, g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state)
+
+
+def _metas(values, n: int) -> tuple:
+    """(local shape, dtype, carries a gradient) per value, what PipelineStage is told."""
+    return tuple((tuple(v.local_shape(n)), str(v.meta.dtype).replace("torch.", ""),
+                  bool(v.requires_grad and v.meta.dtype.is_floating_point)) for v in values)
+
+
+def tied_params(g: Graph, stages: list[Graph]) -> dict[str, list[int]]:
+    """Parameters used by more than one stage: {FQN: stage indices}."""
+    where: dict[str, list[int]] = {}
+    for s, sg in enumerate(stages):
+        for v in sg.params:
+            where.setdefault(v.fqn, []).append(s)
+    return {fqn: ss for fqn, ss in where.items() if len(ss) > 1}
+
+
+def pipeline_tables(g: Graph, rank: int, stages: list[Graph], units=()
+                    ) -> tuple[dict, list[tuple]]:
+    """This rank's PIPELINE dict and STAGES rows (`units`: ZeRO-3's flat parameters, which
+    are then the stages' parameters)."""
+    pp = g.plan_state.pipeline
+    unit, pipe_rank, ids = rank_position(g, rank)
+    n = g.plan_ngpus
+    info = {
+        "ranks": pp.ranks, "stages": pp.nstages, "stages_per_rank": pp.stages_per_rank,
+        "schedule": pp.schedule, "microbatches": pp.microbatches, "tp": pp.tp,
+        "pipe_rank": pipe_rank, "stage_ids": ids,
+        "batched": list(g.trace_info.batched),
+        "tied": tied_params(g, stages),      # FQN: the stages using it (every rank's file)
+    }
+    def params(sg: Graph) -> tuple[str, ...]:
+        if not units:
+            return tuple(v.name for v in sg.params)
+        used = {id(v) for v in sg.params}
+        return tuple(attr for attr, _, vs in units if any(id(v) in used for v in vs))
+    rows = [(s, tuple(v.name for v in stages[s].inputs), tuple(v.name for v in stages[s].outputs),
+             _metas(stages[s].inputs, n), _metas(stages[s].outputs, n), params(stages[s]))
+            for s in ids]
+    return info, rows
+
+
+def stage_methods(g: Graph, rank: int, stages: list[Graph], units, indent: str = "    "
+                  ) -> list[str]:
+    """`def stage_k(self, ...)` for each stage on this rank, straight-line code."""
+    from .codegen import forward_body
+    from .ir.printer import value_names
+    pp = g.plan_state.pipeline
+    _, pipe_rank, ids = rank_position(g, rank)
+    n = g.plan_ngpus
+    lines: list[str] = []
+    for s in ids:
+        sg = stages[s]
+        layers = pp.layers[s]
+        span = f"{layers[0]} ... {layers[-1]}" if len(layers) > 1 else layers[0]
+        extra = (" + the ops before the first layer" if s == 0 else "") + \
+            (" + the ops after the last layer" if s == pp.nstages - 1 else "")
+        src = "the model's inputs (micro-batch)" if s == 0 else \
+            f"stage {s - 1} (rank {stage_rank(g, rank, s - 1)})"
+        dst = "the loss (last stage)" if s == pp.nstages - 1 else \
+            f"stage {s + 1} (rank {stage_rank(g, rank, s + 1)})"
+        names = ", ".join(v.name for v in sg.inputs)
+        attrs = sg.buffers + [v for v in g.consts] + ([] if units else sg.params)
+        lines += ["", f"{indent}def stage_{s}(self{', ' + names if names else ''}):",
+                  f'{indent}    """Stage {s} of {pp.nstages} on pipeline rank {pipe_rank} of '
+                  f'{pp.ranks}: layers {span}{extra}',
+                  f"{indent}    ({pp.predicted_ms[s]:.3g} ms predicted per micro-batch).",
+                  f"{indent}    receives {names or 'nothing'} from {src};",
+                  f"{indent}    sends {', '.join(v.name for v in sg.outputs)} to {dst}."
+                  f'"""']
+        with value_names({v: f"self.{v.name}" for v in attrs}):
+            if units:
+                lines.append(f"{indent}    DEVICE, PLAN_GROUP, ZERO = self.device, "
+                             "self.plan_group, self.zero")
+                lines += zero_forward_body(sg, units, indent=indent + "    ", local_n=n)
+            else:
+                lines.append(f"{indent}    DEVICE, PLAN_GROUP = self.device, self.plan_group")
+                lines += forward_body(sg, indent=indent + "    ", local_n=n)
+            for v in sg.meta["relayed"]:
+                lines.append(f"{indent}    {v.name} = {v.name}.clone()  # relayed: a later "
+                             "stage needs it")
+            lines.append(f"{indent}    return {fmt_literal(tuple(sg.outputs))}")
+    return lines
