@@ -16,7 +16,7 @@ A rank's file holds, besides the usual tables (only the parameters its stages us
 """
 from __future__ import annotations
 
-from nncompile.errors import ConfigError
+from nncompile.errors import ConfigError, GraphError
 from nncompile.ir import Graph, Value, fmt_literal
 from nncompile.pipeline_config import PipelineConfig
 
@@ -66,6 +66,15 @@ def stage_graphs(g: Graph) -> list[Graph]:
             defined[id(v)] = op.stage
             order[id(v)] = v
     last_use[id(loss)] = k
+    for op in g.ops:         # a stage may only read what it or an earlier stage computed
+        for v in op.inputs():
+            if defined.get(id(v), -1) > op.stage:
+                raise GraphError(
+                    f"pipeline stage {op.stage} runs {op.name} ({op.module_path or 'top level'})"
+                    f" but its input {v.name} is computed later, in stage {defined[id(v)]} "
+                    f"({v.producer.module_path or 'top level'}): the layers do not run in "
+                    "order (a block called twice, or blocks interleaved); use fewer "
+                    "pipeline_stages or no pipeline for this model")
     out = []
     for s in range(k):
         ops = [op for op in g.ops if op.stage == s]

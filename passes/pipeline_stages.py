@@ -152,7 +152,9 @@ class PartitionStages:
                 f"pipeline_stages={pc.stages} x stages_per_rank={pc.stages_per_rank} = "
                 f"{pc.stages * pc.stages_per_rank} stages, but {g.trace_info.model} has only "
                 f"{len(layers)} layers ({layers[0].name} ... {layers[-1].name}) to cut "
-                f"between; use at most {len(layers) // pc.stages_per_rank} stages")
+                f"between; use pipeline_stages <= {len(layers) // pc.stages_per_rank}"
+                + (f" with stages_per_rank={pc.stages_per_rank}" if pc.stages_per_rank > 1
+                   else ""))
         best = None
         for s in candidates:
             plan = self._plan(g, layers, head, tail, s)

@@ -1,0 +1,179 @@
+"""Pipeline parity worker (torchrun, 4 gloo ranks): 20 AdamW steps of `pm.train_step` under
+each pipelined plan equal one device accumulating `(loss_m / M).backward()` over the same
+micro-batches (averaged over data-parallel units), step by step: every unit's loss, and at the
+end every parameter shard this rank holds.
+
+    torchrun --nproc_per_node=4 tests/workers/pipeline.py --savedir DIR [--cases a,b]
+
+Tolerance: losses rtol 1e-5. Weights after 20 steps: a pure pipeline runs one device's ops on
+the same micro-batches in the same order (measured: bitwise equal); tensor parallelism and
+data-parallel averaging reorder float32 sums, which 20 AdamW steps amplify (see train.py).
+The bound for weights, |got - want| <= WEIGHT_RTOL * max|want| per tensor, is 10x the largest
+difference measured over these cases (printed per case); a missed tie sum, a missing 1/M or a
+wrong stage order moves weights by 1e-3 or more of their scale after one step. Elements whose
+exact gradient is zero (attention key biases: softmax ignores a per-row shift; their step-0
+gradient is below 1e-5 of the model's largest) hold rounding noise that AdamW scales up to
+lr-sized steps, on one device too, and are left out.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import models  # noqa: E402
+
+import nncompile  # noqa: E402
+from nncompile.runtime.rows import param_rows  # noqa: E402
+
+STEPS, UNIT_BATCH, SEQ, M = 20, 8, 16, 4
+LR, WEIGHT_DECAY = 1e-2, 0.1
+RTOL = 1e-5
+WEIGHT_RTOL = 5e-4
+GRAD_RTOL = 1e-5          # step 0's gradients, before any amplification
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    plan: int
+    stages: int
+    schedule: str = "1f1b"
+    per_rank: int = 1
+    zero: int = 0
+    model: str = "gpt"
+    policy: str = "tp"
+
+
+CASES = [
+    Case("pp2xtp2-1f1b", plan=4, stages=2),
+    Case("pp4-1f1b", plan=4, stages=4),
+    Case("pp2xdp2-zero3", plan=2, stages=2, zero=3),
+    Case("pp2xdp2-interleaved-v2", plan=2, stages=2, schedule="interleaved_1f1b", per_rank=2),
+    Case("pp2xtp2-zero_bubble", plan=4, stages=2, schedule="zero_bubble"),
+    Case("pp2xdp2-zbv-v2", plan=2, stages=2, schedule="zero_bubble", per_rank=2),
+    Case("pp2xtp2-gpipe-autodist", plan=4, stages=2, schedule="gpipe", policy="autodist"),
+    Case("hf_gpt2-pp2xtp2-1f1b", plan=4, stages=2, model="hf_gpt2"),
+]
+
+
+def build(case: Case) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if case.model == "gpt":
+        from gpt import GPT
+        return GPT(n_layer=4).train()
+    return models.hf_gpt2(n_layer=4).train()
+
+
+def unit_batch(case: Case, step: int, unit: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7000 + 100 * step + unit)
+    ids = torch.randint(0, 64, (UNIT_BATCH, SEQ), generator=g)
+    tgt = torch.randint(0, 64, (UNIT_BATCH, SEQ), generator=g)
+    if case.model == "gpt":
+        return {"idx": ids, "targets": tgt}
+    return {"input_ids": ids, "labels": tgt}
+
+
+def reference(case: Case, units: int):
+    """One device: per step and unit the micro-batch-accumulated loss, and the final state."""
+    model = build(case)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, live, grads = [], {}, {}
+    for step in range(STEPS):
+        per_unit = []
+        for u in range(units):
+            batch = unit_batch(case, step, u)
+            total = 0.0
+            for m in range(M):
+                loss = model(**{k: v.chunk(M)[m] for k, v in batch.items()})
+                (loss / M / units).backward()
+                total += loss.item() / M
+            per_unit.append(total)
+        if step == 0:
+            top = max(float(p.grad.abs().max()) for p in model.parameters())
+            live = {name: p.grad.abs() > 1e-5 * top for name, p in model.named_parameters()}
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(per_unit)
+    return torch.tensor(losses, dtype=torch.float64), model.state_dict(), live, grads
+
+
+def _key(fqn: str, state: dict) -> str:
+    return fqn if fqn in state else "model." + fqn
+
+
+def check_grads(case: Case, pm, want: dict) -> None:
+    """This rank's reduced gradient shards after the first train_step equal one device's."""
+    local = pm.local_grads()
+    for row in param_rows(pm):
+        ref = want[_key(row.fqn, want)][tuple(slice(a, b) for a, b in row.slices)]
+        err = float((local[row.name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        assert err <= GRAD_RTOL or float((local[row.name] - ref).abs().max()) < 1e-8, \
+            f"{case.name}: gradient of {row.fqn} differs by {err:.2e} of its scale"
+
+
+def run(case: Case, savedir: str) -> str:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    units = world // case.plan
+    pas = {"pipeline_stages": case.stages, "pipeline_schedule": case.schedule,
+           "microbatches": M, "stages_per_rank": case.per_rank}
+    model = build(case)
+    pm = nncompile.parallelize(
+        model, unit_batch(case, 0, 0),
+        nncompile.ComputeConfig(case.plan, world, pas_config=pas, use_zero=case.zero),
+        pas_policy=case.policy, gen_savedir=savedir, instance_name=case.name, reuse="override")
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    want_losses, want_state, live, want_grads = reference(case, units)
+    unit = rank // case.plan
+    got = []
+    for step in range(STEPS):
+        got.append(float(pm.train_step(**unit_batch(case, step, unit))))
+        if step == 0:     # a wrong scale (1/M, 1/dp, a tie summed twice) shows here; AdamW
+            check_grads(case, pm, want_grads)   # would hide it in the weights
+        opt.step()
+        opt.zero_grad()
+    got = torch.tensor(got, dtype=torch.float64)
+    torch.testing.assert_close(got, want_losses[:, unit], rtol=RTOL, atol=1e-6,
+                               msg=lambda m: f"{case.name}: losses differ\n{m}")
+    local = pm.local_params()
+    worst = 0.0
+    for row in param_rows(pm):
+        key = _key(row.fqn, want_state)
+        where = tuple(slice(a, b) for a, b in row.slices)
+        want, mask = want_state[key][where], live[key][where]
+        err = float(((local[row.name] - want).abs() * mask).max()
+                    / want.abs().max().clamp_min(1e-12))
+        worst = max(worst, err)
+        assert err <= WEIGHT_RTOL, f"{case.name}: {row.fqn} differs by {err:.2e} of its scale"
+    return f"{case.name}: loss[19]={got[-1]:.6f} max weight err {worst:.1e}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--savedir", required=True)
+    ap.add_argument("--cases", default="")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    chosen = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
+    for case in chosen:
+        line = run(case, args.savedir)
+        worst = torch.tensor([float(line.rsplit(" ", 1)[1])])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if dist.get_rank() == 0:
+            print(f"{line.rsplit(' max', 1)[0]} max weight err (all ranks) {worst.item():.1e}",
+                  flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print("PIPELINE PARITY OK", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
