@@ -5,9 +5,12 @@ Before (tp, plan_ngpus=2):                     After:
       # f32[8, 16, 4, 8] S(2)                        # f32[8, 16, 2, 8] of [8, 16, 4, 8] S(2)
 
 Size arguments (view, reshape, expand, new_zeros, full, ...) become the local shape; ops whose
-strategy names a local implementation (e.g. the row-split mean cross-entropy) call it. With
-n > 1, `view` becomes `reshape`: tracing drops `.contiguous()` calls that were no-ops on the
-traced layout, and a shard produced by a collective may be laid out differently. With n > 1,
+strategy names a local implementation (e.g. the row-split mean cross-entropy) call it. `view`
+becomes `reshape` (a view wherever the layout allows): tracing drops `.contiguous()` calls
+that were no-ops on the traced layout, a shard produced by a collective may be laid out
+differently, and kernels may return other strides than their fake versions traced (the CPU
+attention kernel does, so Hugging Face T5's `reshape` after attention, traced as a view,
+would fail on one rank too). With n > 1,
 random ops (dropout, attention dropout) call runtime/rng.py, which draws the full tensor's
 random numbers on every rank and keeps this rank's slice, so the plan does not change them:
 
@@ -57,7 +60,7 @@ def localize_op(op, n: int) -> None:
         op.kwargs = {**op.kwargs, "dim": out.dim if isinstance(out, Shard) else None,
                      "group": PLAN_GROUP}
         return
-    if n > 1 and name in ("view", "_unsafe_view"):
+    if name in ("view", "_unsafe_view"):
         op.target, name = torch.ops.aten.reshape.default, "reshape"
     idx = _SIZE_ARG.get(name)
     if idx is not None and len(op.args) > idx and op.outputs[0].is_tensor:

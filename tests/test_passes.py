@@ -322,10 +322,14 @@ def test_localize_before_expected(case):
     check_pass(localize, before, expected)
 
 
-def test_localize_keeps_view_on_one_rank():
+def test_localize_on_one_rank_keeps_dropout_and_makes_view_a_reshape():
+    """One rank draws its own random numbers (aten.dropout stays); a traced view becomes a
+    reshape even there, since real kernels may return other strides than the traced fake
+    ones (the CPU attention kernel under Hugging Face T5)."""
     before = _ir(COMM, "x,  # f32[4, 8] R", """
         v = aten.view.default(x, [4, 2, -1])  # f32[4, 2, 4] R  [replicate]
         d = aten.dropout.default(v, 0.5, True)  # f32[4, 2, 4] R  [replicate]
         return (d,)""").replace("plan_ngpus=2", "plan_ngpus=1")
-    expected = before.replace("[4, 2, -1]", "[4, 2, 4]").replace(COMM, LOCAL)
+    expected = before.replace("aten.view.default(x, [4, 2, -1])",
+                              "aten.reshape.default(x, [4, 2, 4])").replace(COMM, LOCAL)
     check_pass(localize, before, expected)
