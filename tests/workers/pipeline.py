@@ -61,6 +61,9 @@ CASES = [
     Case("pp2xtp2-gpipe-autodist", plan=4, stages=2, schedule="gpipe", policy="autodist"),
     Case("hf_gpt2-pp2xtp2-1f1b", plan=4, stages=2, model="hf_gpt2"),
 ]
+EXTRA = [Case("pp2xdp2-zbv-zero3", plan=2, stages=2, schedule="zero_bubble", per_rank=2, zero=3),
+         Case("pp2xdp2-zb-zero2", plan=2, stages=2, schedule="zero_bubble", zero=2),
+         Case("pp2xdp2-1f1b-zero1", plan=2, stages=2, zero=1)]
 
 
 def build(case: Case) -> torch.nn.Module:
@@ -161,7 +164,8 @@ def main() -> None:
     ap.add_argument("--cases", default="")
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    chosen = [c for c in CASES if not args.cases or c.name in args.cases.split(",")]
+    chosen = [c for c in CASES + EXTRA if c.name in args.cases.split(",")] if args.cases \
+        else CASES
     for case in chosen:
         line = run(case, args.savedir)
         worst = torch.tensor([float(line.rsplit(" ", 1)[1])])
