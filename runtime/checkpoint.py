@@ -9,9 +9,11 @@ Formats (`checkpoint.json` in the directory says which):
              shape, placement, slices; same world size), wherever it was compiled
     deduped  rank{r}.pt, each distinct shard stored once across the job (dedup.py);
              same shards on load
-    dcp      torch.distributed.checkpoint files (dcp.py); loads under any plan, policy or
-             world size
+    dcp      torch.distributed.checkpoint files (dcp.py); loads under any plan, policy,
+             pipeline or world size
 A merged file (`python -m nncompile merge`, or merge_state_dicts) loads under any plan too.
+Under a pipeline every format holds each rank's stages; the ranks of all stages together hold
+the model (merging needs every stage's files).
 
 Every rank writes into `.<name>.partial/`; after a barrier rank 0 writes `checkpoint.json` and
 renames the directory into place. A job that dies mid-save leaves the previous checkpoint
@@ -159,7 +161,7 @@ def staged_directory(directory: str | os.PathLike, pm, meta: dict):
         write_json(staging / META, {
             **meta, "world_size": world,
             "plan": {k: info[k] for k in ("policy", "plan_ngpus", "runtime_ngpus",
-                                          "fingerprint")}})
+                                          "pipe_ranks", "fingerprint")}})
         replace_dir(staging, target)
     _barrier()
 

@@ -7,6 +7,10 @@ new plan's shards overlap:
     saved under tp, plan 2 x dp 1:   "model.h.0.mlp_fc.weight"  DTensor [128, 32], (R, S(0))
     loaded under dp, plan 1 x dp 4:  each rank reads the full [128, 32] from both pieces
 
+Under a pipeline the mesh is (dp, pp, plan) and a rank describes only its stages' tensors,
+replicated along "pp" (DCP stores one copy of what several ranks describe alike, e.g. a tied
+weight held by two stages); the checkpoint holds the union, and any plan reads from it.
+
 Optimizer state tensors shaped like their parameter are sharded the same way; other entries
 (AdamW's step) are plain tensors. ZeRO state is gathered over its group before saving.
 
@@ -34,7 +38,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nncompile.errors import CheckpointError
-from nncompile.mesh import Mesh, param_placements
+from nncompile.mesh import Mesh, PP, param_placements
 from nncompile.ir.placement import Shard as ShardPlacement
 
 from .rows import BufferRow, ParamRow, param_rows, state_rows
@@ -139,8 +143,10 @@ def _mesh(pm):
 
 def _dtensor(pm, local: torch.Tensor, row: ParamRow | BufferRow) -> DTensor:
     """`local` (this rank's piece of `row`'s tensor, or a tensor shaped like it) as a DTensor."""
-    placements = [Shard(p.dim) if isinstance(p, ShardPlacement) else Replicate()
-                  for p in param_placements(row.placement).values()]     # one per mesh dim
+    per_dim = {PP: None, **param_placements(row.placement)}   # along "pp": Replicate
+    names = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS).names
+    placements = [Shard(per_dim[d].dim) if isinstance(per_dim[d], ShardPlacement)
+                  else Replicate() for d in names]                     # one per mesh dim
     shape = torch.Size(row.shape)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local.contiguous(), _mesh(pm), placements,

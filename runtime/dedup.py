@@ -2,14 +2,18 @@
 
 Ranks of different data-parallel units hold identical shards, and inside a unit a replicated
 tensor is identical on every rank. So only the first unit stores anything, and in it a
-replicated tensor is stored by plan rank 0 alone (state.is_owner):
+replicated tensor is stored by plan rank 0 alone (state.owner_rank):
 
     before (sharded, plan 2 x dp 2): every rank stores its shards         4 copies of "R" weights
     after  (deduped):                rank 0: its shards + replicated;  rank 1: its shards;
                                      ranks 2, 3: plan metadata only      1 copy of everything
 
-Loading broadcasts each tensor from the rank that stored it to the ranks that hold the same
-shard (the data-parallel group for a sharded tensor, the world for a replicated one).
+Under a pipeline each stage's ranks store their stages' tensors, and a tied weight (equal on
+every stage holding it) is stored by the lowest pipeline rank holding it.
+
+Loading broadcasts each tensor from the rank that stored it to the ranks of its stage that
+hold the same shard (along "dp" for a sharded tensor, along "dp" and "plan" for a replicated
+one), then a tied weight from its lowest stage to the others (the tie groups).
 """
 from __future__ import annotations
 
@@ -18,11 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nncompile.ir.placement import Placement, Shard
+from nncompile.ir.placement import Shard
+from nncompile.mesh import DP, PLAN, PP
 
+from .groups import group_along, tie_group
 from .rows import param_rows, state_rows
-from .state import (check_same_plan, is_owner, load_local_optimizer_state,
-                    local_optimizer_state, owner_rank, plan_info)
+from .state import (check_same_plan, first_holder, holders, is_owner, load_local_optimizer_state,
+                    local_optimizer_state, mesh_of, owner_rank, plan_info, tied_pipes)
 
 
 def deduped_state_dict(pm, optimizer=None) -> tuple[dict, dict | None]:
@@ -34,23 +40,54 @@ def deduped_state_dict(pm, optimizer=None) -> tuple[dict, dict | None]:
 
 def deduped_model_state(pm) -> dict:
     full = pm.state_dict()
-    owned = {row.name for row in state_rows(pm) if is_owner(pm, row.placement)}
+    owned = {row.name for row in state_rows(pm) if is_owner(pm, row)}
     return {k: v for k, v in full.items() if k in owned or k == "_extra_state"}
 
 
 def deduped_optimizer_state(pm, optimizer) -> dict:
     local = local_optimizer_state(pm, optimizer)
-    placement = {row.name: row.placement for row in param_rows(pm)}
-    local["state"] = {n: st for n, st in local["state"].items()
-                      if is_owner(pm, placement[n])}
+    rows = {row.name: row for row in param_rows(pm)}
+    local["state"] = {n: st for n, st in local["state"].items() if is_owner(pm, rows[n])}
     return {**local, "nncompile": plan_info(pm)}
 
 
-def _group(pm, placement: Placement):
-    """The ranks holding the same copy, and whether any other rank does."""
-    if isinstance(placement, Shard):
-        return pm.dp_group, pm.dp_group is not None
-    return dist.group.WORLD, dist.is_initialized() and dist.get_world_size() > 1
+def _groups(pm) -> dict:
+    """{"shard": the ranks of this stage holding this rank's shards (along "dp"), "stage": those
+    holding its replicated tensors (along "dp" and "plan"), fqn: the tie group of a tied weight};
+    a value is None where the group has one rank. Every rank calls it (creating groups is
+    collective)."""
+    if not dist.is_initialized():
+        return {"shard": None, "stage": None}
+    args = (pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
+    out = {"shard": group_along((DP,), *args), "stage": group_along((DP, PLAN), *args)}
+    if out["stage"] is dist.group.WORLD and dist.get_world_size() == 1:
+        out["stage"] = None
+    for fqn, pipes in tied_pipes(pm).items():
+        out[fqn] = tie_group(tuple(pipes), *args)
+    return out
+
+
+def _spread(pm, groups: dict, rows: list, fill) -> None:
+    """Broadcast each of `rows`' tensors from the rank that stored it: `fill(row, src)` gives
+    the (owner's or empty) tensors of a row, a list filled in place. First inside each stage,
+    then a tied weight from its lowest stage to the others."""
+    for row in rows:
+        if not first_holder(pm, row.fqn):
+            continue
+        group = groups["shard" if isinstance(row.placement, Shard) else "stage"]
+        src = owner_rank(pm, row)
+        for t in fill(row, src):
+            if group is not None:
+                dist.broadcast(t, src=src, group=group)
+    if pm.PIPE_RANKS == 1:
+        return
+    mesh = mesh_of(pm)
+    for row in rows:
+        if groups.get(row.fqn) is None:
+            continue
+        src = mesh.rank_of({**mesh.coords(pm.RANK), PP: holders(pm, row.fqn)[0]})
+        for t in fill(row, owner_rank(pm, row)):
+            dist.broadcast(t, src=src, group=groups[row.fqn])
 
 
 def load_deduped_state_dict(pm, model_sd: dict, optimizer=None,
@@ -64,15 +101,14 @@ def load_deduped_state_dict(pm, model_sd: dict, optimizer=None,
 def load_deduped_model_state(pm, model_sd: dict) -> None:
     check_same_plan(model_sd.get("_extra_state", {}), pm, "the deduped state dict")
     local, dtypes = {}, _local_dtypes(pm)
-    for row in state_rows(pm):
-        if is_owner(pm, row.placement):
-            t = model_sd[row.name].to(pm.device, dtypes[row.name]).contiguous().clone()
-        else:
-            t = torch.empty(row.local_shape, dtype=dtypes[row.name], device=pm.device)
-        group, shared = _group(pm, row.placement)
-        if shared:
-            dist.broadcast(t, src=owner_rank(pm, row.placement), group=group)
-        local[row.name] = t
+
+    def fill(row, src):
+        if row.name not in local:
+            local[row.name] = model_sd[row.name].to(pm.device, dtypes[row.name]).contiguous() \
+                .clone() if src == pm.RANK else \
+                torch.empty(row.local_shape, dtype=dtypes[row.name], device=pm.device)
+        return [local[row.name]]
+    _spread(pm, _groups(pm), state_rows(pm), fill)
     pm.load_local_tensors(local)
 
 
@@ -94,18 +130,17 @@ def load_deduped_optimizer_state(pm, optimizer, optimizer_sd: dict | None) -> No
     else:
         skeletons = [skeleton]
     state: dict[str, dict[str, Any]] = {}
-    for row in param_rows(pm):
-        name, src = row.name, owner_rank(pm, row.placement)
-        for key, (kind, *spec) in sorted(skeletons[src].get(name, {}).items()):
-            if kind == "value":
-                value = spec[0]
-            else:
-                value = mine[name][key].to(pm.device) if name in mine else \
+
+    def fill(row, src):
+        if row.name not in state:
+            state[row.name] = {}
+            for key, (kind, *spec) in sorted(skeletons[src].get(row.name, {}).items()):
+                state[row.name][key] = spec[0] if kind == "value" else \
+                    mine[row.name][key].to(pm.device) if src == pm.RANK else \
                     torch.empty(spec[0], dtype=spec[1], device=pm.device)
-                group, shared = _group(pm, row.placement)
-                if shared:
-                    dist.broadcast(value, src=src, group=group)
-            state.setdefault(name, {})[key] = value
+        return [v for _, v in sorted(state[row.name].items()) if torch.is_tensor(v)]
+    _spread(pm, _groups(pm), param_rows(pm), fill)
+    state = {n: st for n, st in state.items() if st}
     groups = (optimizer_sd or {}).get("param_groups", [])
     if dist.is_initialized():
         box = [groups]

@@ -7,7 +7,8 @@ its optimizer load, and back into any plan.
 
 Each shard is placed by the slices recorded in its rank's plan (the `_extra_state` entry), so
 sharded and deduped state dicts merge alike, and any set of ranks that covers every slice is
-enough.
+enough. Under a pipeline a rank's plan lists only its stages' tensors: the ranks of every
+stage together cover the model (a tied weight, equal on each stage holding it, merges once).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 from nncompile.errors import CheckpointError
 
 from .rows import param_rows, state_rows
-from .state import as_zero_state, load_local_optimizer_state, optimizer_state_by_name, shard_layout
+from .state import (as_zero_state, load_local_optimizer_state, optimizer_state_by_name,
+                    pipe_rank, pipe_ranks, shard_layout)
 
 
 def _index(slices) -> tuple[slice, ...]:
@@ -57,24 +59,37 @@ def _info(sd: dict, i: int) -> dict:
 
 
 def _check_one_plan(infos: list[dict]) -> None:
-    """The ranks' plans must agree on the plan size and, per FQN, on full shape and placement
-    (their slices differ by design); the fingerprint is not compared."""
+    """The ranks' plans must agree on the plan size and, per FQN, on full shape, and ranks of
+    one pipeline rank on their tensors and placements (their slices differ by design); under a
+    pipeline every pipeline rank must be among them. The fingerprint is not compared."""
     first = infos[0]
-    layout0 = shard_layout(first)
-    for i, info in enumerate(infos[1:], 1):
-        why = next((f"{k} {first.get(k)} vs {info.get(k)}" for k in ("plan_ngpus", "runtime_ngpus")
-                    if first.get(k) != info.get(k)), None)
+    size_keys = ("plan_ngpus", "runtime_ngpus", "pipe_ranks")
+    shapes: dict[str, tuple[int, Any]] = {}
+    by_pipe: dict[int, tuple[int, dict]] = {}
+    for i, info in enumerate(infos):
+        j, why = 0, next((f"{k} {first.get(k, 1)} vs {info.get(k, 1)}" for k in size_keys
+                          if first.get(k, 1) != info.get(k, 1)), None)
         layout = shard_layout(info)
+        same_pipe, layout0 = by_pipe.setdefault(pipe_rank(info), (i, layout))
         if why is None and layout.keys() != layout0.keys():
             fqn = sorted(layout.keys() ^ layout0.keys())[0]
-            why = f"{fqn!r} is in only one of them"
+            why, j = f"{fqn!r} is in only one of them", same_pipe
         for fqn, row in layout.items():
-            for field in ("full shape", "placement"):
-                if why is None and row[field] != layout0[fqn][field]:
-                    why = f"{row['kind']} {fqn!r}: {field} {layout0[fqn][field]} vs {row[field]}"
+            k, shape = shapes.setdefault(fqn, (i, row["full shape"]))
+            if why is None and shape != row["full shape"]:
+                why, j = f"{row['kind']} {fqn!r}: full shape {shape} vs {row['full shape']}", k
+            if why is None and row["placement"] != layout0[fqn]["placement"]:
+                why, j = (f"{row['kind']} {fqn!r}: placement {layout0[fqn]['placement']} vs "
+                          f"{row['placement']}"), same_pipe
         if why is not None:
-            raise CheckpointError(f"state dicts #0 and #{i} come from different plans ({why}); "
+            raise CheckpointError(f"state dicts #{j} and #{i} come from different plans ({why}); "
                                   "merge the files of one checkpoint")
+    missing = sorted(set(range(pipe_ranks(first))) - set(by_pipe))
+    if missing:
+        raise CheckpointError(
+            f"the given state dicts hold pipeline ranks {sorted(by_pipe)} of "
+            f"{pipe_ranks(first)}, so the parameters of pipeline ranks {missing} are missing; "
+            "pass the files of all ranks of one plan unit (every stage)")
 
 
 def merge_state_dicts(model_sds: list[dict], opt_sds: list[dict] | None = None

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from nncompile.config import ComputeConfig
 from nncompile.errors import ConfigError, InputMismatchError, PipelineError
 from nncompile.ir import MemoryChoice
-from nncompile.ir.placement import Placement, Shard
+from nncompile.ir.placement import Shard
 from nncompile.mesh import Mesh, grad_reduction
 
 from . import arguments
@@ -27,7 +27,7 @@ from .groups import get_groups, group_along
 from .reducer import Reducer
 from .zero import ZeroRuntime
 from .rows import buffer_rows, const_rows, param_rows
-from .state import check_same_plan, plan_info
+from .state import check_same_plan, plan_info, share_over_pipeline
 
 
 def _slice(full: torch.Tensor, slices) -> torch.Tensor:
@@ -237,12 +237,18 @@ class ParallelModule(torch.nn.Module):
             self._reducer.sync = old
 
     # ---- full tensors -------------------------------------------------------------------
-    def _gather(self, local: torch.Tensor, placement: Placement) -> torch.Tensor:
-        if isinstance(placement, Shard) and self.plan_group is not None:
-            parts = [torch.empty_like(local) for _ in range(self.PLAN_NGPUS)]
-            dist.all_gather(parts, local.contiguous(), group=self.plan_group)
-            return torch.cat(parts, dim=placement.dim)
-        return local.clone()
+    def _gather(self, local: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """Full tensors by FQN from this rank's shards by local name: all-gathered along "plan"
+        inside the stage, then shared over the pipeline ranks (a tied weight once)."""
+        full = {}
+        for row in param_rows(self):
+            t = local[row.name]
+            if t is not None and isinstance(row.placement, Shard) and self.plan_group is not None:
+                parts = [torch.empty_like(t) for _ in range(self.PLAN_NGPUS)]
+                dist.all_gather(parts, t.contiguous(), group=self.plan_group)
+                t = torch.cat(parts, dim=row.placement.dim)
+            full[row.fqn] = None if t is None else t.clone()
+        return share_over_pipeline(self, full)
 
     def local_params(self) -> dict[str, torch.Tensor]:
         """This rank's shard of every parameter by local name (under ZeRO-3 gathered from the
@@ -283,17 +289,14 @@ class ParallelModule(torch.nn.Module):
             getattr(self, name).copy_(t)
 
     def gather_params(self) -> dict[str, torch.Tensor]:
-        """Full parameters keyed by original FQN (a collective over the plan unit)."""
-        local = self.local_params()
-        return {row.fqn: self._gather(local[row.name], row.placement)
-                for row in param_rows(self)}
+        """Full parameters keyed by original FQN, every stage's under a pipeline (a collective:
+        every rank of the job calls it)."""
+        return self._gather(self.local_params())
 
     def gather_grads(self) -> dict[str, torch.Tensor | None]:
-        """Full (reduced) gradients keyed by original FQN (a collective over the plan unit);
-        None for a frozen parameter."""
-        local = self.local_grads()
-        return {row.fqn: None if local[row.name] is None
-                else self._gather(local[row.name], row.placement) for row in param_rows(self)}
+        """Full (reduced) gradients keyed by original FQN, every stage's under a pipeline (a
+        collective); None for a frozen parameter."""
+        return self._gather(self.local_grads())
 
     # ---- checkpoints ------------------------------------------------------------------------
     def get_extra_state(self) -> dict:

@@ -4,16 +4,26 @@ The checkpoint formats (dedup.py, merge.py, dcp.py, checkpoint.py) all go throug
 helpers, so a plain torch optimizer and the ZeRO optimizer look the same to them:
 
     local optimizer state = {local param name: {"exp_avg": tensor shaped like the shard, ...}}
+
+Under a pipelined plan a rank holds only its stages' parameters (its PARAMS rows), and a tied
+weight (GPT's wte / lm_head) is held, equal, by every stage that uses it. plan_info records the
+pipeline (`pipe_ranks`, this rank's `pipe_rank`, `tied`: {FQN: pipeline ranks holding it}), so
+a tied weight is stored, counted and merged once: by the lowest pipeline rank holding it
+(`first_holder`).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nncompile.errors import CheckpointError
-from nncompile.ir.placement import Placement, Shard
+from nncompile.mesh import DP, PLAN, PP, Mesh
+from nncompile.ir.placement import Shard
+from nncompile.pipeline_config import PipelineConfig
 
+from .groups import pipe_group
 from .optimizer import ZeroOptimizer, flat_state_by_name, flat_state_piece
 from .rows import buffer_rows, param_rows
 
@@ -25,8 +35,54 @@ def plan_info(pm) -> dict[str, Any]:
             "params": [list(r.plain()) for r in param_rows(pm)],
             "buffers": [list(r.plain()) for r in buffer_rows(pm)],
             "param_order": list(pm.PARAM_ORDER), "frozen": list(pm.FROZEN),
-            "state_keys": [list(k) for k in pm.STATE_KEYS],
+            "state_keys": [list(k) for k in pm.STATE_KEYS], "pipe_ranks": pm.PIPE_RANKS,
+            **({"pipeline": {"pipe_rank": pipe_rank(pm), "tied": tied_pipes(pm)}}
+               if pm.PIPELINE is not None else {}),
             **({"zero3": zero3_layout(pm)} if pm.zero is not None else {})}
+
+
+# ---- pipelines: which ranks hold which parameters ------------------------------------------
+def pipe_ranks(src) -> int:
+    """S, the pipeline ranks per plan unit, of a ParallelModule or a plan_info (1: none)."""
+    return src.get("pipe_ranks", 1) if isinstance(src, dict) else src.PIPE_RANKS
+
+
+def mesh_of(src) -> Mesh:
+    """The job's mesh (nncompile/mesh.py) of a ParallelModule or a plan_info."""
+    get = src.get if isinstance(src, dict) else lambda k: getattr(src, k.upper())
+    return Mesh.of(get("plan_ngpus"), get("runtime_ngpus"), pipe_ranks(src))
+
+
+def pipe_rank(src) -> int:
+    """This rank's pipeline rank (0 without a pipeline)."""
+    rank = src["rank"] if isinstance(src, dict) else src.RANK
+    return mesh_of(src).coords(rank).get(PP, 0)
+
+
+def tied_pipes(src) -> dict[str, list[int]]:
+    """{FQN: the pipeline ranks holding it} for weights shared by stages on several pipeline
+    ranks (empty without a pipeline)."""
+    if isinstance(src, dict):
+        return {k: list(v) for k, v in src.get("pipeline", {}).get("tied", {}).items()}
+    info = src.PIPELINE
+    if info is None:
+        return {}
+    cfg = PipelineConfig(info["ranks"], info["schedule"], info["microbatches"],
+                         info["stages_per_rank"])
+    pipe_of = {s: p for p in range(info["ranks"]) for s in cfg.stage_ids(p, info["ranks"])}
+    out = {fqn: sorted({pipe_of[s] for s in stages}) for fqn, stages in info["tied"].items()}
+    return {fqn: pipes for fqn, pipes in out.items() if len(pipes) > 1}
+
+
+def holders(src, fqn: str) -> list[int]:
+    """The pipeline ranks holding parameter `fqn` (this rank's alone unless it is tied)."""
+    return tied_pipes(src).get(fqn) or [pipe_rank(src)]
+
+
+def first_holder(src, fqn: str) -> bool:
+    """Whether this rank's stage is the lowest pipeline rank holding `fqn`: the one whose copy
+    of a tied weight is stored, counted in norms and merged."""
+    return holders(src, fqn)[0] == pipe_rank(src)
 
 
 def zero3_layout(pm) -> dict[str, Any]:
@@ -44,7 +100,8 @@ def as_zero_state(info: dict, opt_sd: dict) -> dict:
     """A plain optimizer's state dict over ZeRO-3 flat pieces, with the layout that cut them
     (the form ZeroOptimizer.state_dict() has); unchanged otherwise."""
     z = info.get("zero3") if isinstance(info, dict) else None
-    if z is None or "nncompile_zero" in opt_sd:
+    by_name = any(isinstance(k, str) for k in opt_sd.get("state", {}))    # deduped: local form
+    if z is None or "nncompile_zero" in opt_sd or by_name:
         return opt_sd
     indexed = sum(len(g.get("params", [])) for g in opt_sd.get("param_groups", []))
     flats = z["flats"] if indexed == len(z["flats"]) else [f for f in z["flats"] if f["trainable"]]
@@ -53,8 +110,38 @@ def as_zero_state(info: dict, opt_sd: dict) -> dict:
         "shards": [{k: f[k] for k in ("names", "numels", "lo", "hi")} for f in flats]}}
 
 
+def share_over_pipeline(pm, tensors: dict[str, torch.Tensor | None]
+                        ) -> dict[str, torch.Tensor | None]:
+    """Full tensors of this rank's stages by FQN -> those of every stage, in the original
+    module's parameter order: each pipeline rank broadcasts the ones it is the first holder of
+    (one flat buffer per dtype) over its pipeline group. Every rank of the job calls it."""
+    if pm.PIPE_RANKS == 1 or not dist.is_initialized():
+        return tensors
+    group, ranks = pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
+    mine = {fqn: None if t is None else (tuple(t.shape), t.dtype)
+            for fqn, t in tensors.items() if first_holder(pm, fqn)}
+    specs: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(specs, mine, group=group)
+    out: dict[str, torch.Tensor | None] = {}
+    for p, spec in enumerate(specs):
+        out.update({fqn: None for fqn, s in spec.items() if s is None})
+        for dtype in sorted({s[1] for s in spec.values() if s is not None}, key=str):
+            fqns = [fqn for fqn, s in spec.items() if s is not None and s[1] == dtype]
+            sizes = [int(torch.Size(spec[fqn][0]).numel()) for fqn in fqns]
+            if p == pipe_rank(pm):
+                flat = torch.cat([tensors[fqn].reshape(-1).to(pm.device) for fqn in fqns])
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=pm.device)
+            dist.broadcast(flat, src=ranks[p], group=group)
+            for fqn, piece in zip(fqns, flat.split(sizes)):
+                out[fqn] = piece.view(spec[fqn][0]).clone()
+    order = {fqn: i for i, fqn in enumerate(pm.PARAM_ORDER)}
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
 def describe(info: dict) -> str:
-    return (f"policy {info.get('policy')!r}, plan_ngpus {info.get('plan_ngpus')}, "
+    pipe = f", {info['pipe_ranks']} pipeline ranks" if info.get("pipe_ranks", 1) > 1 else ""
+    return (f"policy {info.get('policy')!r}, plan_ngpus {info.get('plan_ngpus')}{pipe}, "
             f"runtime_ngpus {info.get('runtime_ngpus')}, fingerprint "
             f"{str(info.get('fingerprint'))[:12]}")
 
@@ -82,6 +169,9 @@ def plan_mismatch(saved: dict, mine: dict) -> str | None:
     for key in ("plan_ngpus", "runtime_ngpus"):
         if saved.get(key) != mine.get(key):
             return f"{key} is {saved.get(key)} in the checkpoint but {mine.get(key)} here"
+    if pipe_ranks(saved) != pipe_ranks(mine):
+        return (f"the plan unit has {pipe_ranks(saved)} pipeline ranks in the checkpoint but "
+                f"{pipe_ranks(mine)} here")
     theirs, ours = shard_layout(saved), shard_layout(mine)
     for fqn, row in ours.items():
         if fqn not in theirs:
@@ -103,7 +193,8 @@ def plan_mismatch(saved: dict, mine: dict) -> str | None:
 def check_same_plan(saved: dict, pm, where: str) -> None:
     """Refuse shards that differ from this rank's (another plan, or another rank's file)."""
     mine = plan_info(pm)
-    same_size = all(saved.get(k) == mine[k] for k in ("plan_ngpus", "runtime_ngpus"))
+    same_size = all(saved.get(k) == mine[k] for k in ("plan_ngpus", "runtime_ngpus")) and \
+        pipe_ranks(saved) == pipe_ranks(mine)
     if same_size and saved.get("rank") != mine["rank"]:
         raise CheckpointError(f"{where} holds rank {saved.get('rank')}'s shards but this is rank "
                               f"{mine['rank']}; load the file named after this rank")
@@ -118,16 +209,23 @@ def check_same_plan(saved: dict, pm, where: str) -> None:
             f"nncompile.load_checkpoint / nncompile.load_merged_state_dict")
 
 
-def is_owner(pm, placement: Placement) -> bool:
-    """Whether this rank stores a shard in a deduped checkpoint: the first data-parallel unit
-    stores everything, and inside it a replicated tensor is stored by plan rank 0 only."""
-    dp_index, plan_rank = divmod(pm.RANK, pm.PLAN_NGPUS)
-    return dp_index == 0 and (isinstance(placement, Shard) or plan_rank == 0)
+def owner_rank(pm, row) -> int:
+    """The global rank that stores this rank's shard of `row` in a deduped checkpoint: in the
+    first data-parallel unit, on the lowest pipeline rank holding it, this rank's
+    tensor-parallel index for a sharded tensor, index 0 for a replicated one."""
+    mesh = mesh_of(pm)
+    coords = mesh.coords(pm.RANK)
+    coords[DP] = 0
+    if PP in coords:
+        coords[PP] = holders(pm, row.fqn)[0]
+    if not isinstance(row.placement, Shard):
+        coords[PLAN] = 0
+    return mesh.rank_of(coords)
 
 
-def owner_rank(pm, placement: Placement) -> int:
-    """The global rank that stores a tensor with this placement (see is_owner)."""
-    return pm.RANK % pm.PLAN_NGPUS if isinstance(placement, Shard) else 0
+def is_owner(pm, row) -> bool:
+    """Whether this rank stores its shard of `row` in a deduped checkpoint (see owner_rank)."""
+    return owner_rank(pm, row) == pm.RANK
 
 
 def _trainable(pm) -> list[tuple[str, torch.nn.Parameter]]:
