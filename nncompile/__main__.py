@@ -7,7 +7,9 @@
                                     deduped or dcp) into one file the original module and any
                                     plan load (nncompile.load_checkpoint)
     show DIR                        per rank: parameters, collectives and gradient reduction per
-                                    step; the plan summary (policy, placements, autodist estimate)
+                                    step; the plan summary (policy, placements, autodist estimate);
+                                    a pipelined plan: per stage its layers, ranks, parameters,
+                                    predicted time and memory, collectives, and why the cut
     ir DIR [--after PASS]           the IR after a pass (name or number); without --after, the
                                     passes with their line counts
     diff DIR_A DIR_B [--code [--rank R]]
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", help="rank*.pt files or checkpoint directories")
     p.add_argument("-o", "--output", required=True, help="merged .pt file to write")
     p.set_defaults(func=_merge)
-    p = sub.add_parser("show", help="per-rank parameters, collectives and the plan summary")
+    p = sub.add_parser("show", help="per-rank parameters, collectives and the plan summary "
+                                    "(and the pipeline stages)")
     p.add_argument("dir", help="gen_savedir or instance directory")
     p.set_defaults(func=_inspect)
     p = sub.add_parser("ir", help="the IR after a pass, or the list of passes")

@@ -289,8 +289,10 @@ def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[
 
 
 def plan_json(g: Graph) -> dict[str, Any]:
+    from .passes.pipeline_stages import pipeline_json
     comm = collections.Counter(op.target_name for op in g.ops
                                if op.target_name.startswith("comm."))
+    pipeline = pipeline_json(g)         # first: it gives the collectives their stage
     ops = []
     for op in g.ops:
         s = op.strategy
@@ -300,6 +302,7 @@ def plan_json(g: Graph) -> dict[str, Any]:
             "inputs": [f"{v.name}: {v.placement!r}" for v in op.tensor_inputs()],
             "outputs": [f"{v.name}: {v.placement!r}" for v in op.outputs if v.is_tensor],
             "source": str(op.source) if op.source else None,
+            **({"stage": op.stage} if g.plan_state.pipeline is not None else {}),
         })
     return {
         "policy": g.plan_state.policy,
@@ -310,6 +313,7 @@ def plan_json(g: Graph) -> dict[str, Any]:
         "collective_ops": collective_rows(g),
         "ops": ops,
         "autodist": g.plan_state.autodist,
+        "pipeline": pipeline,
     }
 
 

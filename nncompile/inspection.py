@@ -2,7 +2,9 @@
 differ, and a picture of the op graph. Every function returns text (or the picture's path),
 reads only the files parallelize wrote, and raises ConfigError saying what is missing.
 
-    show(path)                      per-rank parameters, collectives, gradient reduction, plan
+    show(path)                      per-rank parameters, collectives, gradient reduction, plan;
+                                    a pipelined plan: its stages (layers, ranks, parameters,
+                                    predicted time and memory, collectives per stage)
     ir_after(path, pass_name=None)  graphs/NN_<pass>.py, or the list of passes
     diff(a, b, code=False, rank=0)  what differs between two plans (and one rank's code)
     plot(path, output)              the op graph coloured by placement, as an image
@@ -108,7 +110,13 @@ class Instance:
             self.plan_ngpus = int(cfg["plan_ngpus"])
             self.runtime_ngpus = int(cfg["runtime_ngpus"])
             self.dp = self.runtime_ngpus // self.plan_ngpus
-            self.mesh = Mesh.of(self.plan_ngpus, self.runtime_ngpus)
+            # a pipelined plan unit: pipe ranks (stages) of tp tensor-parallel ranks each
+            self.pipeline = self.plan.get("pipeline") or None
+            if self.pipeline is not None and not self.pipeline.get("stages"):
+                self.pipeline = None                # "auto" chose no pipeline
+            self.pipe = int(self.pipeline["ranks"]) if self.pipeline else 1
+            self.tp = self.plan_ngpus // self.pipe
+            self.mesh = Mesh.of(self.tp, self.runtime_ngpus, self.pipe)
             self.training = not cfg.get("inference_only", False)
             self.ranks = {int(r): e for r, e in self.manifest["ranks"].items()}
             self.edited_names = set(edited_files(self.dir, self.manifest))
@@ -140,7 +148,7 @@ class Instance:
 
     def full_model(self) -> tuple[int, int, int]:
         """(tensors, elements, bytes) of the unsplit model."""
-        seen = {p["fqn"]: p for p in self.ranks[min(self.ranks)]["params"]}
+        seen = {p["fqn"]: p for e in self.ranks.values() for p in e["params"]}  # all stages
         numels = {f: math.prod(p["full_shape"]) for f, p in seen.items()}
         return (len(seen), sum(numels.values()),
                 sum(n * _itemsize(seen[f]["dtype"]) for f, n in numels.items()))
@@ -153,6 +161,30 @@ class Instance:
     def comm_bytes(self) -> tuple[int, int]:
         rows = self.plan["collective_ops"]
         return (sum(r["forward_bytes"] for r in rows), sum(r["backward_bytes"] for r in rows))
+
+    # ---- pipelined plans ----
+    def stage_rows(self) -> dict[int, list[dict]]:
+        """The collective rows of each stage (plan.json ops carry their stage)."""
+        stage = {o["name"]: o.get("stage") for o in self.plan.get("ops", [])}
+        out: dict[int, list[dict]] = {st["stage"]: [] for st in self.pipeline["stages"]}
+        for r in self.plan["collective_ops"]:
+            out.setdefault(stage.get(r["name"]) or 0, []).append(r)
+        return out
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The stages a global rank runs."""
+        pipe = (rank % self.plan_ngpus) // self.tp
+        return [st["stage"] for st in self.pipeline["stages"] if st["pipe_rank"] == pipe]
+
+    def rank_comm_bytes(self, rank: int) -> int:
+        """Collective payload per step of one rank: its stages' collectives, M micro-batches
+        (the whole program's collectives without a pipeline)."""
+        if self.pipeline is None:
+            return sum(self.comm_bytes())
+        rows = self.stage_rows()
+        m = int(self.pipeline.get("microbatches", 1))
+        return m * sum(r["forward_bytes"] + r["backward_bytes"]
+                       for s in self.rank_stages(rank) for r in rows.get(s, []))
 
     def file(self, rank: int) -> str:
         return self.ranks[rank].get("file", f"gencode{rank}.py")
@@ -182,8 +214,8 @@ def show(path: str | Path) -> str:
     """Per rank: parameters, collectives and gradient reduction per step; the plan summary."""
     p = Instance(path)
     with _garbled(p.dir):
-        return "\n".join(_summary(p) + [""] + _ranks(p) + [""] + _collectives(p) + [""]
-                         + _reduction(p))
+        return "\n".join(_summary(p) + [""] + (_stages(p) + [""] if p.pipeline else [])
+                         + _ranks(p) + [""] + _collectives(p) + [""] + _reduction(p))
 
 
 def _summary(p: Instance) -> list[str]:
@@ -204,24 +236,47 @@ def _summary(p: Instance) -> list[str]:
         lines.append(f"    with partial-sum gradients: {len(partial)}")
     auto = p.plan.get("autodist")
     if auto:
+        per = "ms per micro-batch, all stages" if p.pipeline else "ms/step"
         lines.append(f"  autodist estimate on {auto.get('device', '?')}: "
-                     f"{auto.get('objective_ms', float('nan')):.3f} ms/step, "
+                     f"{auto.get('objective_ms', float('nan')):.3f} {per}, "
                      f"{auto.get('memory_gb', float('nan')):.3f} GB/rank "
                      f"(solver {auto.get('solver', '?')}, {auto.get('solve_s', 0):.2f} s, "
                      f"{auto.get('variables', '?')} variables, "
                      f"{auto.get('constraints', '?')} constraints)")
+    pp = p.pipeline
+    searched = p.plan.get("pipeline") or {}
+    if not pp and searched.get("auto"):
+        lines.append(f"  pipeline_stages='auto' chose one stage ({searched.get('chosen_by')});"
+                     " nncompile.explain(DIR, 'pipeline') lists the stage counts tried")
+    if pp:
+        step = pp.get("predicted_step_ms")
+        lines.append(f"  pipeline: {pp['nstages']} stages on {pp['ranks']} pipeline ranks x tp "
+                     f"{pp['tp']}, {pp['schedule']}, {pp['microbatches']} micro-batches"
+                     + (f", predicted {step:.3f} ms/step" if step is not None else ""))
     lines.append(f"  nncompile {m.get('nncompile_version', '?')}   fingerprint "
                  f"{str(m['fingerprint'])[:16]}")
     return lines
 
 
+def _stages(p: Instance) -> list[str]:
+    """A pipelined plan's stages: the cut, why, and per stage its layers, ranks, parameters,
+    predicted time and memory and collectives."""
+    from nncompile.passes.autodist.report import explain_pipeline
+    pp = p.pipeline
+    units = f"; data-parallel unit u adds {p.plan_ngpus} x u to the ranks" if p.dp > 1 else ""
+    return ([f"Pipeline stages (ranks of plan unit 0{units}; mesh "
+             + " x ".join(f"{name} {size}" for name, size in p.mesh.dims) + ")"]
+            + ["  " + ln for ln in explain_pipeline(pp).splitlines()])
+
+
 def _ranks(p: Instance) -> list[str]:
-    fwd, bwd = p.comm_bytes()
-    rows = [("rank", "file", "params", "elements", "param bytes", "collectives/step",
-             "grad reduction/step")]
+    staged = p.pipeline is not None
+    rows = [("rank", "file") + (("stages",) if staged else ()) +
+            ("params", "elements", "param bytes", "collectives/step", "grad reduction/step")]
     for r, s in p.rank_stats.items():
-        rows.append((r, p.file(r) + p.edited(r), s["params"],
-                     f"{s['elements']:,}", _nbytes(s["bytes"]), fmt_bytes(fwd + bwd),
+        where = (",".join(map(str, p.rank_stages(r))),) if staged else ()
+        rows.append((r, p.file(r) + p.edited(r), *where, s["params"],
+                     f"{s['elements']:,}", _nbytes(s["bytes"]), fmt_bytes(p.rank_comm_bytes(r)),
                      fmt_bytes(s["grad_partial"] + s["grad_dp"])))
     lines = ["Ranks (collectives and gradient reduction: payload bytes per rank per step)"]
     lines += align(rows)
@@ -237,6 +292,23 @@ def _ranks(p: Instance) -> list[str]:
 def _collectives(p: Instance) -> list[str]:
     step = "training step" if p.training else "step (inference only: forward)"
     rows = p.plan["collective_ops"]
+    if p.pipeline is not None:
+        lines = [f"Collectives per micro-batch, by stage (the ranks of a stage run the same; "
+                 f"{p.pipeline.get('microbatches', 1)} micro-batches per {step}; payload bytes "
+                 "per rank)"]
+        for s, mine in sorted(p.stage_rows().items()):
+            st = p.pipeline["stages"][s]
+            ranks = st["ranks"]
+            lines.append(f"  stage {s} (pipeline rank {st['pipe_rank']}, ranks {ranks[0]}-"
+                         f"{ranks[-1]}): {len(mine)} collective(s)" if len(ranks) > 1 else
+                         f"  stage {s} (pipeline rank {st['pipe_rank']}, rank {ranks[0]}): "
+                         f"{len(mine)} collective(s)")
+            lines += ["    " + ln for ln in format_rows(mine).splitlines()] if mine else []
+        counts = p.kind_counts()
+        if counts:
+            lines.append("  by kind, all stages: " + ", ".join(f"{k} {v}"
+                                                              for k, v in counts.most_common()))
+        return lines
     lines = [f"Collectives per {step}, the same on every rank (payload bytes per rank)"]
     lines += ["  " + ln for ln in format_rows(rows).splitlines()] if rows else ["  none"]
     counts = p.kind_counts()
@@ -250,9 +322,14 @@ def _reduction(p: Instance) -> list[str]:
     if not p.training:
         return lines + ["  none: inference only"]
     stats = p.rank_stats[min(p.rank_stats)]
-    dims = grad_reduction(p.mesh, partial_sum=True).dims if p.plan_ngpus > 1 else ()
-    where = (f"the world ({p.runtime_ngpus} ranks)" if dims == (DP, PLAN)
-             else f"the plan unit ({p.plan_ngpus} ranks)")
+    dims = grad_reduction(p.mesh, partial_sum=True).dims if p.tp > 1 else ()
+    if p.pipeline is not None:
+        where = (f"each stage's tensor-parallel ranks across the data-parallel units "
+                 f"({p.tp * p.dp} ranks)" if dims == (DP, PLAN)
+                 else f"each stage's tensor-parallel ranks ({p.tp})")
+    else:
+        where = (f"the world ({p.runtime_ngpus} ranks)" if dims == (DP, PLAN)
+                 else f"the plan unit ({p.plan_ngpus} ranks)")
     if stats["n_partial"]:
         lines.append(f"  {stats['n_partial']} partial-sum gradients all-reduced (summed) over "
                      f"{where}: {fmt_bytes(stats['grad_partial'])} per rank")

@@ -10,6 +10,11 @@ the fastest combination whose plan fits mem_limit_gb (memory_search.py, formulas
 memory_model.py); explicit values are kept and counted. The result is graph.plan_state.memory
 and plan.json's autodist["memory"] (choice, bytes per rank by kind, host bytes, candidates).
 
+Pipelines: the pipeline_stages pass (passes/pipeline_stages.py) cuts the layers using this
+plan's costs at the stage's tensor-parallel size; autodist then limits memory per pipeline
+rank (one memory_limit per rank, activations times the micro-batches in flight: pipeline.py)
+and records each stage's time and memory under the final plan in plan_state.pipeline.
+
 pas_config keys:
     device               built-in profile name ('cpu', 'a100-80g', 'h100-80g', 'h200') or a
                          profile .json (`python -m nncompile profile -o FILE`); default: this
@@ -26,6 +31,7 @@ pas_config keys:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from nncompile.config import PAS_CONFIG_KEYS
@@ -35,9 +41,11 @@ from nncompile.log import log as _log
 
 from .constraints import parse_constraints
 from .cost_model import OPTIMIZER_STATE_BYTES, CostModel
-from .ilp import PlanInfeasibleError, leanest_memory, objective_of, replicated_memory
+from .ilp import PlanInfeasibleError, leanest_memory, memory_by_rank, objective_of, \
+    replicated_memory
 from .memory_model import MemoryModel
 from .memory_search import AUTO, auto_fields, label, memory_report, search
+from .pipeline import rank_groups, stage_costs
 from .plan_file import load_plan, loaded_memory, save_plan
 from .problem import Problem, build_problem
 from .profiles import BUILTIN, DeviceProfile, cpu_fallback_note, get_profile, measure_profile, \
@@ -61,20 +69,30 @@ def cost_model(config) -> CostModel:
 def plan_problem(graph: Graph, config, recompute: list[str] | None = None
                  ) -> tuple[Graph, Problem]:
     """The graph to place (a copy) and its decision problem; `recompute`: the modules to
-    recompute (default: pas_config's, none for "auto")."""
+    recompute (default: pas_config's, none for "auto"). Under a pipeline (op.stage set,
+    plan_state.pipeline) memory is limited per pipeline rank (pipeline.py)."""
+    g = graph.clone()
+    g.plan_ngpus = config.plan_ngpus
+    prob = problem_of(g, config, recompute)
+    pp = g.plan_state.pipeline
+    if pp is not None:
+        from ..pipeline_stages import stage_inflight
+        prob.groups = rank_groups(g, prob, pp, lambda s: stage_inflight(pp, s))
+    return g, prob
+
+
+def problem_of(g: Graph, config, recompute: list[str] | None = None) -> Problem:
+    """The decision problem of placing `g` (not modified) for `config`."""
     pc = config.pas_config
     unknown = set(pc) - KEYS
     if unknown:
         raise ConfigError(f"unknown pas_config keys for autodist: {sorted(unknown)}; "
                           f"known: {sorted(KEYS)}")
-    g = graph.clone()
-    g.plan_ngpus = config.plan_ngpus
     if recompute is None:
         rc = pc.get("recompute_modules")
         recompute = [] if rc == AUTO else list(rc or [])
-    prob = build_problem(g, cost_model(config), parse_constraints(pc.get("constraints")),
+    return build_problem(g, cost_model(config), parse_constraints(pc.get("constraints")),
                          recompute)
-    return g, prob
 
 
 def apply(g: Graph, prob: Problem, picks: list[int]) -> None:
@@ -110,6 +128,8 @@ def autodist(graph: Graph, config) -> Graph:
     g.plan_state.memory = best.choice
     g.plan_state.autodist = explanation_data(prob, sol, g, prob.model.profile.name)
     g.plan_state.autodist["memory"] = memory_report(found, mem)
+    if g.plan_state.pipeline is not None:
+        _cost_stages(g, prob, sol.picks)
     shared = ", ".join(f"{p} x{k}" for p, k in prob.layers.items()) or "none"
     _log(f"autodist: {len(g.ops)} ops -> {len(prob.choices)} decisions (identical layers: "
          f"{shared}); {sol.solver} solved {sol.variables} vars in {sol.seconds:.2f}s; model "
@@ -121,6 +141,20 @@ def autodist(graph: Graph, config) -> Graph:
     if pc.get("save_plan_path"):
         save_plan(g, pc["save_plan_path"])
     return g
+
+
+def _cost_stages(g: Graph, prob: Problem, picks: list[int]) -> None:
+    """The pipeline's per-stage time and memory as the final plan costs them, and the
+    bytes of every pipeline rank (graph.meta["pipeline_search"])."""
+    from ..pipeline_stages import stage_inflight
+    pp = g.plan_state.pipeline
+    ms, mem, _ = stage_costs(g, prob, picks, pp.nstages,
+                             lambda s: stage_inflight(pp, s))
+    g.plan_state.pipeline = dataclasses.replace(pp, predicted_ms=ms, memory_bytes=mem)
+    search = dict(g.meta.get("pipeline_search") or {})
+    search["cut_ms"] = list(pp.predicted_ms)        # what the cut was made with
+    search["rank_memory_bytes"] = [int(b) for b in memory_by_rank(prob, picks)]
+    g.meta["pipeline_search"] = search
 
 
 __all__ = ["autodist", "explain", "report_table", "cost_model", "plan_problem", "apply",

@@ -11,7 +11,8 @@ kind's `ring_rounds` and `ring_bytes(B, g)` from nncompile/collectives.py:
 
 e.g. all_reduce 2 rounds and 2 (g-1)/g * B, all_gather (B: the gathered result) 1 and
 (g-1)/g * B. alpha and bw are the intra-node link's while the group fits in one node, else the
-network's. A transition costs its forward collectives plus, with a gradient, their duals.
+network's. A pipeline send (p2p) costs overhead + alpha + B / bw. A transition costs its
+forward collectives plus, with a gradient, their duals.
 
 Memory per rank: parameters, their gradients and optimizer state (Adam: two fp32 moments, 8
 bytes per element; `pas_config["optimizer_state_bytes"]`), at their local size; plus the
@@ -123,6 +124,13 @@ class CostModel:
         alpha, bw = self._link(span or g)
         return self.profile.collective_overhead + c.ring_rounds * (g - 1) * alpha \
             + c.ring_bytes(full_bytes, g) / bw
+
+    def p2p(self, full_bytes: float, span: int) -> float:
+        """Seconds to send `full_bytes` to the rank `span` ranks away (pipeline stages)."""
+        if full_bytes == 0:
+            return 0.0
+        alpha, bw = self._link(span)
+        return self.profile.collective_overhead + alpha + full_bytes / bw
 
     def transition(self, v: Value, src: Placement, want: Placement | None,
                    backward: bool) -> tuple[float, list[str]]:

@@ -21,6 +21,8 @@ Constraints
                                                               largest unit, e.g. ZeRO-3 gathers)
     memory_limit:          sum_{c,k} memory[c,k] x[c,k] + sum_p weight[p] u[p] + fixed
                                <= mem_limit                  (bytes per rank)
+    memory_limit_<r>:      under a pipeline, one per pipeline rank r instead: memory[c,k]
+                           weighted by g_r[c] (Problem.groups, pipeline.py)
 
 Identical layers share x (see problem.py), so the model's size does not grow with depth.
 When memory_limit makes the problem infeasible, the same model is solved for minimum memory
@@ -89,18 +91,26 @@ def _model(prob: Problem, minimize_memory: bool = False):
         for r, (b, opts) in enumerate(readers):
             m += z >= pulp.lpSum(x[b][k] for k in opts), f"sync_{s}_{r}"
         cost.append(seconds * US * z)
-    memory = pulp.lpSum(ch.memory[k] / GB * x[c][k] for c, ch in enumerate(prob.choices)
-                        for k in range(len(ch.options)) if ch.memory[k])
+    extra = []
     for p, (weight, units) in enumerate(prob.peaks):
         u = pulp.LpVariable(f"peak_{p}", lowBound=0)
         for i, unit in enumerate(units):
             m += u >= pulp.lpSum(b / GB * x[c][k] for c, row in unit.items()
                                  for k, b in enumerate(row) if b), f"peak_{p}_unit_{i}"
-        memory = memory + weight * u
+        extra.append(weight * u)
     if prob.fixed_memory:
-        memory = memory + prob.fixed_memory / GB
+        extra.append(prob.fixed_memory / GB)
+    memories = [pulp.lpSum([ch.memory[k] * w[c] / GB * x[c][k]
+                            for c, ch in enumerate(prob.choices)
+                            for k in range(len(ch.options)) if ch.memory[k] and w[c]] + extra)
+                for w in (prob.groups or [[1.0] * len(prob.choices)])]
+    memory = memories[0]
+    if len(memories) > 1:               # the fullest pipeline rank
+        memory = pulp.LpVariable("memory_max", lowBound=0)
+        for r, e in enumerate(memories):
+            m += memory >= e, f"memory_of_rank_{r}"
     m += memory if minimize_memory else pulp.lpSum(cost)
-    return m, x, memory
+    return m, x, memories, memory
 
 
 def _run(m, time_limit: float) -> tuple[str, str, float]:
@@ -130,9 +140,10 @@ def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -
 def solve_within(prob: Problem, mem_limit_gb: float | None,
                  time_limit: float = 60.0) -> Solution | None:
     """The fastest plan within `mem_limit_gb` (None: no limit); None when no plan fits."""
-    m, x, memory = _model(prob)
+    m, x, memories, _ = _model(prob)
     if mem_limit_gb is not None:
-        m += memory <= mem_limit_gb, "memory_limit"
+        for r, e in enumerate(memories):
+            m += e <= mem_limit_gb, "memory_limit" + (f"_{r}" if len(memories) > 1 else "")
     status, name, secs = _run(m, time_limit)
     if status == "Infeasible":
         return None
@@ -151,7 +162,7 @@ def solve_within(prob: Problem, mem_limit_gb: float | None,
 
 def leanest_memory(prob: Problem, time_limit: float = 60.0) -> float | None:
     """Bytes per rank of the plan that needs the least memory (None if the solver fails)."""
-    lean, _, memory = _model(prob, minimize_memory=True)
+    lean, _, _, memory = _model(prob, minimize_memory=True)
     status, _, _ = _run(lean, time_limit)
     return pulp.value(memory) * GB if status == "Optimal" else None
 
@@ -172,9 +183,18 @@ def objective_of(prob: Problem, picks: list[int]) -> float:
 
 
 def memory_of(prob: Problem, picks: list[int]) -> float:
-    """Bytes per rank of a full assignment, as the ILP's memory_limit counts them."""
-    total = sum(ch.memory[k] for ch, k in zip(prob.choices, picks)) + prob.fixed_memory
+    """Bytes per rank of a full assignment, as the ILP's memory_limit counts them (under a
+    pipeline: the fullest pipeline rank's)."""
+    return max(memory_by_rank(prob, picks))
+
+
+def memory_by_rank(prob: Problem, picks: list[int]) -> list[float]:
+    """Bytes of each pipeline rank (one entry without a pipeline)."""
+    extra = prob.fixed_memory
     for weight, units in prob.peaks:
-        total += weight * max((sum(row[picks[c]] for c, row in unit.items()) for unit in units),
+        extra += weight * max((sum(row[picks[c]] for c, row in unit.items()) for unit in units),
                               default=0.0)
-    return total
+    if prob.groups is None:
+        return [sum(ch.memory[k] for ch, k in zip(prob.choices, picks)) + extra]
+    return [sum(ch.memory[k] * w[c] for c, (ch, k) in enumerate(zip(prob.choices, picks)))
+            + extra for w in prob.groups]

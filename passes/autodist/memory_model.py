@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from nncompile.ir import PARAM, Graph, MemoryChoice, Placement, Value
 
 from .cost_model import CostModel, nbytes
-from .ilp import memory_of
+from .ilp import memory_by_rank, memory_of
 from .problem import Choice, Problem
 
 UNIT_COPIES = 2.0           # ZeRO-3 transient: two gathered units (or a unit and its gradient)
@@ -188,21 +188,24 @@ class MemoryModel:
         return dataclasses.replace(prob, choices=choices, fixed_memory=fixed, peaks=peaks)
 
     def breakdown(self, prob: Problem, choice: MemoryChoice, picks: list[int]) -> dict:
-        """Bytes per rank by kind for a plan of `prob` (derived for `choice`), and host bytes."""
+        """Bytes per rank by kind for a plan of `prob` (derived for `choice`), and host bytes
+        (under a pipeline: of the fullest pipeline rank)."""
         out = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations"), 0.0)
         host = 0.0
-        for ch, k in zip(prob.choices, picks):
+        ranks = memory_by_rank(prob, picks)     # under a pipeline: the fullest rank's bytes
+        w = prob.groups[ranks.index(max(ranks))] if prob.groups else [1.0] * len(picks)
+        for c, (ch, k) in enumerate(zip(prob.choices, picks)):
             if ch.value is None:
-                out["activations"] += ch.memory[k]
+                out["activations"] += w[c] * ch.memory[k]
             elif ch.value.kind == PARAM:
                 st = self.state(ch.value, ch.options[k], choice)
-                out["parameters"] += ch.count * st.parameters
-                out["gradients"] += ch.count * st.gradients
-                out["optimizer_state"] += ch.count * st.optimizer_state
-                host += ch.count * st.host
+                out["parameters"] += w[c] * ch.count * st.parameters
+                out["gradients"] += w[c] * ch.count * st.gradients
+                out["optimizer_state"] += w[c] * ch.count * st.optimizer_state
+                host += w[c] * ch.count * st.host
             else:                           # buffers and constants
-                out["parameters"] += ch.memory[k]
-        inside = sum(ch.memory[k] for ch, k in zip(prob.choices, picks))
+                out["parameters"] += w[c] * ch.memory[k]
+        inside = sum(w[c] * ch.memory[k] for c, (ch, k) in enumerate(zip(prob.choices, picks)))
         out["communication_buffers"] = max(0.0, memory_of(prob, picks) - inside)
         table = {key: int(round(val)) for key, val in out.items()}
         table["total"] = sum(table.values())

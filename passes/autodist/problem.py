@@ -14,6 +14,9 @@
 - Memory terms outside the choices (set per ZeRO/offload/recompute combination by
   memory_model.py): `fixed_memory` bytes, and `peaks`: (weight, units), adding
   weight x max over units of the unit's bytes (each unit: {choice: bytes per option}).
+- Under a pipeline, `groups` weighs each choice's memory per pipeline rank (its share of the
+  rank's stages, activations times the micro-batches in flight; pipeline.py): one memory
+  limit per rank.
 - Recomputed ops save nothing but the outputs their region hands to ops outside it (the next
   region's checkpoint input).
 """
@@ -61,6 +64,8 @@ class Problem:
     model: CostModel
     fixed_memory: float = 0.0           # bytes per rank whatever the options
     peaks: list[tuple[float, list[dict[int, list[float]]]]] = field(default_factory=list)
+    # memory per pipeline rank (pipeline.py): per rank, a weight per choice; None: one rank
+    groups: list[list[float]] | None = None
 
     def strategy(self, op: Op, ks: list[int]) -> Strategy:
         c = self.canon[id(op)]
@@ -81,31 +86,32 @@ def _layer_of(op: Op) -> tuple[str, int, str] | None:
 
 def _canonicalize(g: Graph, flags) -> tuple[dict[int, Op], dict[int, Value], dict[str, int]]:
     """Map every op (and free value of a layer) onto the first identical layer instance."""
-    instances: dict[tuple[str, int], list[Op]] = collections.defaultdict(list)
+    instances: dict[tuple[str, int], list[tuple[Op, str, list[Value]]]] = \
+        collections.defaultdict(list)
     for op in g.ops:
         where = _layer_of(op)
         if where is not None:
-            instances[where[:2]].append(op)
+            instances[where[:2]].append((op, where[2], op.inputs()))
     canon = {id(op): op for op in g.ops}
     vcanon = {id(v): v for v in g.params + g.buffers + g.consts}
-    first: dict[tuple, list[Op]] = {}
+    first: dict[tuple, list] = {}
     shared: dict[str, int] = collections.Counter()
     for (prefix, idx), ops in instances.items():
-        pos = {id(op): i for i, op in enumerate(ops)}
+        pos = {id(op): i for i, (op, _, _) in enumerate(ops)}
         head = f"{prefix}.{idx}."
         sig = []
-        for op in ops:
+        for op, rest, ins in ops:
             wiring = []
-            for v in op.inputs():
+            for v in ins:
                 if v.producer is not None and id(v.producer) in pos:
                     wiring.append(("op", pos[id(v.producer)], v.producer.outputs.index(v)))
                 elif v.kind in FREE_KINDS and v.fqn and v.fqn.startswith(head):
                     wiring.append((v.kind, v.fqn[len(head):]))
                 else:
                     wiring.append(("outside",))
-            sig.append((op.target_name, _layer_of(op)[2], wiring, flags(op),
+            sig.append((op.target_name, rest, wiring, flags(op),
                         [(tuple(v.meta.shape), str(v.meta.dtype), v.requires_grad)
-                         for v in op.inputs() + op.outputs if v.is_tensor],
+                         for v in ins + op.outputs if v.is_tensor],
                         repr(map_nested((op.args, op.kwargs), lambda v: "%"))))
         key = (prefix, repr(sig))
         if key not in first:
@@ -113,9 +119,9 @@ def _canonicalize(g: Graph, flags) -> tuple[dict[int, Op], dict[int, Value], dic
             continue
         base = first[key]
         shared[prefix] += 1
-        for op, c in zip(ops, base):
+        for (op, _, ins), (c, _, cins) in zip(ops, base):
             canon[id(op)] = c
-            for v, cv in zip(op.inputs(), c.inputs()):
+            for v, cv in zip(ins, cins):
                 if v.kind in FREE_KINDS and v.fqn and v.fqn.startswith(head):
                     vcanon[id(v)] = cv
     return canon, vcanon, {p: n + 1 for p, n in shared.items()}

@@ -5,6 +5,8 @@ whole step would cost had that option been taken with the rest of the plan fixed
 prints those for one op, `report_table` lists the chosen options. Both show the memory options
 (ZeRO stage, offload, recompute) from `autodist["memory"]` (memory_search.memory_report):
 `report_table` after the decisions, `explain(target, "memory")` with why the choice won.
+A pipelined plan's cut (plan.json "pipeline", pipeline_stages.pipeline_json) closes the report;
+`explain(target, "pipeline")` prints it for any policy.
 """
 from __future__ import annotations
 
@@ -80,8 +82,13 @@ def _load(target: Any) -> dict:
 def explain(target: Any, op: str) -> str:
     """Why `op` (an op name, a parameter FQN or a glob over either, first match) got its
     placement, and what each alternative would have cost with the rest of the plan fixed;
-    `op="memory"`: the memory options chosen, the bytes per rank and the candidates."""
+    `op="memory"`: the memory options chosen, the bytes per rank and the candidates;
+    `op="pipeline"`: the pipeline cut, why, and each stage (any policy)."""
     plan = _load(target)
+    if op == "pipeline":
+        if not plan.get("pipeline"):
+            raise ConfigError("this plan has no pipeline stages (pas_config['pipeline_stages'])")
+        return explain_pipeline(plan["pipeline"])
     data = plan.get("autodist")
     if not data:
         raise ConfigError(f"this plan was made by policy {plan.get('policy')!r}; explain needs "
@@ -173,6 +180,84 @@ def explain_memory(mem: dict) -> str:
     return "\n".join(lines)
 
 
+def _gb(b) -> str:
+    """Bytes as GB (MB below 0.1 GB)."""
+    if b is None:
+        return "-"
+    return f"{b / 1e9:.3f} GB" if b >= 1e8 else f"{b / 1e6:.3g} MB"
+
+
+def _span(layers: list[str]) -> str:
+    if not layers:
+        return "-"
+    return layers[0] if len(layers) == 1 else f"{layers[0]} ... {layers[-1]} ({len(layers)})"
+
+
+def pipeline_rows(pipe: dict) -> list[tuple]:
+    """One row per stage: stage, pipeline rank, ranks (plan unit 0), layers, ms, GB, micro-
+    batches in flight, parameters, collectives per micro-batch."""
+    rows = []
+    for st in pipe["stages"]:
+        ranks = st["ranks"]
+        comm = ", ".join(f"{k} {v}" for k, v in sorted(st["collectives"].items())) or "none"
+        rows.append((str(st["stage"]), str(st["pipe_rank"]),
+                     f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0]),
+                     _span(st["layers"]),
+                     "-" if st["predicted_ms"] is None else f"{st['predicted_ms']:.3f}",
+                     _gb(st["memory_bytes"]), f"{st.get('inflight_microbatches', 0):g}",
+                     f"{st['params']} ({st['param_elements']:,})", comm))
+    return rows
+
+
+PIPELINE_HEAD = ("stage", "pipe rank", "ranks", "layers", "ms/micro-batch", "memory", "in flight",
+                 "params (elements)", "collectives/micro-batch")
+
+
+def explain_pipeline(pipe: dict) -> str:
+    """The cut in words: the stages, what chose them and why, each stage, the candidates."""
+    from nncompile.comm_stats import align
+    lines = []
+    if not pipe["stages"]:
+        lines.append(f"no pipeline: {pipe.get('chosen_by', '')}")
+    else:
+        lines.append(f"pipeline: {pipe['nstages']} stages on {pipe['ranks']} pipeline ranks x "
+                     f"tp {pipe['tp']} ({pipe['schedule']}, {pipe['microbatches']} "
+                     f"micro-batches, {pipe['stages_per_rank']} stage(s) per rank)")
+        lines.append(f"  chosen by {pipe['chosen_by']}")
+        times = [st["predicted_ms"] for st in pipe["stages"] if st["predicted_ms"] is not None]
+        if times:
+            mean = sum(times) / len(times)
+            lines.append(f"  why: the cut minimizes the slowest stage's forward+backward time "
+                         f"per micro-batch, whole layers only: slowest {max(times):.3f} ms, "
+                         f"mean {mean:.3f} ms ({max(times) / mean:.3f} x)")
+        if pipe.get("memory_note"):
+            lim = pipe.get("mem_limit_bytes")
+            where = "no limit" if lim is None else f"limit {_gb(lim)} per rank"
+            lines.append(f"  memory ({where}, in-flight micro-batch activations counted): "
+                         f"{pipe['memory_note']}")
+        if pipe.get("rank_memory_bytes"):
+            lines.append("  memory per pipeline rank (final plan): "
+                         + ", ".join(_gb(b) for b in pipe["rank_memory_bytes"]))
+        if pipe.get("predicted_step_ms") is not None:
+            lines.append(f"  predicted step {pipe['predicted_step_ms']:.3f} ms (M x slowest "
+                         "rank + bubble + gradient reduction)")
+        lines += align([PIPELINE_HEAD] + pipeline_rows(pipe))
+    cands = pipe.get("candidates") or []
+    if pipe.get("auto") and cands:
+        lines.append("  stage counts considered (pipeline_stages='auto'):")
+        rows = [("stages", "tp", "step ms", "lower bound ms", "slowest stage ms", "memory",
+                 "status")]
+        for c in cands:
+            rows.append((c["stages"], c["tp"], _opt(c["step_ms"]), _opt(c["bound_ms"]),
+                         _opt(c["max_stage_ms"]), _gb(c["memory_bytes"]), c["status"]))
+        lines += align(rows, indent="    ")
+    return "\n".join(lines)
+
+
+def _opt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _memory_tables(mem: dict):
     """Renderables for the report: a heading, the bytes per rank, the candidates."""
     from rich.table import Table
@@ -225,4 +310,6 @@ def report_table(target: Any, width: int = 120) -> str:
     if data.get("memory"):
         for extra in _memory_tables(data["memory"]):
             console.print(extra)
+    if plan.get("pipeline"):
+        buf.write("\n" + explain_pipeline(plan["pipeline"]) + "\n")
     return buf.getvalue()
