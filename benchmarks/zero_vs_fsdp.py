@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+from run_record import command, write_atomic  # noqa: E402
 from gpt import GPT  # noqa: E402
 
 import nncompile  # noqa: E402
@@ -436,18 +437,6 @@ def main() -> None:
         sys.exit(1)
 
 
-def command(world: int) -> str:
-    """The command line, less the options that only say where to write."""
-    argv, out = sys.argv[1:], []
-    while argv:
-        a = argv.pop(0)
-        if a in ("--results-dir", "--json"):
-            argv = argv[1:]
-        elif not a.startswith(("--results-dir=", "--json=")):
-            out.append(a)
-    return " ".join([f"torchrun --nproc_per_node={world} benchmarks/zero_vs_fsdp.py"] + out)
-
-
 def device_tag(device) -> str:
     """"cpu", or the GPU's model as in the other results files ("h100")."""
     if device.type != "cuda":
@@ -455,21 +444,6 @@ def device_tag(device) -> str:
     name = torch.cuda.get_device_name(device)
     model = re.search(r"\b([A-Z]+\d+)\b", name)
     return model.group(1).lower() if model else "cuda"
-
-
-def write_atomic(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".zero_vs_fsdp-",
-                               suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def save(args, lines: list[str], record: dict, device) -> None:
@@ -547,7 +521,7 @@ def report(args, device, world, every, build_s, train_s, n_params) -> bool:
     if not args.no_save:
         save(args, lines, {
             "benchmark": "zero_vs_fsdp", "time": stamp, "host": host,
-            "command": command(world), "torch": torch.__version__, "world": world,
+            "command": command('benchmarks/zero_vs_fsdp.py', world), "torch": torch.__version__, "world": world,
             "backend": dist.get_backend(), "config": vars(args), "n_params": n_params,
             "median_step_ms": {k: med[k] * 1e3 for k in names},
             "median_phase_ms": {k: dict(zip(("forward", "backward", "optimizer"),

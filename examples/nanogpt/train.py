@@ -4,6 +4,12 @@
     python examples/nanogpt/prepare.py
     torchrun --nproc_per_node=2 examples/nanogpt/train.py --config cpu --plan_ngpus 2
     torchrun --nproc_per_node=2 examples/nanogpt/train.py --config cpu --use_nncompile false
+    torchrun --nproc_per_node=4 examples/nanogpt/train.py --config cpu --plan_ngpus 4 \
+        --pipeline_stages 2 --microbatches 4 --policy tp          # pp 2 x tp 2
+
+With --pipeline_stages (or --microbatches > 1) NnCompileStrategy trains through
+`pm.train_step` (forward and backward of the unit's batch on the pipeline schedule); such a
+plan cannot run a forward alone, so validation is off in that mode.
 
 Every step's batch is a function of (seed, step, data-parallel unit), so a resumed run
 (--init_from resume) continues with exactly the batches an uninterrupted run would see.
@@ -41,8 +47,19 @@ def flag(s: str) -> bool:
     return s.lower() in ("1", "true", "yes", "y")
 
 
-def zero_stage(s: str) -> int | str:
+def int_or_auto(s: str) -> int | str:
     return s if s == "auto" else int(s)
+
+
+def pas_config(args) -> dict:
+    """The pipeline options of the ComputeConfig (none: an unpipelined plan)."""
+    out = {}
+    if args.pipeline_stages != 1:
+        out.update(pipeline_stages=args.pipeline_stages, pipeline_schedule=args.pipeline_schedule,
+                   stages_per_rank=args.stages_per_rank)
+    if args.microbatches > 1:
+        out["microbatches"] = args.microbatches
+    return out
 
 
 def windows(data: np.ndarray, n: int, block: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -159,11 +176,21 @@ def parse_args(argv=None):
     ap.add_argument("--plan_ngpus", type=int, default=1)
     ap.add_argument("--runtime_ngpus", type=int, default=None, help="default: world size")
     ap.add_argument("--use_nncompile", type=flag, default=True)
-    ap.add_argument("--use_zero", "--use-zero", type=zero_stage, default=0,
+    ap.add_argument("--use_zero", "--use-zero", type=int_or_auto, default=0,
                     help="ZeRO stage 0-3 over the data-parallel ranks, or auto (autodist)")
     ap.add_argument("--offload_optimizer", "--offload-optimizer", type=flag, default=False,
                     help="optimizer state and step in host memory")
     ap.add_argument("--policy", default="autodist", help="nncompile pas_policy")
+    ap.add_argument("--pipeline_stages", "--pipeline-stages", type=int_or_auto, default=1,
+                    help="pipeline ranks S per plan unit (plan_ngpus // S tensor-parallel ranks "
+                         "each), or auto (autodist)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="micro-batches M each unit's batch is split into (pipeline schedule, "
+                         "or accumulation without stages); must divide the batch size")
+    ap.add_argument("--pipeline_schedule", "--pipeline-schedule", default="1f1b",
+                    choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+    ap.add_argument("--stages_per_rank", "--stages-per-rank", type=int, default=1,
+                    help="V stages per pipeline rank (interleaved_1f1b, zero_bubble)")
     ap.add_argument("--deterministic", type=flag, default=False,
                     help="no dropout, deterministic algorithms: runs are exactly comparable")
     ap.add_argument("--init_from", default="scratch",
@@ -186,6 +213,11 @@ def parse_args(argv=None):
     args.ckpt_interval = args.ckpt_interval or args.eval_interval
     if args.grad_clip is not None:
         cfg["grad_clip"] = args.grad_clip
+    if (args.pipeline_stages != 1 or args.microbatches > 1) and not args.use_nncompile:
+        ap.error("--pipeline_stages/--microbatches need nncompile (--use_nncompile true)")
+    if cfg["batch_size"] % args.microbatches:
+        ap.error(f"--microbatches {args.microbatches} must divide the batch size "
+                 f"{cfg['batch_size']} of --config {args.config}")
     return args, cfg
 
 
@@ -198,7 +230,14 @@ def build_trainer(args, cfg) -> L.Trainer:
         from nncompile.integration.lightning import NnCompilePrecision, NnCompileStrategy
         config = nncompile.ComputeConfig(args.plan_ngpus, args.runtime_ngpus or world,
                                          use_zero=args.use_zero,
-                                         offload_optimizer=args.offload_optimizer)
+                                         offload_optimizer=args.offload_optimizer,
+                                         pas_config=pas_config(args))
+        if pas_config(args):
+            # pm.train_step runs forward + backward together: no forward alone to validate with
+            kwargs["limit_val_batches"] = 0
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"nanoGPT: training through pm.train_step ({pas_config(args)}); "
+                      f"validation is off (a pipelined plan has no forward alone)", flush=True)
         kwargs["strategy"] = NnCompileStrategy(
             config, pas_policy=args.policy, gen_savedir=str(Path(args.out_dir) / "gen"),
             reuse="moo", state_dict_type=args.state_dict_type)

@@ -12,7 +12,12 @@ ranks holding different shards skip or take a step together. The scaler unscales
 module's gradients (and a ZeRO-2 optimizer's gradient pieces), not the optimizer's own
 tensors: under ZeRO-1/2 and offload those are copies that get their gradients inside step().
 Gradient clipping goes through nncompile.clip_grad_norm_ (the true global norm, ZeRO pieces
-included); clipping by value is refused.
+and pipeline stages included); clipping by value is refused.
+
+Plans that train through pm.train_step (pipeline stages, or pas_config microbatches) run the
+backward inside train_step, so the mixed modes do not autocast the whole training_step there:
+each stage's forward (a pipelined plan) or the generated forward of each micro-batch is
+wrapped in autocast instead, and the backward runs outside it, as with eager autocast.
 """
 from __future__ import annotations
 
@@ -67,15 +72,37 @@ class NnCompilePrecision(Precision):
     def module_init_context(self):
         return contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def forward_context(self):
-        if not self.mixed:
-            yield
-            return
+    def _autocast(self):
         device = "cuda" if self.parallel_module is not None and \
             self.parallel_module.device.type == "cuda" else "cpu"
-        with torch.autocast(device, dtype=self.dtype):
+        return torch.autocast(device, dtype=self.dtype)
+
+    @contextlib.contextmanager
+    def forward_context(self):
+        pm = self.parallel_module
+        if not self.mixed or getattr(pm, "_autocast_forwards", None) is not None:
+            yield               # a train-step plan: autocast_train_step wrapped the forwards
+            return
+        with self._autocast():
             yield
+
+    def autocast_train_step(self, pm) -> None:
+        """A plan trained through pm.train_step: autocast each stage's forward (pipelined) or
+        the generated forward (micro-batches), not the backward train_step runs after it."""
+        if not self.mixed or getattr(pm, "_autocast_forwards", None) is not None:
+            return
+        pm._autocast_forwards = self.dtype
+
+        def wrap(fn):
+            def autocast_forward(*args, **kwargs):
+                with self._autocast():
+                    return fn(*args, **kwargs)
+            return autocast_forward
+        if pm.pipeline is not None:
+            for stage in pm.pipeline.modules:
+                stage.fn = wrap(stage.fn)
+        else:
+            pm.forward_impl = wrap(pm.forward_impl)
 
     # ---- backward and step --------------------------------------------------------------
     def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:

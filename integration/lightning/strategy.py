@@ -6,9 +6,10 @@
 At setup the LightningModule's `forward` is parallelized once (trace inputs from
 `dummy_forward_args`, `dummy_forward_args_fn(first training batch)` or
 `example_input_array`), `forward` is replaced by the parallel module's and the original
-submodules whose parameters it traced (frozen ones too) are set to None, so `self.parameters()` in `configure_optimizers` yields
-the parallel module's shards. Ranks of one plan unit get the same batches (the sampler is
-sized by data-parallel units) and `sync_dist` logging averages over the data-parallel group.
+submodules whose parameters it traced (frozen ones too) are set to None, so
+`self.parameters()` in `configure_optimizers` yields the parallel module's shards. Ranks of
+one plan unit get the same batches (the sampler is sized by data-parallel units) and
+`sync_dist` logging averages over the data-parallel group.
 
 ZeRO and offload (ComputeConfig's use_zero 1/2/3 or "auto", offload_optimizer,
 offload_params): the optimizer `configure_optimizers` returns is rebuilt on the shards, as
@@ -19,6 +20,11 @@ schedulers re-pointed to the new optimizer:
     before: AdamW(self.parameters(), lr=1e-3) + LambdaLR(opt)      (stepping pm's local shards)
     after:  ZeroOptimizer(pm, AdamW, lr=1e-3, ...) + the same LambdaLR, scheduler.optimizer
             is the ZeroOptimizer (its param_groups are the inner AdamW's)
+
+Pipelined plans (pas_config pipeline_stages, or microbatches > 1 without stages) train through
+`pm.train_step`: `forward` runs it and returns the mean loss with a no-op backward, so an
+unchanged `training_step` works; Lightning's zero_grad, clipping, LR schedulers, `sync_dist`
+logging and checkpoints work as for any plan (train_step.py, with what is refused and why).
 
 Checkpoints are directories with one `rank{r}.pt` per rank ("sharded" or "deduped"), written
 atomically; `merge_checkpoint` turns one into an ordinary Lightning checkpoint that another
@@ -60,11 +66,12 @@ from nncompile.runtime.rows import param_rows, state_rows
 from nncompile.runtime.state import describe, plan_info, plan_mismatch
 
 from .precision import NnCompilePrecision
+from .train_step import TrainStepPlans
 
 STATE_DICT_TYPES = ("sharded", "deduped")
 
 
-class NnCompileStrategy(ParallelStrategy):
+class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
     strategy_name = "nncompile"
 
     def __init__(self, compute_config: nncompile.ComputeConfig | None = None, *,
@@ -176,12 +183,16 @@ class NnCompileStrategy(ParallelStrategy):
 
     # ---- setup: parallelize once ---------------------------------------------------------
     def setup(self, trainer) -> None:
+        if self.uses_train_step and trainer.state.fn == TrainerFn.FITTING:
+            self._check_train_step_setup(trainer)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._parallelize(trainer)
         if isinstance(self.precision_plugin, NnCompilePrecision):
             self.precision_plugin.parallel_module = self.parallel_module
+            if self.uses_train_step:
+                self.precision_plugin.autocast_train_step(self.parallel_module)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_optimizers()
@@ -212,7 +223,7 @@ class NnCompileStrategy(ParallelStrategy):
         for name, p in list(lm.named_parameters(recurse=False)):
             delattr(lm, name)
         lm.nncompile_module = pm
-        lm.forward = pm.__call__
+        lm.forward = self._train_step_forward if self.uses_train_step else pm.__call__
         self.parallel_module = pm
 
     def _dummy_args(self, trainer, lm) -> Any:
