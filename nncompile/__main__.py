@@ -1,6 +1,7 @@
 """Command line: `python -m nncompile <command>`.
 
-    profile -o FILE [--name NAME]   measure this machine for autodist's cost model; use the file
+    profile -o FILE [--name NAME] [--threads N]
+                                    measure this machine for autodist's cost model; use the file
                                     with pas_config={"device": "FILE"}. Under torchrun it also
                                     times all-reduces across the job's ranks.
     merge FILES_OR_DIRS -o FILE     merge a checkpoint (per-rank files or its directory; sharded,
@@ -36,6 +37,8 @@ def _profile(args) -> int:
     from nncompile.passes.autodist import measure_profile, save_profile
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prof = measure_profile(args.name)
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = save_profile(prof, args.output)
@@ -104,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("profile", help="measure this machine for the autodist cost model")
     p.add_argument("-o", "--output", required=True, help="profile .json to write")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads while timing (default: as set; torchrun sets 1): "
+                        "time with the threads each rank will train with")
     p.add_argument("--name", default="measured")
     p.set_defaults(func=_profile)
     p = sub.add_parser("merge", help="merge a checkpoint's per-rank files into one")

@@ -5,7 +5,9 @@ wait for it and load their own `gencode{rank}.py`.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
+import gc
 import importlib.util
 import json
 import os
@@ -14,19 +16,20 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from . import codegen
+from . import codegen, layer_replay
 from .config import ComputeConfig
 from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
 from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
-from .fileio import check_writable, staged_dir, write_json, write_text
+from .fileio import check_writable, staged_dir, write_text
 from .fingerprint import compute_fingerprint
 from .frontend import trace
-from .ir import Graph, MemoryChoice, print_graph
+from .ir import Graph, MemoryChoice
+from .ir.printer import print_graph_texts
 from .log import log as _log
 from .pipeline_config import microbatch_dummy
 from nncompile.passes import build_pipeline, get_policy, run_pipeline
@@ -48,13 +51,34 @@ class Compiled:
     final: Graph | None = None
 
 
+@contextlib.contextmanager
+def _no_full_gc() -> Iterator[None]:
+    """No full (oldest-generation) garbage collections while compiling. A compile keeps some
+    10^5 new objects alive, which makes Python scan the whole heap (torch and transformers
+    included) several times: about a second of a Llama-8B compile. Young collections still
+    run; whatever the compile leaves is collected after."""
+    t0, t1, t2 = gc.get_threshold()
+    gc.set_threshold(t0, t1, 1 << 30)
+    try:
+        yield
+    finally:
+        gc.set_threshold(t0, t1, t2)
+
+
 def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConfig, *,
                    pas_policy: Any, outdir: Path, reuse: str = "match",
                    check: bool = False) -> Compiled:
     """Compile into `outdir` (or reuse what is there)."""
+    with _no_full_gc():
+        return _compile_module(module, dummy_args, config, pas_policy=pas_policy,
+                               outdir=outdir, reuse=reuse, check=check)
+
+
+def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConfig, *,
+                    pas_policy: Any, outdir: Path, reuse: str, check: bool) -> Compiled:
     policy = get_policy(pas_policy)
     check_writable(outdir.parent)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _cpu()
     _log(f"tracing {type(module).__name__} ...")
     m = config.pipeline.microbatches
     dummy_args, batch = microbatch_dummy(dummy_args, m)
@@ -67,8 +91,8 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     if config.inference_only:
         for v in graph.values():
             v.requires_grad = False
-    traced_text = print_graph(graph)
-    fingerprint, fp_parts = compute_fingerprint(graph, config, pas_policy)
+    traced_text, plain_text = print_graph_texts(graph)
+    fingerprint, fp_parts = compute_fingerprint(graph, config, pas_policy, plain_text)
     manifest_path = outdir / "manifest.json"
     try:
         old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
@@ -89,12 +113,16 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
         if reuse == "match":
             raise ReuseError(_what_changed(old, config, traced_text, _policy_name(pas_policy),
                                            outdir, fp_parts))
+    replayed = layer_replay.last.get("replayed")
     _log(f"traced {graph.trace_info.model}: {len(graph.ops)} ops, {len(graph.params)} params "
-         f"({(time.perf_counter() - start):.1f}s)")
+         f"({(time.perf_counter() - start):.1f}s"
+         + (f"; {replayed} identical layers copied from a traced one" if replayed else "") + ")")
     seconds = {"trace": time.perf_counter() - start}
+    cpu_traced = _cpu()
     _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
     result = run_pipeline(graph, build_pipeline(config, policy), check=check)
     seconds["passes"] = sum(ms for _, _, ms in result.history) / 1e3
+    cpu_passed = _cpu()
     seconds["ilp"] = (result.graph.plan_state.autodist or {}).get("solve_s", 0.0)
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
@@ -102,26 +130,29 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
     memory = memory_choice(final, config)
     _log(f"writing {config.runtime_ngpus} rank file(s) ...")
     with staged_dir(outdir) as staging:
-        for r in range(config.runtime_ngpus):
-            write_text(staging / f"gencode{r}.py",
-                       codegen.gencode(final, r, config.runtime_ngpus, fingerprint,
-                                       memory=memory if config.code_fields else None))
+        for r, text in enumerate(codegen.gencode_all(
+                final, config.runtime_ngpus, fingerprint,
+                memory=memory if config.code_fields else None)):
+            write_text(staging / f"gencode{r}.py", text)
         kept = keep_edited(outdir, old, staging)
         (staging / "graphs").mkdir()
         for fname, text in codegen.graph_dumps(result.history).items():
             write_text(staging / "graphs" / fname, text)
         plan = codegen.plan_json(final)
-        write_json(staging / "plan.json", plan)
+        write_text(staging / "plan.json", codegen.json_text(plan))
         if plan.get("autodist"):
             write_text(staging / "plan_report.txt", plan_report(plan))
         seconds["codegen"] = time.perf_counter() - start - seconds["trace"] - seconds["passes"]
         seconds["total"] = time.perf_counter() - start
-        write_json(staging / "manifest.json",
-                   {**codegen.manifest(final, config, fingerprint, traced_text),
-                    "fingerprint_parts": fp_parts,
-                    "compile_seconds": seconds,
-                    "files": {f"gencode{r}.py": file_sha256(staging / f"gencode{r}.py")
-                              for r in range(config.runtime_ngpus)}})
+        now = _cpu()        # CPU seconds of this process and its children (the ILP solver)
+        seconds["cpu"] = {"trace": cpu_traced - cpu_start, "passes": cpu_passed - cpu_traced,
+                          "codegen": now - cpu_passed, "total": now - cpu_start}
+        write_text(staging / "manifest.json", codegen.json_text(
+            {**codegen.manifest(final, config, fingerprint, traced_text),
+             "fingerprint_parts": fp_parts,
+             "compile_seconds": seconds,
+             "files": {f"gencode{r}.py": file_sha256(staging / f"gencode{r}.py")
+                       for r in range(config.runtime_ngpus)}}))
     if kept:
         warnings.warn(f"regenerating {outdir} replaced edited file(s) {', '.join(kept)}; "
                       f"the edited versions are kept in {outdir / 'edited'}",
@@ -137,6 +168,11 @@ def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConf
          + ("; why each placement: plan_report.txt, nncompile.explain()"
             if final.plan_state.autodist else ""))
     return Compiled("generated", graph, final)
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def memory_choice(g, config: ComputeConfig) -> MemoryChoice:

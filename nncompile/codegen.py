@@ -8,7 +8,8 @@ slices of the full parameters it holds.
 from __future__ import annotations
 
 import collections
-from typing import Any
+import json
+from typing import Any, Iterator
 
 from . import __version__
 from .comm_stats import collective_rows
@@ -107,11 +108,15 @@ PIPELINE_HEADER = '''    # pipeline parallelism (runtime/pipeline.py runs the st
 
 
 def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
-            memory: MemoryChoice | None = None) -> str:
+            memory: MemoryChoice | None = None, shared: dict | None = None) -> str:
     """A rank's file. `memory`: the ZeRO stage and offload choice to record in it (given when
     it shapes the code: ZeRO-3's per-unit gathers, or a choice autodist made). A pipelined
-    plan's file holds this rank's stages (pipeline_codegen.py) instead of one forward."""
+    plan's file holds this rank's stages (pipeline_codegen.py) instead of one forward.
+    `shared`: a dict kept across the calls for one unchanged graph (gencode_all): what every
+    rank's file has in common (all but the tables of its own shards) is made once."""
     from . import pipeline_codegen as pc
+    if shared is None:
+        shared = {}
     n = g.plan_ngpus
     pp = g.plan_state.pipeline
     tg, stages = g, None
@@ -122,10 +127,12 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         _, pipe_rank, ids = pc.rank_position(g, rank)
         tg = table_graph(g, rank)
     t = rank_tables(tg, rank)
+    if "imports" not in shared:
+        shared["imports"] = (_custom_imports(g), "comm, rng" if any(
+            op.target_name.startswith("rng.") for op in g.ops) else "comm")
+    custom_imports, runtime_modules = shared["imports"]
     text = HEADER.format(
-        custom_imports=_custom_imports(g),
-        runtime_modules="comm, rng" if any(op.target_name.startswith("rng.") for op in g.ops)
-        else "comm",
+        custom_imports=custom_imports, runtime_modules=runtime_modules,
         rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
         inference_only=g.trace_info.inference_only,
         model=g.trace_info.model, policy=g.plan_state.policy,
@@ -147,7 +154,10 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         text = text.replace(f"(plan unit {rank // n}, shard {rank % n} of {n})",
                             f"(plan unit {unit}: pipeline rank {pipe_rank} of {pp.ranks}, "
                             f"tensor-parallel shard {rank % n} of {n})", 1)
+    if pp is None and "tail" in shared:
+        return text.rstrip("\n") + shared["tail"]
     units = zero_units(tg) if memory is not None and memory.zero == 3 else []
+    head = len(text.rstrip("\n"))
     if pp is not None:
         info, rows = pc.pipeline_tables(g, rank, stages, units)
         text += PIPELINE_HEADER.format(ranks=pp.ranks, info=info, rows=_rows(rows))
@@ -183,7 +193,17 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
             lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
             lines += forward_body(g, indent="        ", local_n=n)
         lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
-    return "\n".join(lines) + "\n"
+    out = "\n".join(lines) + "\n"
+    shared["tail"] = out[head:]
+    return out
+
+
+def gencode_all(g: Graph, runtime_ngpus: int, fingerprint: str,
+                memory: MemoryChoice | None = None) -> Iterator[str]:
+    """gencode for ranks 0 .. runtime_ngpus-1, in order, making their common part once."""
+    shared: dict = {}
+    for r in range(runtime_ngpus):
+        yield gencode(g, r, runtime_ngpus, fingerprint, memory, shared)
 
 
 def _custom_imports(g: Graph) -> str:
@@ -319,8 +339,114 @@ def plan_json(g: Graph) -> dict[str, Any]:
 
 def graph_dumps(history: list[tuple[str, Graph, float]]) -> dict[str, str]:
     out = {}
+    printed: dict[int, str] = {}        # a pass that returned its input graph: printed once
     for i, (name, graph, ms) in enumerate(history):
-        local = graph.plan_ngpus if Stage.LOCALIZED in graph.stages else None
-        out[f"{i:02d}_{name}.py"] = f"# after {name!r} ({ms:.1f} ms)\n" + \
-            print_graph(graph, local_n=local)
+        text = printed.get(id(graph))
+        if text is None:
+            local = graph.plan_ngpus if Stage.LOCALIZED in graph.stages else None
+            text = printed[id(graph)] = print_graph(graph, local_n=local)
+        out[f"{i:02d}_{name}.py"] = f"# after {name!r} ({ms:.1f} ms)\n" + text
     return out
+
+
+_ESCAPE = json.encoder.encode_basestring_ascii
+
+
+def _json_float(x: float) -> str:
+    if x != x:
+        return "NaN"
+    if x == float("inf"):
+        return "Infinity"
+    if x == float("-inf"):
+        return "-Infinity"
+    return float.__repr__(x)
+
+
+def _json_into(o: Any, out: list[str], nl: str) -> None:
+    """json.encoder's indent-mode output for o (in its check order), appended to out; nl is
+    the newline and indent of o's own level."""
+    if isinstance(o, str):
+        out.append(_ESCAPE(o))
+    elif o is None:
+        out.append("null")
+    elif o is True:
+        out.append("true")
+    elif o is False:
+        out.append("false")
+    elif isinstance(o, int):
+        out.append(int.__repr__(o))
+    elif isinstance(o, float):
+        out.append(_json_float(o))
+    elif isinstance(o, (list, tuple)):
+        if not o:
+            out.append("[]")
+            return
+        inner = nl + " "
+        sep = "," + inner
+        out.append("[" + inner)
+        first = True
+        for v in o:
+            if not first:
+                out.append(sep)
+            first = False
+            t = type(v)
+            if t is str:
+                out.append(_ESCAPE(v))
+            elif t is int:
+                out.append(int.__repr__(v))
+            else:
+                _json_into(v, out, inner)
+        out.append(nl + "]")
+    elif isinstance(o, dict):
+        if not o:
+            out.append("{}")
+            return
+        inner = nl + " "
+        sep = "," + inner
+        out.append("{" + inner)
+        first = True
+        for k, v in o.items():
+            if isinstance(k, str):
+                pass
+            elif isinstance(k, float):
+                k = _json_float(k)
+            elif k is True:
+                k = "true"
+            elif k is False:
+                k = "false"
+            elif k is None:
+                k = "null"
+            elif isinstance(k, int):
+                k = int.__repr__(k)
+            else:
+                raise TypeError(f"key {k!r} is not a JSON key")
+            if not first:
+                out.append(sep)
+            first = False
+            out.append(_ESCAPE(k))
+            out.append(": ")
+            t = type(v)
+            if t is str:
+                out.append(_ESCAPE(v))
+            elif t is int:
+                out.append(int.__repr__(v))
+            elif v is None:
+                out.append("null")
+            else:
+                _json_into(v, out, inner)
+        out.append(nl + "}")
+    else:
+        raise TypeError(f"{type(o).__name__} is not JSON")
+
+
+def json_text(obj: Any) -> str:
+    """`json.dumps(obj, indent=1) + "\n"` (what fileio.write_json writes), byte for byte,
+    several times faster: with an indent json's encoder runs in Python, one generator per
+    container. Anything unusual (a type json rejects, a cycle) goes to json.dumps itself."""
+    out: list[str] = []
+    try:
+        _json_into(obj, out, "\n")
+    except (TypeError, ValueError, RecursionError):
+        return json.dumps(obj, indent=1, sort_keys=False) + "\n"
+    out.append("\n")
+    return "".join(out)

@@ -18,7 +18,7 @@ PAS_CONFIG_KEYS = frozenset({
     "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
     "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
-               "offload_params", "check")
+               "offload_params", "check", "compile")
 ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"
 
@@ -65,6 +65,8 @@ class ComputeConfig:
     offload_params: bool = False         # ZeRO-3 parameter shards in host memory
     check: bool = False                  # after compiling, run every rank in one process and
                                          # refuse a plan whose loss or gradients differ
+    compile: bool = False                # torch.compile each rank's generated forward (inductor,
+                                         # collectives included): ParallelModule.compile
 
     def __post_init__(self):
         if not _is_int(self.plan_ngpus) or self.plan_ngpus < 1:
@@ -85,6 +87,14 @@ class ComputeConfig:
             raise ConfigError("check=True runs the plan in one process through forward, which "
                               "a pipelined plan does not have; leave check off with "
                               "pipeline_stages (the parity tests cover pipelines)")
+        if self.compile and self.pipeline.enabled:
+            raise ConfigError("compile=True compiles the generated forward, which a pipelined "
+                              "plan does not have (its stages run under torch's pipeline "
+                              "schedules); leave compile off with pipeline_stages")
+        if self.compile and self.zero_stage == 3:
+            raise ConfigError("compile=True cannot trace ZeRO-3's parameter gathers (they "
+                              "swap saved tensors through saved_tensors_hooks); use use_zero "
+                              "0, 1 or 2 with compile, or leave compile off")
         if self.runtime_ngpus is not None:
             if not _is_int(self.runtime_ngpus) or self.runtime_ngpus < 1:
                 raise ConfigError(f"runtime_ngpus must be a positive int, "
@@ -173,7 +183,7 @@ class ComputeConfig:
 
 
 RUNTIME_FIELDS = ("use_async_reducer", "reducer_bucket_cap_mb", "reduce_in_fp32", "use_zero",
-                  "zero_ngroups", "offload_optimizer", "offload_params", "check")
+                  "zero_ngroups", "offload_optimizer", "offload_params", "check", "compile")
 
 
 def _plan_view(saved: dict[str, Any]) -> dict[str, Any]:

@@ -82,15 +82,18 @@ def _custom_ops(graph: Graph) -> str:
     return json.dumps(rules, sort_keys=True)
 
 
-def fingerprint_inputs(graph: Graph, config: ComputeConfig, pas_policy: Any) -> dict[str, str]:
-    """The text of each covered part (see the module docstring), by name."""
+def fingerprint_inputs(graph: Graph, config: ComputeConfig, pas_policy: Any,
+                       graph_text: str | None = None) -> dict[str, str]:
+    """The text of each covered part (see the module docstring), by name. graph_text: the
+    graph printed without source lines, where the caller has it already."""
     plan = config.plan_json()
     autodist = _is_autodist(pas_policy)
     if autodist:
         plan["pas_config"] = {k: v for k, v in plan.get("pas_config", {}).items()
                               if k != "device"}
     return {
-        "graph": print_graph(graph, source=False) + f"# out_spec: {graph.out_spec}\n"
+        "graph": (print_graph(graph, source=False) if graph_text is None else graph_text)
+        + f"# out_spec: {graph.out_spec}\n"
         + "".join(f"# {k}: {getattr(graph.trace_info, k)!r}\n"
                   for k in ("args", "signature", "defaults")),
         "config": json.dumps(plan, sort_keys=True),
@@ -101,10 +104,10 @@ def fingerprint_inputs(graph: Graph, config: ComputeConfig, pas_policy: Any) -> 
     }
 
 
-def compute_fingerprint(graph: Graph, config: ComputeConfig,
-                        pas_policy: Any) -> tuple[str, dict[str, str]]:
+def compute_fingerprint(graph: Graph, config: ComputeConfig, pas_policy: Any,
+                        graph_text: str | None = None) -> tuple[str, dict[str, str]]:
     """(fingerprint, {part: short hash of that part}); the parts go into the manifest so a
-    mismatch can say which part changed."""
-    parts = fingerprint_inputs(graph, config, pas_policy)
+    mismatch can say which part changed. graph_text: see fingerprint_inputs."""
+    parts = fingerprint_inputs(graph, config, pas_policy, graph_text)
     digest = _sha(json.dumps(parts, sort_keys=True))
     return digest, {k: _sha(v)[:16] for k, v in parts.items()}

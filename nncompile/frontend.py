@@ -20,6 +20,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from . import layer_replay
 from .errors import ConfigError, TraceError
 from .runtime import arguments
 from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, TraceInfo, Value
@@ -106,28 +107,52 @@ def _sanitize(path: str) -> str:
     return "_".join(out)
 
 
+def _canonical(module: torch.nn.Module) -> dict[int, str]:
+    """id(parameter or buffer) -> the FQN it is known by (the first of tied names)."""
+    canonical: dict[int, str] = {}
+    for name, p in module.named_parameters():
+        canonical.setdefault(id(p), name)
+    for name, b in module.named_buffers():
+        canonical.setdefault(id(b), name)
+    return canonical
+
+
 class _Lowering:
-    def __init__(self, ep: ExportedProgram, module: torch.nn.Module):
+    def __init__(self, ep: ExportedProgram, module: torch.nn.Module,
+                 runs: list[layer_replay.Run] = (), canonical: dict[int, str] | None = None):
         self.ep = ep
         self.module = module
         self.env: dict[torch.fx.Node, Any] = {}
         self.names: set[str] = set()
+        self.clean: dict[str, str] = {}         # fresh(): base -> its identifier form
+        self.suffix: dict[str, int] = {}        # fresh(): base -> the next suffix to try
+        self.prefixes: dict[str, str] = {}      # base(): module path -> name prefix
         self.ops: list[Op] = []
-        canonical = {}
-        for name, p in module.named_parameters():
-            canonical.setdefault(id(p), name)
-        for name, b in module.named_buffers():
-            canonical.setdefault(id(b), name)
-        self.canonical = canonical
+        self.canonical = _canonical(module) if canonical is None else canonical
+        self.by_fqn: dict[str, Value] = {}      # tied weights: one Value per tensor
+        self.runs = {r.id: r for r in runs}
+        self.replay_ops = layer_replay.ops() if runs else ()
+        self.regions: dict[tuple, layer_replay.Region] = {}
+        self.open: layer_replay.Region | None = None
+        self.anchored: set[int] = set()         # ids of Values asserts read (has_dead_ops)
 
     def fresh(self, base: str) -> str:
-        base = re.sub(r"\W", "_", base).strip("_") or "v"
-        if base[0].isdigit():
-            base = "v" + base
-        name, i = base, 1
-        while name in self.names or name in _RESERVED:
+        clean = self.clean.get(base)
+        if clean is None:
+            clean = re.sub(r"\W", "_", base).strip("_") or "v"
+            if clean[0].isdigit():
+                clean = "v" + clean
+            self.clean[base] = clean
+        base = clean
+        name = base
+        if name in self.names or name in _RESERVED:
+            # the smallest free suffix; those below the last one found are still taken
+            i = self.suffix.get(base, 1)
             name = f"{base}_{i}"
-            i += 1
+            while name in self.names or name in _RESERVED:
+                i += 1
+                name = f"{base}_{i}"
+            self.suffix[base] = i + 1
         self.names.add(name)
         return name
 
@@ -152,7 +177,7 @@ class _Lowering:
         sig = self.ep.graph_signature
         params, buffers, inputs = [], [], []
         const_literal_ops: list[Op] = []
-        by_fqn: dict[str, Value] = {}   # tied weights: one Value per tensor
+        by_fqn = self.by_fqn
         for spec, node in zip(sig.input_specs,
                               [n for n in self.ep.graph.nodes if n.op == "placeholder"]):
             meta = _meta_of(node.meta.get("val"))
@@ -232,9 +257,16 @@ class _Lowering:
             return
         if not isinstance(target, torch._ops.OpOverload):
             raise TraceError(f"unsupported call {target} at {node.meta.get('stack_trace', '')}")
+        if target in self.replay_ops:
+            self._replay(node, target, no_grad)
+            return
         opname = target._opname
         if opname in _DROPPED:
             self.env[node] = None
+            # what an assert reads stays in the graph (dead-code elimination keeps it)
+            self.anchored.update(id(v) for v in pytree.tree_leaves(
+                pytree.tree_map(self._lookup, (node.args, dict(node.kwargs))))
+                if isinstance(v, Value))
             return
         if opname == "detach_":
             target = torch.ops.aten.detach.default
@@ -247,14 +279,14 @@ class _Lowering:
             dst, src = args[:2]
             target, args, kwargs = torch.ops.aten._to_copy.default, (src,), \
                 {"dtype": dst.meta.dtype}
+            self.anchored.add(id(dst))      # read no more, but kept (has_dead_ops)
         ins = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, Value)]
-        grad_in = (not no_grad) and opname not in _NON_DIFFERENTIABLE \
-            and any(v.requires_grad for v in ins)
+        grad_in = self.grad_in(opname, no_grad, ins)
         module_path = ""
         stack = node.meta.get("nn_module_stack")
         if stack:
             module_path = list(stack.values())[-1][0]
-        base = (_sanitize(module_path) + "_" if module_path else "") + opname
+        base = self.base(module_path, opname)
         val = node.meta.get("val")
 
         def make(v: Any) -> Value:
@@ -272,7 +304,49 @@ class _Lowering:
                                               .rsplit(".", 1)[-1])
                                              for path, cls in stack.values() if path)
         self.ops.append(op)
+        if self.open is not None:
+            self.open.info.append((opname, no_grad))
         self.env[node] = list(outputs) if multi else outputs[0]
+
+    def _replay(self, node: torch.fx.Node, target: Any, no_grad: bool) -> None:
+        """A layer_replay op: a template's probe (where its ops begin and end, its inputs and
+        outputs) or a replayed layer, lowered as a copy of its template's ops."""
+        values = [self._lookup(a) for a in node.args[0]]
+        run, member, last = self.runs[node.args[1]], node.args[2], node.args[3]
+        key = (run.id, member)
+        self.env[node] = None
+        if target is self.replay_ops[0]:
+            if last == 0:
+                if self.open is not None or key in self.regions:
+                    raise layer_replay.NoReplay("nested or repeated template")
+                self.open = self.regions[key] = layer_replay.Region(
+                    run, run.members[member], len(self.ops), values, no_grad)
+            else:
+                region = self.open
+                if region is None or self.regions.get(key) is not region:
+                    raise layer_replay.NoReplay("unbalanced probes")
+                region.ops, region.outputs = self.ops[region.start:], values
+                self.open = None
+            return
+        region = self.regions.get((run.id, last))
+        if region is None or self.open is not None or region.no_grad != no_grad \
+                or region.ops is None:
+            raise layer_replay.NoReplay("no template to copy")
+        self.env[node] = layer_replay.copy_region(self, region, run.members[member], values)
+
+    def base(self, module_path: str, opname: str) -> str:
+        """The name an op's outputs are made from: its module path and op name."""
+        prefix = self.prefixes.get(module_path)
+        if prefix is None:
+            prefix = self.prefixes[module_path] = \
+                _sanitize(module_path) + "_" if module_path else ""
+        return prefix + opname
+
+    @staticmethod
+    def grad_in(opname: str, no_grad: bool, ins: list) -> bool:
+        """Whether an op's floating outputs need a gradient."""
+        return (not no_grad) and opname not in _NON_DIFFERENTIABLE \
+            and any(v.requires_grad for v in ins)
 
     def _inline_hop(self, gm: torch.fx.GraphModule, node: torch.fx.Node, no_grad: bool) -> None:
         """Inline a region op (a no-grad or autocast block) whose body is a submodule."""
@@ -297,14 +371,20 @@ def _move_to(obj: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
 
 
-def _mutates(gm: torch.fx.GraphModule) -> bool:
+def _mutations(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes that write in place (asserts and detach_ aside)."""
+    out = []
     for mod in gm.modules():
         for node in getattr(mod, "graph", torch.fx.Graph()).nodes:
             t = node.target
             if isinstance(t, torch._ops.OpOverload) and t._opname not in _DROPPED \
                     and t._opname != "detach_" and t._schema.is_mutable:
-                return True
-    return False
+                out.append(node)
+    return out
+
+
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    return bool(_mutations(gm))
 
 
 def functionalize(ep: ExportedProgram) -> ExportedProgram:
@@ -412,11 +492,40 @@ def _needs_check(cls: type) -> bool:
     return not _is_registered_function(cls)
 
 
+def _meta_args(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if any(p.is_meta for p in module.parameters()):
+        return _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
+    return args, kwargs
+
+
+def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
+                      runs: list[layer_replay.Run]) -> tuple[ExportedProgram, bool] | None:
+    """torch.export with the runs' layers replayed (nncompile/layer_replay.py) and
+    functionalized, and whether functionalizing ran (dead code eliminated: the caller checks
+    the lowered graph has none, as a full trace would not). None where it fails, or a
+    template writes in place: the caller exports without replay."""
+    args, kwargs = _meta_args(module, args, kwargs)
+    watch = _WatchFunctions()
+    try:
+        with watch, layer_replay.installed(runs):
+            ep = torch.export.export(module, args, kwargs, strict=False)
+        if watch.found:
+            return None
+        mutations = _mutations(ep.graph_module)
+        if not mutations:
+            return ep, False
+        if any(layer_replay.in_template(path, runs) for node in mutations
+               for path, _ in (node.meta.get("nn_module_stack") or {}).values()):
+            return None
+        with layer_replay.active(runs):
+            return ep.run_decompositions({}), True
+    except Exception:  # noqa: BLE001 - the full export reports it
+        return None
+
+
 def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
     """torch.export with errors translated into TraceError naming the user's file:line."""
-    on_meta = any(p.is_meta for p in module.parameters())
-    if on_meta:
-        args, kwargs = _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
+    args, kwargs = _meta_args(module, args, kwargs)
     watch = _WatchFunctions()
     try:
         with watch:
@@ -464,8 +573,28 @@ def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
     # belongs
     args, kwargs = pytree.tree_map(
         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-    ep = export(module, args, kwargs)
-    graph = _Lowering(ep, module).run()
+    canonical = _canonical(module)
+    graph = None
+    runs = layer_replay.find_runs(module, canonical)
+    layer_replay.last.clear()
+    replayed = _export_replaying(module, args, kwargs, runs) if runs else None
+    if replayed is not None:
+        ep, functionalized = replayed
+        try:
+            lowering = _Lowering(ep, module, runs, canonical)
+            graph = lowering.run()
+            if functionalized and layer_replay.has_dead_ops(graph, lowering.anchored):
+                raise layer_replay.NoReplay("dead code a full trace would not have")
+            layer_replay.last.update(replayed=sum(r.replayed for r in runs))
+        except Exception as e:  # noqa: BLE001 - NoReplay, or what the full trace reports
+            graph = None
+            layer_replay.last.update(fallback=f"{type(e).__name__}: {e}")
+    elif runs:
+        layer_replay.last.update(fallback="export with replay failed or a template writes "
+                                          "in place")
+    if graph is None:
+        ep = export(module, args, kwargs)
+        graph = _Lowering(ep, module, canonical=canonical).run()
     for op in graph.ops:
         if getattr(op.target, "_schema", None) is not None and op.target._schema.is_mutable:
             where = f" at {op.source.file}:{op.source.line}" if op.source else ""

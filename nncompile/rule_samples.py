@@ -129,6 +129,8 @@ def model_ops(name: str, g: torch.Generator) -> list[Sample]:
         "unsqueeze": [(lambda x: x.unsqueeze(1), (r(4, 8),))],
         "squeeze": [(lambda x: x.squeeze(1), (r(4, 1, 8),))],
         "expand": [(lambda x: x.expand(4, 8, 8), (r(8, 1),))],
+        "repeat_interleave.self_int": [(lambda x: x.repeat_interleave(2, dim=1),
+                                        (r(4, 4, 8),))],
         "split": [(lambda x: x.split(4, dim=1), (r(4, 8, 4),))],
         "split_with_sizes": [(lambda x: x.split([2, 6], dim=1), (r(4, 8, 4),))],
         "unsafe_split": [(lambda x: torch.ops.aten.unsafe_split.Tensor(x, 4, 1),

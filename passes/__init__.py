@@ -1,7 +1,7 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
-    trace -> constant_fold -> dce -> [pipeline_stages] -> plan(policy) -> insert_comm
-          -> [recompute] -> localize -> codegen
+    trace -> constant_fold -> dce -> [pipeline_stages] -> plan(policy) -> sink_gathers
+          -> insert_comm -> [recompute] -> localize -> codegen
 
 Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
@@ -29,6 +29,7 @@ from .localize import localize
 from .pipeline_stages import PartitionStages
 from .plan import Plan
 from .recompute import AUTO, Recompute
+from .sink_gathers import sink_gathers
 from .policies import POLICIES, get_policy
 from .autodist import auto_fields
 
@@ -57,6 +58,7 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         PartitionStages(config, autodist=policy is POLICIES["autodist"])
         if config.pipeline.enabled else None,
         Plan(policy, config),
+        sink_gathers,
         insert_comm,
         Recompute(config.pas_config["recompute_modules"])
         if config.pas_config.get("recompute_modules") else None,
@@ -115,5 +117,5 @@ def _stages(stages) -> str:
     return ", ".join(f"{s.name} ({s.value})" for s in stages)
 
 
-__all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce", "Plan", "insert_comm",
+__all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce", "Plan", "sink_gathers", "insert_comm",
            "localize", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]

@@ -113,8 +113,32 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, CONSTANT_TYPES) else f"a {type(value).__qualname__}"
 
 
+def _plain(pm) -> tuple[list[tuple[str, str]], bool] | None:
+    """[(argument, traced input)] when every traced argument is one tensor (the common
+    `forward(self, idx, targets)`), and whether they are forward's first positional
+    parameters in that order; None otherwise. Cached on the module."""
+    try:
+        return pm.__dict__["_plain_args"]
+    except KeyError:
+        pass
+    plain = None
+    if all(structure == "*" and len(refs) == 1 and refs[0][0] == "input"
+           for _, structure, refs in pm.ARGS):
+        pairs = [(name, refs[0][1]) for name, _, refs in pm.ARGS]
+        plain = (pairs, [n for n, _ in pairs] == list(pm.SIGNATURE[:len(pairs)]))
+    pm.__dict__["_plain_args"] = plain
+    return plain
+
+
 def bind(pm, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     """[(traced input name, value)] for a call of the generated module, in traced order."""
+    plain = _plain(pm)
+    if plain is not None:      # one tensor per argument, all given by position or all by name
+        pairs, positional = plain
+        if not kwargs and positional and len(args) == len(pairs):
+            return [(ref, value) for (_, ref), value in zip(pairs, args)]
+        if not args and len(kwargs) == len(pairs) and all(n in kwargs for n, _ in pairs):
+            return [(ref, kwargs[name]) for name, ref in pairs]
     given: dict[str, Any] = {}
     for name, value in entries(list(pm.SIGNATURE), args, kwargs):
         if name in given:

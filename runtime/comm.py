@@ -4,11 +4,18 @@ Each forward collective is paired with its backward dual, so `loss.backward()` o
 produces correct local gradients. Which transition each one implements, its dual, its bytes
 and its gloo fallback are listed once, in nncompile/collectives.py (`TABLE`); a table entry
 whose `forward` names a function of another name resolves here as an alias.
+
+Under torch.compile (ParallelModule.compile) the same functions run PyTorch's functional
+collectives (torch.distributed._functional_collectives), which dynamo records as graph ops
+and inductor schedules; reduce-scatter and all-to-all then run natively on every backend (gloo
+included). Eagerly they run torch.distributed's in-place calls, with the gloo fallbacks of the
+table. Both sum the same values, so the numbers agree.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from nncompile.collectives import lookup
@@ -32,7 +39,14 @@ def _rank(group) -> int:
     return dist.get_rank(group)
 
 
+def _tracing() -> bool:
+    """True while torch.compile traces: collectives must be functional graph ops."""
+    return torch.compiler.is_compiling()
+
+
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if _tracing():
+        return funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group)
     parts = [torch.empty_like(x) for _ in range(_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
@@ -43,12 +57,16 @@ def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if _tracing():
+        return funcol.all_reduce(x.contiguous(), "sum", group=group)
     out = x.contiguous().clone()
     dist.all_reduce(out, group=group)
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if _tracing():
+        return funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=group)
     if dist.get_backend(group) == "gloo":
         return _chunk(_reduce(x, group), dim, group)
     parts = [p.contiguous() for p in x.chunk(_size(group), dim=dim)]
@@ -59,6 +77,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group) -> torch.Tensor:
     """Shard(src_dim) -> Shard(dst_dim): split along dst_dim, exchange, concatenate src_dim."""
+    if _tracing():
+        # the dst chunks stacked on a new dim 0: piece i goes to rank i, piece j comes from j
+        sends = torch.stack(x.chunk(_size(group), dim=dst_dim))
+        recvs = funcol.all_to_all_single(sends, None, None, group=group)
+        return torch.cat(recvs.unbind(0), dim=src_dim)
     if dist.get_backend(group) == "gloo":
         # gloo has no all_to_all: gather everything, keep this rank's dst chunk
         return _chunk(_gather(x, src_dim, group), dst_dim, group)
@@ -181,6 +204,5 @@ def cross_entropy_rows(input, target, weight=None, reduction=1, ignore_index=-10
     (local sum / global count of counted targets), a partial sum."""
     local = F.cross_entropy(input, target, weight, reduction="sum", ignore_index=ignore_index,
                             label_smoothing=label_smoothing)
-    count = (target != ignore_index).sum().to(local.dtype)
-    dist.all_reduce(count, group=group)
+    count = _reduce((target != ignore_index).sum().to(local.dtype), group)
     return local / count

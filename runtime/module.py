@@ -10,6 +10,7 @@ plus the plan it belongs to (checkpoint.py builds deduped, merged and resharding
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -108,6 +109,8 @@ class ParallelModule(torch.nn.Module):
         if self.PIPELINE is not None and dist.is_initialized():
             from .pipeline import PipelineRuntime
             self.pipeline = PipelineRuntime(self)
+        if self.compute_config.compile:
+            self.compile()
 
     def _local_shard(self, full: torch.Tensor | None, slices) -> torch.Tensor:
         """This rank's slice of a full weight; uninitialized when the weight is on meta
@@ -124,6 +127,27 @@ class ParallelModule(torch.nn.Module):
     def forward_impl(self, *inputs):
         raise NotImplementedError
 
+    # ---- torch.compile ----------------------------------------------------------------------
+    def compile(self, **kwargs) -> "ParallelModule":
+        """torch.compile this rank's generated forward (`forward_impl`, its collectives
+        included: runtime/comm.py traces them as functional collectives) with torch.compile's
+        `kwargs`, backend "inductor" unless given. Argument binding, input checks and the
+        gradient reducer stay eager. Compiles on the first call; calling compile again starts
+        over from the generated code. ComputeConfig(compile=True) calls it at load."""
+        if self.PIPELINE is not None:
+            raise ConfigError("compile() compiles the generated forward, which a pipelined plan "
+                              "does not have (its stages run under torch's pipeline "
+                              "schedules); leave compile off with pipeline_stages")
+        if self.zero is not None:
+            raise ConfigError("compile() cannot trace ZeRO-3's parameter gathers (they swap "
+                              "saved tensors through saved_tensors_hooks); run this plan "
+                              "uncompiled, or with use_zero 0, 1 or 2")
+        kwargs.setdefault("backend", "inductor")
+        compiled = torch.compile(type(self).forward_impl, **kwargs)
+        self.forward_impl = functools.partial(compiled, self)   # an instance attribute wins
+        self.compile_options = dict(kwargs)
+        return self
+
     # ---- calling ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Called like the original module's forward (runtime/arguments.py)."""
@@ -133,10 +157,20 @@ class ParallelModule(torch.nn.Module):
                 f"{self.PIPELINE['schedule']!r}): a forward alone cannot run, since the stages "
                 "run forward and backward together over micro-batches; call "
                 "`loss = pm.train_step(*args, **kwargs)` instead of `pm(...)` + backward")
-        self._legacy_args()
+        try:
+            specs = self._input_specs
+        except AttributeError:
+            self._legacy_args()
+            specs = self._input_specs = [(name, torch.Size(shape), _dtype(dtype), shape, dtype)
+                                         for name, shape, dtype in self.INPUTS]
         bound = dict(arguments.bind(self, args, kwargs))
-        inputs = [self._check_input(name, bound[name], shape, dtype)
-                  for name, shape, dtype in self.INPUTS]
+        inputs = []
+        for name, size, dt, shape, dtype in specs:
+            x = bound[name]
+            if not (isinstance(x, torch.Tensor) and x.shape == size and x.dtype == dt
+                    and x.device == self.device):          # the common case, checked fast
+                x = self._check_input(name, x, shape, dtype)
+            inputs.append(x)
         return self._run(inputs)
 
     def _legacy_args(self) -> None:
@@ -163,15 +197,22 @@ class ParallelModule(torch.nn.Module):
 
     def _run(self, inputs: list[torch.Tensor]):
         """The generated forward on checked inputs."""
-        if self._reducer is not None and torch.is_grad_enabled():
-            self._reducer.reset()         # a backward that raised must not leave state behind
+        reducer = self._reducer if torch.is_grad_enabled() else None
+        if reducer is not None:
+            reducer.reset()               # a backward that raised must not leave state behind
         if self.zero is not None:
             self.zero.reset()
             with torch.autograd.graph.saved_tensors_hooks(self.zero.pack, self.zero.unpack):
                 out = self.forward_impl(*inputs)
         else:
             out = self.forward_impl(*inputs)
-        return pytree.tree_unflatten(list(out), self._out_spec) if self._out_spec else out
+        if reducer is not None:
+            reducer.watch(out)            # sync mode: reduce when a backward through out ends
+        spec = self._out_spec
+        if spec is None:
+            return out
+        return out[0] if spec.is_leaf() and len(out) == 1 else \
+            pytree.tree_unflatten(list(out), spec)
 
     def _check_input(self, name: str, x: Any, shape, dtype: str) -> torch.Tensor:
         """The traced input `name` must come as a tensor of its traced shape, dtype, device."""
@@ -337,6 +378,12 @@ class ParallelModule(torch.nn.Module):
         if "_extra_state" in state_dict:
             check_same_plan(state_dict["_extra_state"], self, "this state dict")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _dtype(name: str) -> torch.dtype | None:
+    """torch.float32 for "torch.float32" (None if torch has no such dtype)."""
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    return dt if isinstance(dt, torch.dtype) else None
 
 
 def memory_settings(pm) -> MemoryChoice:

@@ -8,20 +8,36 @@ units (one all-reduce over the world for partial gradients when both apply):
     after backward:   p.grad = scale * sum_{r in G} g_r      scale = 1 / data-parallel size
 
 Gradients are packed in reverse parameter order into buckets of about `bucket_cap_mb`, one
-flat all-reduce per bucket. With `async_=True` a bucket is launched as soon as its last
-gradient is accumulated, overlapping communication with the rest of backward; otherwise all
-buckets are reduced once backward ends. Buckets launch in index order on every rank so the
-collectives match. A callback queued on the autograd engine waits for them before
-`loss.backward()` returns. Each bucket keeps one flat buffer; after reduction `.grad` is a view
-into it (as DDP's gradient_as_bucket_view), so the reduced values are not copied back, and a
-gradient accumulated in place into its view is not copied in either. The buffer is reused by
-the next backward: clone a `.grad` you want to keep across steps.
+flat all-reduce per bucket. Each gradient is multiplied by `scale` as it is copied into its
+bucket (one pass, as DDP divides by the world size before its all-reduce; a scale of 1 is a
+plain copy), so nothing is left to do to a bucket once its all-reduce ends.
+
+When to reduce. With `async_=True` every parameter has a post-accumulate-grad hook, and a
+bucket is launched as soon as its last gradient is accumulated, overlapping communication
+with the rest of backward. Otherwise (sync) there are no per-parameter hooks: `watch(outputs)`,
+called on every forward's outputs, puts one pre-hook on their autograd nodes, and the first
+backward through them that reaches a parameter's gradient queues one callback that reduces
+all buckets once backward ends (a backward that does not pass through the module's outputs,
+or `torch.autograd.grad` for inputs only, reduces nothing). Either way buckets launch in index
+order on every rank so the collectives match, and a callback queued on the autograd engine
+waits for them before `loss.backward()` returns.
+
+Each bucket keeps one flat buffer; after reduction `.grad` is a view into it (as DDP's
+gradient_as_bucket_view), so the reduced values are not copied back, and a gradient
+accumulated in place into its view is not copied in either (only scaled). The buffer is
+reused by the next backward: clone a `.grad` you want to keep across steps.
 
 `no_sync()` turns reduction off: gradients accumulate locally and the next synced backward
 reduces the accumulated sum. Accumulating *without* no_sync also matches DDP: the already
 reduced part A is identical across G, so it is pre-scaled by c = 1 / (|G| * scale) just
 before the next gradient is added (scale * sum_G(c*A + g_r) = A + scale * sum_G g_r); for
-plain data parallelism c is 1.
+plain data parallelism c is 1 and nothing is registered for it; otherwise a tensor hook on
+the parameter applies it.
+
+`reduce_now()` reduces every bucket from the current `.grad` at once (a pipeline schedule
+runs its backwards under no_sync, then calls it); `reset()` forgets a backward that raised;
+`sink` (ZeRO-2) takes each reduced bucket instead of `.grad`; `overlapped` counts the buckets
+the last backward launched before it ended (0 in sync mode).
 """
 from __future__ import annotations
 
@@ -29,6 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
 
 
 @dataclass
@@ -41,14 +59,19 @@ class Bucket:
     ready: set = field(default_factory=set)
     work: object = None
     buffer: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)   # one per param, into buffer
     launched: bool = False
 
-    def views(self):
-        offset = 0
+    def allocate(self) -> None:
+        self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.params[0].device)
+        self.views, offset = [], 0
         for p in self.params:
             n = p.numel()
-            yield p, self.buffer[offset:offset + n].view_as(p)
+            self.views.append(self.buffer[offset:offset + n].view_as(p))
             offset += n
+
+    def free(self) -> None:
+        self.buffer, self.views = None, []
 
 
 class Reducer:
@@ -60,7 +83,8 @@ class Reducer:
         self.sync = True
         self.buckets: list[Bucket] = []
         self._where: dict[int, Bucket] = {}
-        self._reduced: dict[int, bool] = {}
+        self._prescaled: set[int] = set()        # id(param) of those with c != 1
+        self._reduced: set[int] = set()          # of those, the ones whose .grad is reduced
         self._next = 0
         self._queued = False
         self.overlapped = 0        # buckets the last backward launched before it ended
@@ -68,6 +92,7 @@ class Reducer:
                                    # bucket's buffer and the .grad are then freed
         cap = bucket_cap_mb * 2 ** 20
         open_: dict[tuple, Bucket] = {}
+        self._acc_nodes = []       # sync: the parameters' AccumulateGrad nodes (kept alive)
         for param, group, size, scale in reversed(params):
             dtype = reduce_dtype or param.dtype
             key = (id(group), param.dtype, dtype, scale)
@@ -78,21 +103,52 @@ class Reducer:
             b.params.append(param)
             b.numel += param.numel()
             self._where[id(param)] = b
-            param.register_post_accumulate_grad_hook(self._on_grad)
+            if async_:
+                param.register_post_accumulate_grad_hook(self._on_grad)
+            elif _will_execute is not None:
+                with torch.enable_grad():
+                    self._acc_nodes.append(param.view_as(param).grad_fn.next_functions[0][0])
             prescale = 1.0 / (size * scale)
             if abs(prescale - 1.0) > 1e-12:
+                self._prescaled.add(id(param))
                 param.register_hook(self._prescale_hook(param, prescale))
 
-    # ---- hooks ---------------------------------------------------------------------------
+    # ---- triggers ------------------------------------------------------------------------
+    def watch(self, outputs) -> None:
+        """Sync mode: a backward through any of these forward outputs reduces the gradients
+        when it ends (one pre-hook per distinct autograd node; nothing per parameter)."""
+        if self.async_:
+            return
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        seen: list = []
+        for t in outputs:
+            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            if node is not None and not any(node is s for s in seen):
+                seen.append(node)
+                node.register_prehook(self._on_backward)
+
+    def _on_backward(self, grad_outputs):
+        if self.sync and not self._queued and (
+                _will_execute is None or any(map(_will_execute, self._acc_nodes))):
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        return None
+
     def _prescale_hook(self, param: torch.nn.Parameter, c: float):
+        pid = id(param)
+
         def hook(grad: torch.Tensor):
-            if self._reduced.pop(id(param), False) and param.grad is not None:
-                with torch.no_grad():
-                    param.grad.mul_(c)
+            if pid in self._reduced:
+                self._reduced.discard(pid)
+                if param.grad is not None:
+                    with torch.no_grad():
+                        param.grad.mul_(c)
             return None
         return hook
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        """Async mode: launch every bucket, in index order, whose gradients are all in."""
         if not self.sync:
             return
         if not self._queued:
@@ -100,23 +156,34 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         b = self._where[id(param)]
         b.ready.add(id(param))
-        if self.async_:
-            while self._next < len(self.buckets) and \
-                    len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
-                self._launch(self.buckets[self._next])
+        if len(b.ready) == len(b.params):
+            buckets = self.buckets
+            while self._next < len(buckets) and \
+                    len(buckets[self._next].ready) == len(buckets[self._next].params):
+                self._launch(buckets[self._next])
                 self._next += 1
 
     # ---- reduction -----------------------------------------------------------------------
     def _launch(self, b: Bucket) -> None:
-        if all(p.grad is None for p in b.params):   # nothing flowed here on any rank of G
+        grads = [p.grad for p in b.params]
+        if all(g is None for g in grads):       # nothing flowed here on any rank of G
             return
         if b.buffer is None:
-            b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.params[0].device)
-        for p, view in b.views():
-            if p.grad is None:
+            b.allocate()
+        s = b.scale
+        for g, view in zip(grads, b.views):
+            if g is None:
                 view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr() or p.grad.dtype != view.dtype:
-                view.copy_(p.grad.reshape(view.shape))
+            elif g is view or (g.data_ptr() == view.data_ptr() and g.dtype == view.dtype
+                               and g.stride() == view.stride()):
+                if s != 1.0:                    # accumulated in place: scale it there
+                    view.mul_(s)
+            elif s != 1.0 and g.dtype == view.dtype:
+                torch.mul(g, s, out=view)       # copy and scale in one pass
+            else:
+                view.copy_(g)
+                if s != 1.0:
+                    view.mul_(s)
         b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
         b.launched = True
 
@@ -127,23 +194,17 @@ class Reducer:
         for b in self.buckets:
             if b.launched:
                 b.work.wait()
-                if b.scale != 1.0:
-                    b.buffer.mul_(b.scale)
                 if self.sink is not None:
-                    params, views = zip(*b.views())
-                    self.sink(list(params), list(views))
+                    self.sink(list(b.params), list(b.views))
                     for p in b.params:
                         p.grad = None
-                    b.buffer = None
-                    b.ready.clear()
-                    b.work, b.launched = None, False
-                    continue
-                for p, view in b.views():
-                    if view.dtype == p.dtype:
-                        p.grad = view
-                    else:
-                        p.grad = view.to(p.dtype)
-                    self._reduced[id(p)] = True
+                    b.free()
+                else:
+                    for p, view in zip(b.params, b.views):
+                        p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+                    if self._prescaled:
+                        self._reduced.update(id(p) for p in b.params
+                                             if id(p) in self._prescaled)
             b.ready.clear()
             b.work, b.launched = None, False
         self._next = 0

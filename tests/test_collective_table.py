@@ -15,9 +15,10 @@ from nncompile.collectives import TABLE, by_name, registered, route, transition
 from nncompile.comm_stats import collective_rows
 from nncompile.frontend import trace
 from nncompile.ir import Partial, Replicate, Shard, TensorMeta, Value
-from nncompile.passes import build_pipeline, get_policy, run_pipeline
+from nncompile.passes import build_pipeline, run_pipeline
 from nncompile.passes.autodist.cost_model import CostModel
 from nncompile.passes.autodist.profiles import BUILTIN
+from nncompile.passes.policies import split_everything
 from nncompile.passes.policies.greedy import transition_cost
 from nncompile.runtime import comm
 
@@ -83,7 +84,7 @@ def test_a_registered_collective_is_emitted_priced_and_counted(tmp_path):
     with registered(FAKE):
         # insert_comm emits it for P -> S
         g = trace(models.build("mlp"), models.batch("mlp", 0))
-        result = run_pipeline(g, build_pipeline(ComputeConfig(plan_ngpus=2), get_policy("tp")),
+        result = run_pipeline(g, build_pipeline(ComputeConfig(plan_ngpus=2), split_everything),
                               check=True)
         after_comm = dict((n, g) for n, g, _ in result.history)["insert_comm"]
         targets = [op.target_name for op in after_comm.ops]
@@ -104,7 +105,7 @@ def test_a_registered_collective_is_emitted_priced_and_counted(tmp_path):
 
         # generated code calls it, the runtime resolves it, `nncompile show` counts it
         out = nncompile.parallelize(models.build("mlp"), models.batch("mlp", 0),
-                                    ComputeConfig(plan_ngpus=2), pas_policy="tp",
+                                    ComputeConfig(plan_ngpus=2), pas_policy=split_everything,
                                     gen_savedir=tmp_path, load_module=False)
         assert "comm.reduce_scatter_fake(" in (Path(out) / "gencode0.py").read_text()
         assert comm.reduce_scatter_fake is comm.reduce_scatter

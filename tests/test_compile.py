@@ -39,8 +39,8 @@ def test_generated_files(tmp_path):
     names = {p.name for p in out.iterdir()}
     assert {"gencode0.py", "gencode3.py", "manifest.json", "plan.json", "graphs"} <= names
     assert [p.name for p in sorted((out / "graphs").iterdir())] == [
-        "00_trace.py", "01_constant_fold.py", "02_dce.py", "03_plan.py", "04_insert_comm.py",
-        "05_localize.py"]
+        "00_trace.py", "01_constant_fold.py", "02_dce.py", "03_plan.py", "04_sink_gathers.py",
+        "05_insert_comm.py", "06_localize.py"]
     code = (out / "gencode1.py").read_text()
     ast.parse(code)
     assert "# examples/gpt.py:" in code and "x = x + self.attn(self.ln_1(x))" in code
@@ -51,10 +51,10 @@ def test_generated_files(tmp_path):
     fc = p1["h.0.mlp_fc.weight"]
     assert fc["full_shape"] == [128, 32] and fc["slices"] == [[64, 128], [0, 32]]
     assert manifest["ranks"]["3"]["params"] == manifest["ranks"]["1"]["params"]
-    assert p1["h.0.ln_1.weight"]["partial_sum_count"] == 2     # replicated, partial grads
+    assert p1["h.0.ln_1.weight"]["partial_sum_count"] == 1     # replicated, full gradients
     plan = json.loads((out / "plan.json").read_text())
     assert plan["params"]["h.0.mlp_proj.weight"] == "S(1)"
-    assert plan["collectives"]["comm.all_reduce"] == 1
+    assert plan["collectives"]["comm.all_reduce"] == 4       # Megatron: 2 per block
 
 
 def test_reuse_modes(tmp_path, capsys):

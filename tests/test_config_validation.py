@@ -18,7 +18,7 @@ def _compile(tmp_path, config=None, **kw):
 
 
 @pytest.mark.parametrize("field", ["inference_only", "constant_folding", "offload_params",
-                                   "use_async_reducer", "reduce_in_fp32", "check"])
+                                   "use_async_reducer", "reduce_in_fp32", "check", "compile"])
 def test_bool_fields_must_be_bools(field):
     with pytest.raises(nncompile.ConfigError) as e:
         ComputeConfig(1, **{field: "no"})

@@ -59,7 +59,7 @@ def test_data_dependent_branch_names_user_line(tmp_path):
 
 def test_unknown_policy(tmp_path):
     with pytest.raises(PolicyError, match=r"unknown policy 'zigzag'; choose one of \['autodist', "
-                                          r"'data', 'dp', 'tp'\]"):
+                                          r"'data', 'dp', 'tp', 'tp_sp'\]"):
         compile_only(models.build("mlp"), models.batch("mlp", 0), tmp_path, pas_policy="zigzag")
 
 

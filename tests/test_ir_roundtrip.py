@@ -10,11 +10,13 @@ from nncompile import ComputeConfig
 from nncompile.frontend import trace
 from nncompile.ir import (DEVICE, PLAN_GROUP, IRParseError, Partial, Replicate, Shard, Stage,
                           assert_graph_equal, graph_diff, parse_graph, print_graph, verify)
+from nncompile.passes.policies import split_everything
 from nncompile.passes import build_pipeline, get_policy, run_pipeline
 
 
 @functools.lru_cache(maxsize=None)
-def history(name, policy="tp", n=2, **pas):
+def history(name, policy=split_everything, n=2, **pas):
+    """Every pass's graph; by default under a plan that splits every op (every collective)."""
     model, example = models.build(name), models.batch(name, 0)
     cfg = ComputeConfig(plan_ngpus=n, runtime_ngpus=n, pas_config=dict(pas))
     return run_pipeline(trace(model, example), build_pipeline(cfg, get_policy(policy)),
@@ -34,8 +36,8 @@ def roundtrip(g):
 @pytest.mark.parametrize("name", ["mlp", "gpt", "hf_llama", "custom"])
 def test_every_stage_parses_back_equal(name):
     stages = history(name)
-    assert [s for s, _, _ in stages] == ["trace", "constant_fold", "dce", "plan", "insert_comm",
-                                         "localize"]
+    assert [s for s, _, _ in stages] == ["trace", "constant_fold", "dce", "plan", "sink_gathers",
+                                         "insert_comm", "localize"]
     for stage, graph, _ in stages:
         roundtrip(graph)
 

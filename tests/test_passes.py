@@ -39,7 +39,7 @@ def test_pipeline_is_the_documented_list():
     cfg = ComputeConfig(plan_ngpus=2)
     names = [getattr(p, "name", getattr(p, "__name__", "")) for p in
              build_pipeline(cfg, get_policy("tp"))]
-    assert names == ["constant_fold", "dce", "plan", "insert_comm", "localize"]
+    assert names == ["constant_fold", "dce", "plan", "sink_gathers", "insert_comm", "localize"]
     cfg = ComputeConfig(plan_ngpus=2, constant_folding=False)
     assert "constant_fold" not in [getattr(p, "__name__", "") for p in
                                    build_pipeline(cfg, get_policy("tp"))]

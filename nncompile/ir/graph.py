@@ -121,10 +121,18 @@ class Op:
 
     def inputs(self) -> list[Value]:
         """Flattened tensor/value inputs, in argument order (kwargs after args)."""
-        return [v for v in flatten((self.args, self.kwargs)) if isinstance(v, Value)]
+        out: list[Value] = []
+        for x in self.args:
+            if type(x) is Value:
+                out.append(x)
+            elif type(x) not in _ATOMS:
+                _values_into((x,), out)
+        if self.kwargs:
+            _values_into(self.kwargs.values(), out)
+        return out
 
     def tensor_inputs(self) -> list[Value]:
-        return [v for v in self.inputs() if v.is_tensor]
+        return [v for v in self.inputs() if v.meta is not None]
 
     def map_values(self, fn: Callable[[Value], Any]) -> None:
         """Replace every Value v in args/kwargs with fn(v)."""
@@ -135,17 +143,37 @@ class Op:
         return f"Op({self.target_name} -> {self.outputs})"
 
 
+_OVERLOAD_NAMES: dict[Any, str] = {}      # an op overload's name never changes: remembered
+
+
 def target_name(target: Any) -> str:
     if isinstance(target, str):
         return target
     if isinstance(target, torch._ops.OpOverload):
-        if is_custom_op(target):                          # nncompile.register_op
-            return f"custom.{target._opname}"
-        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" \
-            else f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
+        name = _OVERLOAD_NAMES.get(target)
+        if name is None:
+            if is_custom_op(target):                          # nncompile.register_op
+                name = f"custom.{target._opname}"
+            elif target.namespace == "aten":
+                name = f"aten.{target._opname}.{target._overloadname}"
+            else:
+                name = f"torch.ops.{target.namespace}.{target._opname}.{target._overloadname}"
+            _OVERLOAD_NAMES[target] = name
+        return name
     if getattr(torch, getattr(target, "__name__", ""), None) is target:
         return f"torch.{target.__name__}"            # e.g. torch.tensor for a small constant
     return getattr(target, "__qualname__", repr(target))
+
+
+def _values_into(items: Any, out: list) -> None:
+    """Append the Values nested in `items` (an iterable of args) to out, in flatten's order."""
+    for x in items:
+        if isinstance(x, Value):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            _values_into(x, out)
+        elif isinstance(x, dict):
+            _values_into(x.values(), out)
 
 
 def flatten(obj: Any) -> Iterator[Any]:
@@ -159,13 +187,25 @@ def flatten(obj: Any) -> Iterator[Any]:
         yield obj
 
 
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device})
+
+
 def map_nested(obj: Any, fn: Callable[[Value], Any]) -> Any:
+    t = type(obj)
+    if t is Value:
+        return fn(obj)
+    if t in _ATOMS:
+        return obj
+    if t is tuple:
+        return tuple([map_nested(x, fn) for x in obj])
+    if t is list:
+        return [map_nested(x, fn) for x in obj]
     if isinstance(obj, Value):
         return fn(obj)
     if isinstance(obj, list):
         return [map_nested(x, fn) for x in obj]
     if isinstance(obj, tuple):
-        return tuple(map_nested(x, fn) for x in obj)
+        return tuple([map_nested(x, fn) for x in obj])
     if isinstance(obj, dict):
         return {k: map_nested(x, fn) for k, x in obj.items()}
     return obj
@@ -301,16 +341,19 @@ class Graph:
         vmap: dict[Value, Value] = {}
 
         def cv(v: Value) -> Value:
-            if v not in vmap:
-                nv = Value(v.name, v.meta, v.kind, v.fqn, v.requires_grad)
+            nv = vmap.get(v)
+            if nv is None:
+                nv = vmap[v] = Value(v.name, v.meta, v.kind, v.fqn, v.requires_grad)
                 nv.placement = v.placement
-                vmap[v] = nv
-            return vmap[v]
+            return nv
 
         def cop(op: Op) -> Op:
             new = Op(op.target, map_nested(op.args, cv), map_nested(op.kwargs, cv),
                      [cv(v) for v in op.outputs], op.source, op.module_path, op.multi_output)
-            new.strategy = None if op.strategy is None else replace(op.strategy)
+            s = op.strategy
+            new.strategy = None if s is None else Strategy(
+                s.inputs, s.outputs, s.note, s.local_target) if type(s) is Strategy \
+                else replace(s)
             new.attrs = dict(op.attrs)
             new.module_stack, new.recompute = op.module_stack, op.recompute
             new.stage = op.stage

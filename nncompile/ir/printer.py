@@ -55,7 +55,27 @@ def value_names(names: dict[Value, str]):
         _NAMES.reset(token)
 
 
+def _fmt_list(x: list) -> str:
+    return "[" + ", ".join([fmt_literal(e) for e in x]) + "]"
+
+
+def _fmt_tuple(x: tuple) -> str:
+    inner = ", ".join([fmt_literal(e) for e in x])
+    return f"({inner},)" if len(x) == 1 else f"({inner})"
+
+
+# exact types printed without the checks below (a subclass, such as Symbol, takes the long way)
+_FAST = {int: repr, str: repr, bool: repr, type(None): repr, torch.dtype: str,
+         list: _fmt_list, tuple: _fmt_tuple}
+
+
 def fmt_literal(x: Any) -> str:
+    t = type(x)
+    if t is Value:
+        return _NAMES.get().get(id(x), x.name)
+    fast = _FAST.get(t)
+    if fast is not None:
+        return fast(x)
     if isinstance(x, Value):
         return _NAMES.get().get(id(x), x.name)
     if isinstance(x, Symbol):
@@ -85,13 +105,15 @@ def fmt_literal(x: Any) -> str:
 
 
 def fmt_meta(v: Value, n: int | None = None) -> str:
-    if not v.is_tensor:
+    meta = v.meta
+    if meta is None:
         return ""
-    dt = _DTYPES.get(v.meta.dtype, str(v.meta.dtype).replace("torch.", ""))
-    shape = list(v.meta.shape)
-    text = f"{dt}{shape} {v.placement!r}"
+    dt = _DTYPES.get(meta.dtype) or str(meta.dtype).replace("torch.", "")
+    shape = list(meta.shape)
     if n is not None and n > 1:
         text = f"{dt}{list(v.local_shape(n))} of {shape} {v.placement!r}"
+    else:
+        text = f"{dt}{shape} {v.placement!r}"
     if v.kind != PARAM and v.requires_grad != default_requires_grad(v):   # params say frozen
         text += " requires_grad" if v.requires_grad else " no_grad"
     return text
@@ -102,14 +124,17 @@ def default_requires_grad(v: Value) -> bool:
     op's floating output needs one when any of its inputs does; other values do not."""
     if v.producer is None:
         return v.kind == PARAM
-    return v.is_tensor and (v.meta.dtype.is_floating_point or v.meta.dtype.is_complex) \
+    return v.meta is not None and (v.meta.dtype.is_floating_point or v.meta.dtype.is_complex) \
         and any(i.requires_grad for i in v.producer.inputs())
 
 
 def fmt_wants(op: Op) -> str:
     """`  wants (R, S(1), P)`: the input placements the op's strategy asks for (`*`: any),
     printed only while some input does not have them yet (before insert_comm)."""
-    s, tensors = op.strategy, op.tensor_inputs()
+    return _wants(op.strategy, op.tensor_inputs())
+
+
+def _wants(s: Any, tensors: list[Value]) -> str:
     if s is None or not s.note or (len(s.inputs) == len(tensors) and all(
             w is not None and w == v.placement for v, w in zip(tensors, s.inputs))):
         return ""
@@ -117,29 +142,78 @@ def fmt_wants(op: Op) -> str:
 
 
 def fmt_call(op: Op) -> str:
-    name = target_name(op.target)
-    parts = [fmt_literal(a) for a in op.args]
-    parts += [f"{k}={fmt_literal(v)}" for k, v in op.kwargs.items()]
-    return f"{name}({', '.join(parts)})"
+    return _call(op, _NAMES.get())
+
+
+def _lit(x: Any, names: dict[int, str]) -> str:
+    """fmt_literal with the printed-name map fetched once (the common types first)."""
+    t = type(x)
+    if t is Value:
+        return names.get(id(x), x.name)
+    if t is int or t is str or t is bool or x is None:
+        return repr(x)
+    if t is tuple:
+        inner = ", ".join([_lit(e, names) for e in x])
+        return f"({inner},)" if len(x) == 1 else f"({inner})"
+    if t is list:
+        return "[" + ", ".join([_lit(e, names) for e in x]) + "]"
+    return fmt_literal(x)
+
+
+def _call(op: Op, names: dict[int, str]) -> str:
+    parts = [_lit(a, names) for a in op.args]
+    if op.kwargs:
+        parts += [f"{k}={_lit(v, names)}" for k, v in op.kwargs.items()]
+    return f"{target_name(op.target)}({', '.join(parts)})"
+
+
+def _meta(v: Value, n: int | None, inputs_grad: bool) -> str:
+    """fmt_meta of an output of the op whose inputs' any-requires_grad is `inputs_grad`."""
+    meta = v.meta
+    floating = meta.dtype.is_floating_point or meta.dtype.is_complex
+    dt = _DTYPES.get(meta.dtype) or str(meta.dtype).replace("torch.", "")
+    shape = list(meta.shape)
+    if n is not None and n > 1:
+        text = f"{dt}{list(v.local_shape(n))} of {shape} {v.placement!r}"
+    else:
+        text = f"{dt}{shape} {v.placement!r}"
+    if v.kind != PARAM and v.requires_grad != (floating and inputs_grad):
+        text += " requires_grad" if v.requires_grad else " no_grad"
+    return text
 
 
 def fmt_op(op: Op, indent: str = "    ", local_n: int | None = None,
            source: bool = True) -> list[str]:
     """One op as code; with `source`, its user line as a comment above it."""
     lines = []
-    if source and op.source is not None:
-        lines.append(f"{indent}# {op.source.file}:{op.source.line}  {op.source.code}")
+    src = op.source
+    if source and src is not None:
+        lines.append(f"{indent}# {src.file}:{src.line}  {src.code}")
+    outputs = op.outputs
     if op.multi_output:
-        lhs = ", ".join(v.name for v in op.outputs) + ("," if len(op.outputs) == 1 else "")
-    elif op.outputs:
-        lhs = op.outputs[0].name
+        lhs = ", ".join(v.name for v in outputs) + ("," if len(outputs) == 1 else "")
+    elif outputs:
+        lhs = outputs[0].name
     else:
         lhs = ""
-    metas = "; ".join(m for m in (fmt_meta(v, local_n) for v in op.outputs) if m)
-    note = f"  [{op.strategy.note}]{fmt_wants(op)}" if op.strategy is not None \
-        and op.strategy.note else ""
+    ins = op.inputs()
+    inputs_grad = None
+    metas = []
+    for v in outputs:
+        if v.meta is None:
+            continue
+        if v.producer is op:
+            if inputs_grad is None:
+                inputs_grad = any(i.requires_grad for i in ins)
+            metas.append(_meta(v, local_n, inputs_grad))
+        else:
+            metas.append(fmt_meta(v, local_n))
+    metas = "; ".join(metas)
+    s = op.strategy
+    note = f"  [{s.note}]{_wants(s, [v for v in ins if v.meta is not None])}" \
+        if s is not None and s.note else ""
     comment = f"  # {metas}{note}" if metas or note else ""
-    call = fmt_call(op)
+    call = _call(op, _NAMES.get())
     lines.append(f"{indent}{lhs + ' = ' if lhs else ''}{call}{comment}")
     return lines
 
@@ -191,3 +265,40 @@ def print_graph(g: Graph, local_n: int | None = None, source: bool = True) -> st
     lines += fmt_body(g.ops, local_n=local_n, source=source)
     lines.append(f"    return {fmt_literal(tuple(g.outputs))}")
     return "\n".join(lines) + "\n"
+
+
+def print_graph_texts(g: Graph, local_n: int | None = None) -> tuple[str, str]:
+    """(print_graph(g, local_n), print_graph(g, local_n, source=False)), each op formatted
+    once for both."""
+    lines = fmt_header(g)
+    lines.append("def forward(")
+    lines += [f"    {fmt_input(v, local_n)}" for v in g.inputs]
+    kw = g.params + g.buffers
+    if kw:
+        lines.append("    *,")
+        lines += [f"    {fmt_input(v, local_n)}" for v in kw]
+    lines.append("):")
+    with_source, without = list(lines), lines
+
+    def body(ops: list[Op]) -> None:
+        last = None
+        for op in ops:
+            src = op.source
+            if src is not None and src != last:
+                with_source.append(f"    # {src.file}:{src.line}  {src.code}")
+            line = fmt_op(op, "    ", local_n, source=False)
+            with_source.extend(line)
+            without.extend(line)
+            last = src or last
+
+    if g.const_ops:
+        for out in (with_source, without):
+            out.append("    # ---- constants: evaluated once at load time ----")
+        body(g.const_ops)
+        for out in (with_source, without):
+            out.append("    # ---- forward ----")
+    body(g.ops)
+    ret = f"    return {fmt_literal(tuple(g.outputs))}"
+    with_source.append(ret)
+    without.append(ret)
+    return "\n".join(with_source) + "\n", "\n".join(without) + "\n"

@@ -5,7 +5,7 @@ Linear ops also pass partial sums through: add(P, P) -> P, mul(P, R) -> P, neg(P
 from __future__ import annotations
 
 from ..ir import P, Op, Replicate, Shard, Value
-from .registry import divisible, make, register
+from .registry import divisible, make, register, tensor_inputs_of
 
 UNARY = ["abs", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu",
          "gelu", "silu", "erf", "pow", "reciprocal", "square", "clone", "contiguous", "alias",
@@ -31,7 +31,7 @@ def elementwise(op: Op, n: int, skip_dims: tuple[int, ...] = ()):
         if d in skip or not divisible(out, d, n):
             continue
         places = {}
-        for v in op.tensor_inputs():
+        for v in tensor_inputs_of(op):
             a = d - (rank - len(v.meta.shape))
             if a >= 0 and v.meta.shape[a] == out.meta.shape[d]:
                 places[v] = Shard(a)
@@ -44,7 +44,7 @@ def elementwise(op: Op, n: int, skip_dims: tuple[int, ...] = ()):
 def partial_passthrough(op: Op):
     """Strategies that keep partial sums: only where the op is linear in its partial inputs."""
     name = op.target._opname
-    tensors = op.tensor_inputs()
+    tensors = tensor_inputs_of(op)
     if not tensors or len(op.outputs) != 1 or not op.outputs[0].meta.dtype.is_floating_point:
         return []
     if name in LINEAR_UNARY and len(tensors) == 1:

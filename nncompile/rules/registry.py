@@ -41,15 +41,26 @@ def register(*names: str) -> Callable[[Rule], Rule]:
     return deco
 
 
+# (op, its tensor inputs) while strategies(op) runs: the rules ask for them once per strategy
+_CURRENT: list = [None, None]
+
+
+def tensor_inputs_of(op: Op) -> list[Value]:
+    """op.tensor_inputs(), computed once per strategies() call (do not modify the list)."""
+    if _CURRENT[0] is op:
+        return _CURRENT[1]
+    return op.tensor_inputs()
+
+
 def replicated(op: Op) -> Strategy:
-    return Strategy(tuple(Replicate() for _ in op.tensor_inputs()),
+    return Strategy(tuple(Replicate() for _ in tensor_inputs_of(op)),
                     tuple(Replicate() for _ in op.outputs), "replicate")
 
 
 def make(op: Op, places: dict[Value, Placement], outputs: Iterable[Placement], note: str,
          local_target=None) -> Strategy:
     """A strategy from a {input value: placement} map (unlisted inputs replicate)."""
-    ins = tuple(places.get(v, Replicate()) for v in op.tensor_inputs())
+    ins = tuple(places.get(v, Replicate()) for v in tensor_inputs_of(op))
     return Strategy(ins, tuple(outputs), note, local_target)
 
 
@@ -77,15 +88,20 @@ def lookup(op: Op) -> Rule | None:
 def strategies(op: Op, n: int) -> list[Strategy]:
     """All legal strategies of `op` on n ranks; the replicate strategy comes last."""
     out: list[Strategy] = []
-    rule = lookup(op)
-    if n > 1 and rule is not None:
-        seen = set()
-        for s in rule(op, n):
-            key = (s.inputs, s.outputs)
-            if key not in seen and s.is_split:
-                seen.add(key)
-                out.append(s)
-    out.append(replicated(op))
+    saved = _CURRENT[:]
+    _CURRENT[:] = [op, op.tensor_inputs()]
+    try:
+        rule = lookup(op)
+        if n > 1 and rule is not None:
+            seen = set()
+            for s in rule(op, n):
+                key = (s.inputs, s.outputs)
+                if key not in seen and s.is_split:
+                    seen.add(key)
+                    out.append(s)
+        out.append(replicated(op))
+    finally:
+        _CURRENT[:] = saved
     return out
 
 

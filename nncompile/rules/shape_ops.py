@@ -144,3 +144,14 @@ def cat(op: Op, n: int):
     if out.meta.dtype.is_floating_point:
         strategies.append(make(op, {t: P for t in tensors}, [P], "keep partial"))
     return strategies
+
+
+@register("repeat_interleave.self_int")
+def repeat_interleave(op: Op, n: int):
+    """x.repeat_interleave(r, dim): every dim follows; a split of `dim` itself too, since each
+    element's r copies stay next to each other (GQA's kv heads -> query heads)."""
+    x = op.args[0]
+    dim = op.args[2] if len(op.args) > 2 else op.kwargs.get("dim")
+    if dim is None or len(op.args) > 3 or op.kwargs.get("output_size") is not None:
+        return []
+    return _follow(op, {i: i for i in range(len(x.meta.shape))}, n)

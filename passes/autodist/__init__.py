@@ -40,7 +40,7 @@ from nncompile.ir import Graph
 from nncompile.log import log as _log
 
 from .constraints import parse_constraints
-from .cost_model import OPTIMIZER_STATE_BYTES, CostModel
+from .cost_model import OPTIMIZER_STATE_BYTES, CostModel, StepEstimate, estimate_step
 from .ilp import PlanInfeasibleError, leanest_memory, memory_by_rank, objective_of, \
     replicated_memory
 from .memory_model import MemoryModel
@@ -63,7 +63,8 @@ def cost_model(config) -> CostModel:
                           f"{sorted(OPTIMIZER_STATE_BYTES)} or set optimizer_state_bytes")
     state = float(pc.get("optimizer_state_bytes", OPTIMIZER_STATE_BYTES[opt]))
     return CostModel(get_profile(pc.get("device")), config.plan_ngpus, config.dp_size,
-                     training=not config.inference_only, optimizer_state_bytes=state)
+                     training=not config.inference_only, optimizer_state_bytes=state,
+                     bucket_bytes=float(config.reducer_bucket_cap_mb) * 2 ** 20)
 
 
 def plan_problem(graph: Graph, config, recompute: list[str] | None = None
@@ -158,6 +159,7 @@ def _cost_stages(g: Graph, prob: Problem, picks: list[int]) -> None:
 
 
 __all__ = ["autodist", "explain", "report_table", "cost_model", "plan_problem", "apply",
+           "estimate_step", "StepEstimate",
            "objective_of", "leanest_memory", "replicated_memory", "PlanInfeasibleError",
            "DeviceProfile", "BUILTIN", "get_profile", "measure_profile", "save_profile",
            "save_plan", "load_plan", "MemoryModel", "auto_fields", "AUTO"]

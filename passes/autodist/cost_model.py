@@ -1,8 +1,13 @@
 """The cost model: time per op and per collective, memory per rank, from IR shapes alone.
 
-Compute (roofline): an op runs for max(flops / peak[dtype], bytes / mem_bandwidth) on the local
-pieces its strategy gives it; with training, backward costs twice the forward (dX and dW).
-A strategy that shards any tensor divides the flops by n; bytes are the local sizes.
+Compute (roofline): an op runs for max(flops / (peak[dtype] * op_efficiency[op]), bytes /
+mem_bandwidth) on the local pieces its strategy gives it (op_efficiency: the profile's measured
+fraction of peak for an op kind, e.g. attention; 1 by default), plus the profile's
+`op_overhead` (the generated code's call of the op: Python and dispatch, views included); with
+training, backward costs twice the forward (dX and dW). A strategy that shards any tensor
+divides the flops by n; bytes are the local sizes. When the profile says its ranks share
+`cores` CPU cores, every rank's compute is stretched by max(1, ranks on the node / cores)
+(4 gloo ranks on 2 cores compute at half speed).
 
 Collectives (alpha-beta ring on a group of g ranks, tensor of B bytes in full), with each
 kind's `ring_rounds` and `ring_bytes(B, g)` from nncompile/collectives.py:
@@ -10,15 +15,30 @@ kind's `ring_rounds` and `ring_bytes(B, g)` from nncompile/collectives.py:
     overhead + ring_rounds * (g-1) * alpha + ring_bytes(B, g) / bw     (local kinds: 0)
 
 e.g. all_reduce 2 rounds and 2 (g-1)/g * B, all_gather (B: the gathered result) 1 and
-(g-1)/g * B. alpha and bw are the intra-node link's while the group fits in one node, else the
-network's. A pipeline send (p2p) costs overhead + alpha + B / bw. A transition costs its
-forward collectives plus, with a gradient, their duals.
+(g-1)/g * B; with a profile whose `backend` is "gloo", a kind gloo lacks costs its fallback
+(reduce_scatter: all_reduce + chunk, all_to_all: all_gather + chunk). alpha and bw are the
+intra-node link's while the group fits in one node, else the network's. A pipeline send (p2p)
+costs overhead + alpha + B / bw. A transition costs its forward collectives plus, with a
+gradient, their duals. Gradients the runtime reduces (the data-parallel all-reduce, a
+replicated parameter's sum over the plan unit) travel in buckets of `bucket_bytes`
+(reducer_bucket_cap_mb): their overhead and latency are paid per bucket, so a gradient of B
+bytes carries B / bucket_bytes of them, its bandwidth term in full. A split weight gathered
+for split readers is the exception: the gather's backward sums its gradient, one collective
+per weight (`gathered_sync`, priced on that edge).
+
+Optimizer step (when the profile has `optimizer_element_s`): per trainable parameter,
+optimizer_tensor_s + elements * optimizer_element_s on its local piece, both measured for
+AdamW; other optimizers scale it by the tensors they read and write (2 + state bytes / 4)
+against Adam's 4.
 
 Memory per rank: parameters, their gradients and optimizer state (Adam: two fp32 moments, 8
 bytes per element; `pas_config["optimizer_state_bytes"]`), at their local size; plus the
 activations saved for backward (every differentiable op output that is not a view, at its
 local size; Partial values are full size); ops inside `recompute_modules` save only what their
 region hands on but run their forward twice. ZeRO stages and offload: memory_model.py.
+
+`estimate_step(graph, config)` costs any planned graph (any policy's) with these same terms,
+the way problem.py sums them for the ILP: on autodist's own plan it equals the ILP objective.
 """
 from __future__ import annotations
 
@@ -26,7 +46,9 @@ import math
 from dataclasses import dataclass
 
 from nncompile.custom_ops import annotation_flops, is_custom_op
-from nncompile.ir import Op, Placement, Replicate, Shard, Value, local_shape
+from nncompile.errors import ConfigError
+from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Placement, Replicate, Shard, Value, \
+    local_shape
 
 from nncompile.collectives import by_name, grad_sync_collective, route
 from .profiles import DeviceProfile
@@ -84,13 +106,28 @@ class CostModel:
     dp: int = 1                     # data-parallel units
     training: bool = True
     optimizer_state_bytes: float = 8.0
+    bucket_bytes: float = 25 * 2 ** 20      # the runtime's gradient bucket (reducer_bucket_cap_mb)
+
+    @property
+    def stretch(self) -> float:
+        """How much slower a rank computes because ranks share the profile's CPU cores."""
+        cores = self.profile.cores
+        if not cores:
+            return 1.0
+        return max(1.0, min(self.n * self.dp, self.profile.devices_per_node) / cores)
 
     # ---- compute ----
     def compute(self, op: Op, inputs, outputs) -> float:
         """Seconds for forward (+ backward when training) under these placements."""
         name = opname(op)
-        if op.target_name.startswith("comm.") or name in VIEWS:
+        if op.target_name.startswith("comm."):
             return 0.0
+        over = self.profile.op_overhead or 0.0
+        if name in VIEWS:
+            if not over:
+                return 0.0
+            t = over * self.stretch
+            return t * 3.0 if self.training and any(v.requires_grad for v in op.outputs) else t
         split = any(isinstance(p, Shard) for p in (*inputs, *outputs) if p is not None)
         f = flops(op) / (self.n if split else 1)
         tensors = op.tensor_inputs()
@@ -101,7 +138,8 @@ class CostModel:
             b = sum(nbytes(v, p, self.n) for v, p in zip(tensors, inputs)) + sum(
                 nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs))
         dtype = op.outputs[0].meta.dtype if op.outputs and op.outputs[0].is_tensor else None
-        t = max(f / self.profile.peak_flops(dtype), b / self.profile.mem_bandwidth)
+        peak = self.profile.peak_flops(dtype) * (self.profile.op_efficiency or {}).get(name, 1.0)
+        t = (max(f / peak, b / self.profile.mem_bandwidth) + over) * self.stretch
         if self.training and any(v.requires_grad for v in op.outputs):
             t *= 3.0
         return t
@@ -114,16 +152,23 @@ class CostModel:
         return p.inter_latency, p.inter_bandwidth
 
     def collective(self, kind: str, full_bytes: float, group: int | None = None,
-                   span: int | None = None) -> float:
+                   span: int | None = None, bucketed: bool = False) -> float:
         """Seconds for one collective over `group` ranks whose ranks lie `span` apart at most
-        (decides intra-node or network)."""
+        (decides intra-node or network); `bucketed`: one gradient among others in the
+        runtime's buckets, paying its share (bytes / bucket_bytes) of a bucket's overhead and
+        latency."""
         g = self.n if group is None else group
         c = by_name(kind)
         if g <= 1 or c.is_local or full_bytes == 0:
             return 0.0
+        if self.profile.backend == "gloo" and c.gloo_fallback:
+            return sum(self.collective(k, full_bytes, group, span, bucketed)
+                       for k in c.gloo_fallback)
         alpha, bw = self._link(span or g)
-        return self.profile.collective_overhead + c.ring_rounds * (g - 1) * alpha \
-            + c.ring_bytes(full_bytes, g) / bw
+        fixed = self.profile.collective_overhead + c.ring_rounds * (g - 1) * alpha
+        if bucketed:
+            fixed *= min(1.0, full_bytes / self.bucket_bytes)
+        return fixed + c.ring_bytes(full_bytes, g) / bw
 
     def p2p(self, full_bytes: float, span: int) -> float:
         """Seconds to send `full_bytes` to the rank `span` ranks away (pipeline stages)."""
@@ -146,14 +191,40 @@ class CostModel:
     def grad_sync(self, v: Value) -> float:
         """Backward all-reduce of a replicated value's gradient whose users leave partial sums
         (sync_grad, or the runtime's sum over the plan unit for a parameter)."""
-        return self.collective(grad_sync_collective().dual, nbytes(v)) if self.training else 0.0
+        if not self.training:
+            return 0.0
+        return self.collective(grad_sync_collective().dual, nbytes(v),
+                               bucketed=v.kind == PARAM)
+
+    def gathered_sync(self, v: Value, src: Placement, want: Placement | None,
+                      split_reader: bool) -> float:
+        """What grad_sync leaves out for a *split* weight gathered for a split reader: its
+        gradient is summed by the gather's own backward (a reduce-scatter per weight), not in
+        the runtime's buckets, so it pays a collective's fixed cost of its own."""
+        if not (self.training and split_reader and v.kind == PARAM and v.requires_grad
+                and isinstance(want, Replicate) and not isinstance(src, Replicate)
+                and self.n > 1):
+            return 0.0
+        full = self.collective(grad_sync_collective().dual, nbytes(v))
+        return full - self.collective(grad_sync_collective().dual, nbytes(v), bucketed=True)
 
     def grad_reduce(self, param: Value, placement: Placement) -> float:
         """The runtime's data-parallel all-reduce of one parameter's local gradient."""
         if not (self.training and param.requires_grad) or self.dp <= 1:
             return 0.0
         return self.collective("all_reduce", nbytes(param, placement, self.n), group=self.dp,
-                               span=self.dp * self.n)
+                               span=self.dp * self.n, bucketed=True)
+
+    def optimizer_step(self, param: Value, placement: Placement, shards: int = 1) -> float:
+        """Seconds of the optimizer's step on this rank's piece of `param` (a 1/`shards` share
+        of its local piece under ZeRO); 0 when the profile has no optimizer timing."""
+        p = self.profile
+        if not (self.training and param.requires_grad) or p.optimizer_element_s is None:
+            return 0.0
+        elements = nbytes(param, placement, self.n) / param.meta.dtype.itemsize / shards
+        scale = (2.0 + self.optimizer_state_bytes / 4.0) / 4.0
+        return ((p.optimizer_tensor_s or 0.0) + elements * p.optimizer_element_s * scale) \
+            * self.stretch
 
     # ---- memory ----
     def param_memory(self, v: Value, placement: Placement) -> float:
@@ -167,3 +238,114 @@ class CostModel:
             return 0.0
         return sum(nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs)
                    if v.is_tensor and v.requires_grad)
+
+
+# ---- a fixed plan's cost ----------------------------------------------------------------------
+@dataclass
+class StepEstimate:
+    """Modelled seconds of one training step on one rank, by term, and bytes per rank."""
+    compute: float = 0.0          # every op's compute (recomputed forwards included)
+    comm: float = 0.0             # transitions (forward collectives and their duals), outputs
+    grad_sync: float = 0.0        # backward sums over the plan unit of replicated values
+    grad_reduce: float = 0.0      # the runtime's data-parallel reduction (ZeRO's collectives)
+    optimizer: float = 0.0        # the optimizer step on local pieces
+    memory: float = 0.0           # bytes per rank, as autodist's memory_limit counts them
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm + self.grad_sync + self.grad_reduce + self.optimizer
+
+    def ms(self) -> dict[str, float]:
+        out = {k: getattr(self, k) * 1e3 for k in
+               ("compute", "comm", "grad_sync", "grad_reduce", "optimizer")}
+        out["total"] = self.total * 1e3
+        out["memory_gb"] = self.memory / 1e9
+        return out
+
+
+def _placed(g: Graph, v: Value) -> Placement:
+    if v.producer is None and v.kind not in FREE_KINDS:
+        return Replicate()                          # a user input arrives whole
+    return v.placement if v.placement is not None else Replicate()
+
+
+def step_cost(g: Graph, model: CostModel, recompute=(), memory=None,
+              memory_model=None) -> StepEstimate:
+    """Cost a planned graph (every op's `strategy` and every weight's `placement` set, before
+    insert_comm) with the terms problem.py hands the ILP, summed per op, edge and weight
+    instead of per decision. `recompute`: module patterns run under checkpointing; `memory`:
+    a MemoryChoice whose ZeRO stage and offload change the weights' time and bytes (priced by
+    `memory_model`, memory_model.py's MemoryModel)."""
+    from ..recompute import recompute_region
+    from nncompile.rules import replicated
+    est = StepEstimate()
+    mm = memory_model if memory is not None and (memory.zero or memory.offload_optimizer) \
+        and model.training else None
+    region = {id(op): recompute_region(op, recompute) for op in g.ops}
+    handed = {id(v.producer) for op in g.ops for v in op.tensor_inputs()
+              if region.get(id(v.producer)) not in (None, region[id(op)])}
+    handed |= {id(v.producer) for v in g.outputs
+               if isinstance(v, Value) and region.get(id(v.producer))}
+    synced: dict[int, Value] = {}
+    read: dict[int, Value] = {}
+    for op in g.ops:
+        if op.target_name.startswith("comm.") and op.target_name != "comm.cross_entropy_rows":
+            raise ConfigError(f"estimate_step costs a plan before insert_comm; {op.name} is a "
+                              f"{op.target_name} (cost the graph the plan pass returned)")
+        s = op.strategy or replicated(op)
+        t = model.compute(op, s.inputs, s.outputs)
+        if region[id(op)]:
+            t += model.compute(op, s.inputs, s.outputs) / 3.0
+            if id(op) in handed:
+                est.memory += model.activation_memory(op, s.outputs)
+        else:
+            est.memory += model.activation_memory(op, s.outputs)
+        est.compute += t
+        for i, v in enumerate(op.tensor_inputs()):
+            if v.kind in FREE_KINDS:
+                read[id(v)] = v
+            est.comm += model.transition(v, _placed(g, v), s.inputs[i], v.requires_grad)[0]
+            est.grad_sync += model.gathered_sync(v, _placed(g, v), s.inputs[i], s.is_split)
+            if isinstance(s.inputs[i], Replicate) and s.is_split and v.requires_grad \
+                    and model.training and model.n > 1:
+                synced[id(v)] = v
+    est.grad_sync += sum(model.grad_sync(v) for v in synced.values())
+    for v in read.values():
+        p = _placed(g, v)
+        if v.kind != PARAM:
+            est.memory += nbytes(v, p, model.n)
+        elif mm is None:
+            est.memory += model.param_memory(v, p)
+            est.grad_reduce += model.grad_reduce(v, p)
+            est.optimizer += model.optimizer_step(v, p)
+        else:
+            est.memory += mm.state(v, p, memory).device
+            est.grad_reduce += mm.param_time(v, p, memory)
+            est.optimizer += mm.optimizer_time(v, p, memory)
+    for v in g.outputs:
+        if isinstance(v, Value) and v.is_tensor and (v.producer is not None
+                                                     or v.kind in FREE_KINDS):
+            est.comm += model.transition(v, _placed(g, v), Replicate(), False)[0]
+    return est
+
+
+def estimate_step(graph: Graph, config, profile=None) -> StepEstimate:
+    """autodist's estimate of one training step of `graph` as planned by any policy: the graph
+    the plan pass returned, costed for `config` (plan_ngpus, dp_size, pas_config's device,
+    optimizer, recompute_modules) or for `profile` (a DeviceProfile or its name/file).
+    `estimate_step(g, config).total` equals the ILP objective when g is autodist's plan."""
+    from . import cost_model
+    from .memory_model import MemoryModel
+    from .profiles import get_profile
+    if graph.plan_state.pipeline is not None:
+        raise ConfigError("estimate_step costs plans without pipeline stages; a pipelined "
+                          "plan's stage times are in plan_state.pipeline.predicted_ms")
+    model = cost_model(config)
+    if profile is not None:
+        model.profile = get_profile(profile)
+    memory = graph.plan_state.memory
+    recompute = memory.recompute if memory is not None and memory.recompute else \
+        config.pas_config.get("recompute_modules") or ()
+    if recompute == "auto":
+        recompute = ()
+    return step_cost(graph, model, tuple(recompute), memory, MemoryModel.of(model, config))

@@ -145,6 +145,13 @@ class MemoryModel:
             host += b / z                                   # updated shard back
         return t + host / m.profile.host_bytes_per_s
 
+    def optimizer_time(self, v: Value, placement: Placement, choice: MemoryChoice) -> float:
+        """Seconds of the optimizer step on this rank's share of `v`: its 1/Z shard under
+        ZeRO 1-3, nothing with optimizer offload (the host's step is not timed)."""
+        if choice.offload_optimizer:
+            return 0.0
+        return self.model.optimizer_step(v, placement, self._z(choice))
+
     def bucket_bytes(self, g: Graph) -> float:
         """Stage 2's transient full gradient bucket."""
         if not self.model.training:
@@ -177,12 +184,14 @@ class MemoryModel:
             if v is None or v.kind != PARAM:
                 choices.append(ch)
                 continue
-            memory, comm = list(ch.memory), list(ch.comm)
+            memory, comm, compute = list(ch.memory), list(ch.comm), list(ch.compute)
             for k, opt in enumerate(ch.options):
                 memory[k] = ch.count * self.state(v, opt, choice).device
                 comm[k] += ch.count * (self.param_time(v, opt, choice)
                                        - self.model.grad_reduce(v, opt))
-            choices.append(dataclasses.replace(ch, memory=memory, comm=comm))
+                compute[k] += ch.count * (self.optimizer_time(v, opt, choice)
+                                          - self.model.optimizer_step(v, opt))
+            choices.append(dataclasses.replace(ch, memory=memory, comm=comm, compute=compute))
         fixed = self.bucket_bytes(g) if choice.zero == 2 else 0.0
         peaks = [(UNIT_COPIES, self.units(g, prob))] if choice.zero == 3 else []
         return dataclasses.replace(prob, choices=choices, fixed_memory=fixed, peaks=peaks)

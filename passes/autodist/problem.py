@@ -208,6 +208,7 @@ def _node_costs(prob: Problem, recomputed: set[int], handed: set[int] = frozense
                 if v.kind == PARAM:
                     ch.memory[k] = ch.count * model.param_memory(v, opt)
                     ch.comm[k] = ch.count * model.grad_reduce(v, opt)
+                    ch.compute[k] = ch.count * model.optimizer_step(v, opt)
                 else:
                     ch.memory[k] = ch.count * nbytes(v, opt, model.n)
                 continue
@@ -266,9 +267,11 @@ def _edge_costs(g: Graph, prob: Problem) -> None:
         b = prob.choice_of[id(c)]
         cb = choices[b]
         rows = range(len(choices[a].options)) if a is not None else [0]
-        table = [[reps * model.transition(cv, _place(prob, cv, a, ka), opt[c].inputs[i],
-                                          cv.requires_grad)[0] for opt in cb.options]
-                 for ka in rows]
+        table = [[reps * (model.transition(cv, _place(prob, cv, a, ka), opt[c].inputs[i],
+                                           cv.requires_grad)[0]
+                          + model.gathered_sync(cv, _place(prob, cv, a, ka), opt[c].inputs[i],
+                                                opt[c].is_split))
+                  for opt in cb.options] for ka in rows]
         if a is None:
             for kb, t in enumerate(table[0]):
                 cb.comm[kb] += t

@@ -10,9 +10,11 @@ from nncompile.errors import PolicyError
 
 from nncompile.passes.autodist import autodist
 
-from .builtin import data, dp, tp
+from .builtin import data, dp, split_everything
+from .megatron import tp, tp_sp
 
-POLICIES: dict[str, Callable] = {"autodist": autodist, "dp": dp, "data": data, "tp": tp}
+POLICIES: dict[str, Callable] = {"autodist": autodist, "dp": dp, "data": data, "tp": tp,
+                               "tp_sp": tp_sp}
 NOT_YET = {"pp": "pipeline parallelism",
            "hybrid": "pipeline + tensor parallelism"}
 
@@ -30,4 +32,5 @@ def get_policy(policy) -> Callable:
                       "or pass a callable policy(graph, config) -> graph")
 
 
-__all__ = ["POLICIES", "get_policy", "autodist", "dp", "data", "tp"]
+__all__ = ["POLICIES", "get_policy", "autodist", "dp", "data", "tp", "tp_sp",
+           "split_everything"]

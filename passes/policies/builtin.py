@@ -1,4 +1,6 @@
-"""Built-in policies: `dp` (replicate), `data` (split the batch) and `tp` (split weights).
+"""Built-in policies: `dp` (replicate), `data` (split the batch), and `split_everything`
+(split every op on some dim; not a plan to train with, but one that exercises every
+collective of insert_comm's table, used by the tests). `tp` and `tp_sp` are in megatron.py.
 
 A policy is `policy(graph, config) -> graph`: it sets `op.strategy` (one of
 `nncompile.rules.strategies(op, n)`) and the placements of parameters, buffers and
@@ -47,7 +49,7 @@ def _tp_rank(walk: Walk, op, s) -> int:
     return 1                                      # another non-batch dim, or keep partial
 
 
-def tp(graph: Graph, config) -> Graph:
-    """Split every op on a non-batch dim: weights first (Megatron's column/row pattern falls
-    out of the costs), then any other dim. Deterministic; exercises every transition."""
+def split_everything(graph: Graph, config) -> Graph:
+    """Split every op on a non-batch dim: weights first, then any other dim. Deterministic;
+    exercises every transition of the collective table (21 collectives on a 2-block GPT)."""
     return greedy(graph, config.plan_ngpus, _tp_rank)

@@ -7,7 +7,7 @@ def forward(
     fc1_bias,  # param 'fc1.bias' f32[64] S(0)
     fc2_weight,  # param 'fc2.weight' f32[64, 64] S(1)
     fc2_bias,  # param 'fc2.bias' f32[64] R
-    head_weight,  # param 'head.weight' f32[8, 64] S(1)
+    head_weight,  # param 'head.weight' f32[8, 64] R
     head_bias,  # param 'head.bias' f32[8] R
 ):
     # tests/models.py:24  h = F.relu(self.fc1(x))
@@ -16,13 +16,9 @@ def forward(
     fc2_bias_to_partial = comm.to_partial(fc2_bias, group=PLAN_GROUP)  # f32[64] P  [to_partial]
     # tests/models.py:25  h = torch.tanh(self.fc2(h))
     fc2_linear = aten.linear.default(relu, fc2_weight, fc2_bias_to_partial)  # f32[4, 64] P  [split k]
-    fc2_linear_reduce_scatter = comm.reduce_scatter(fc2_linear, dim=1, group=PLAN_GROUP)  # f32[4, 64] S(1)  [reduce_scatter]
-    tanh = aten.tanh.default(fc2_linear_reduce_scatter)  # f32[4, 64] S(1)  [split dim 1]
-    head_bias_to_partial = comm.to_partial(head_bias, group=PLAN_GROUP)  # f32[8] P  [to_partial]
+    fc2_linear_all_reduce = comm.all_reduce(fc2_linear, group=PLAN_GROUP)  # f32[4, 64] R  [all_reduce]
+    tanh = aten.tanh.default(fc2_linear_all_reduce)  # f32[4, 64] R  [replicate]
     # tests/models.py:26  return F.cross_entropy(self.head(h), y)
-    head_linear = aten.linear.default(tanh, head_weight, head_bias_to_partial)  # f32[4, 8] P  [split k]
-    head_linear_reduce_scatter = comm.reduce_scatter(head_linear, dim=0, group=PLAN_GROUP)  # f32[4, 8] S(0)  [reduce_scatter]
-    y_chunk = comm.chunk(y, dim=0, group=PLAN_GROUP)  # i64[4] S(0)  [chunk]
-    cross_entropy_loss = aten.cross_entropy_loss.default(head_linear_reduce_scatter, y_chunk)  # f32[] P  [split rows]
-    cross_entropy_loss_all_reduce = comm.all_reduce(cross_entropy_loss, group=PLAN_GROUP)  # f32[] R  [all_reduce]
-    return (cross_entropy_loss_all_reduce,)
+    head_linear = aten.linear.default(tanh, head_weight, head_bias)  # f32[4, 8] R  [replicate]
+    cross_entropy_loss = aten.cross_entropy_loss.default(head_linear, y)  # f32[] R  [replicate]
+    return (cross_entropy_loss,)

@@ -7,7 +7,7 @@ def forward(
     fc1_bias,  # param 'fc1.bias' f32[64] S(0)
     fc2_weight,  # param 'fc2.weight' f32[64, 64] S(1)
     fc2_bias,  # param 'fc2.bias' f32[64] R
-    head_weight,  # param 'head.weight' f32[8, 64] S(1)
+    head_weight,  # param 'head.weight' f32[8, 64] R
     head_bias,  # param 'head.bias' f32[8] R
 ):
     # tests/models.py:24  h = F.relu(self.fc1(x))
@@ -15,8 +15,8 @@ def forward(
     relu = aten.relu.default(fc1_linear)  # f32[4, 64] S(1)  [split dim 1]
     # tests/models.py:25  h = torch.tanh(self.fc2(h))
     fc2_linear = aten.linear.default(relu, fc2_weight, fc2_bias)  # f32[4, 64] P  [split k]  wants (S(1), S(1), P)
-    tanh = aten.tanh.default(fc2_linear)  # f32[4, 64] S(1)  [split dim 1]  wants (S(1))
+    tanh = aten.tanh.default(fc2_linear)  # f32[4, 64] R  [replicate]  wants (R)
     # tests/models.py:26  return F.cross_entropy(self.head(h), y)
-    head_linear = aten.linear.default(tanh, head_weight, head_bias)  # f32[4, 8] P  [split k]  wants (S(1), S(1), P)
-    cross_entropy_loss = aten.cross_entropy_loss.default(head_linear, y)  # f32[] P  [split rows]  wants (S(0), S(0))
+    head_linear = aten.linear.default(tanh, head_weight, head_bias)  # f32[4, 8] R  [replicate]
+    cross_entropy_loss = aten.cross_entropy_loss.default(head_linear, y)  # f32[] R  [replicate]
     return (cross_entropy_loss,)

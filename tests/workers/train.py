@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import models  # noqa: E402
 
 import nncompile  # noqa: E402
+from nncompile.runtime.rows import param_rows  # noqa: E402
 
 # Tolerance. A correct parallel run computes single-device training's float32 sums in another
 # order (gradient all-reduce and its buckets, k-split matmuls, ZeRO's shards), and 20 AdamW
@@ -79,6 +80,7 @@ VARIANTS = [
     Variant("sync"),
     Variant("async+clip+small-buckets", use_async_reducer=True, clip=0.3, bucket_mb=0.0002),
     Variant("accum(no_sync)", accum=2),
+    Variant("accum(reduce each)", accum=2, no_sync=False),
     Variant("accum(reduce each)+async", use_async_reducer=True, accum=2, no_sync=False),
     Variant("zero", use_zero=True),
     Variant("zero+async+accum+clip", use_zero=True, use_async_reducer=True, accum=2, clip=0.3),
@@ -200,8 +202,8 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
                 loss = pm(**unit_batch(step, micro, unit, n_units)) / v.accum
                 loss.backward()
             total += loss.detach()
-        if v.use_async_reducer and v.bucket_mb < 0.001:
-            reducer = pm._reducer
+        reducer = pm._reducer      # None when no gradient needs reducing (tp over all ranks)
+        if v.use_async_reducer and v.bucket_mb < 0.001 and reducer is not None:
             assert reducer.overlapped >= len(reducer.buckets) // 2 and \
                 len(reducer.buckets) > 4, \
                 f"async reducer overlapped {reducer.overlapped} of {len(reducer.buckets)} buckets"
@@ -322,6 +324,56 @@ def check_fp32_reduce(savedir: str) -> str:
     return f"ok train fp32 reduction of bf16 grads on {world} ranks"
 
 
+def check_against_ddp(savedir: str) -> str:
+    """The reducer's gradients equal DistributedDataParallel's after every backward of a
+    sequence that exercises its triggers (dp over all ranks, MLP, sync and async reducer with
+    several buckets): plain steps, accumulation without and with no_sync, a forward with no
+    backward, and torch.autograd.grad for the input only (which reduces nothing)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batches = [models.batch("mlp", 10 * rank + i) for i in range(4)]
+    ddp = torch.nn.parallel.DistributedDataParallel(models.build("mlp"), bucket_cap_mb=0.001)
+    for async_ in (False, True):
+        cfg = nncompile.ComputeConfig(1, world, use_async_reducer=async_,
+                                      reducer_bucket_cap_mb=0.002)
+        pm = nncompile.parallelize(models.build("mlp"), batches[0], cfg, pas_policy="dp",
+                                   gen_savedir=savedir, instance_name="mlp_vs_ddp")
+        what = "async" if async_ else "sync"
+        assert len(pm._reducer.buckets) > 2, what
+        names = [n for n, _ in models.build("mlp").named_parameters()]
+        local = {row.fqn: row.name for row in param_rows(pm)}
+
+        def compare(step: str) -> None:
+            for n, p in zip(names, ddp.module.parameters()):
+                got = getattr(pm, local[n]).grad
+                torch.testing.assert_close(got, p.grad, msg=lambda m: f"{what} {step} {n}: {m}")
+
+        def both(batch, sync: bool = True) -> None:
+            for m in (pm, ddp):
+                with (contextlib.nullcontext() if sync else m.no_sync()):
+                    m(**batch).backward()
+
+        both(batches[0])
+        compare("step")
+        assert pm._reducer.overlapped == (len(pm._reducer.buckets) if async_ else 0), what
+        both(batches[1])                        # accumulate, reducing each backward
+        compare("accumulated without no_sync")
+        for m in (pm, ddp):
+            m.zero_grad(set_to_none=True)
+        both(batches[2], sync=False)            # accumulate locally, reduce with the last
+        both(batches[3])
+        compare("accumulated with no_sync")
+        for m in (pm, ddp):
+            m.zero_grad(set_to_none=True)
+        pm(**batches[1])                        # a forward without backward changes nothing
+        x = batches[0]["x"].clone().requires_grad_()
+        torch.autograd.grad(pm(x, batches[0]["y"]), x)          # reduces nothing
+        assert all(p.grad is None for p in pm.parameters()), what
+        both(batches[2])
+        compare("after a forward alone and autograd.grad")
+        ddp.zero_grad(set_to_none=True)
+    return f"ok train reducer equals DDP (sync, async) on {world} ranks"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--savedir", default="./.nncompile/train")
@@ -344,9 +396,9 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    line = check_fp32_reduce(args.savedir)
-    if dist.get_rank() == 0:
-        print(line, flush=True)
+    for line in (check_fp32_reduce(args.savedir), check_against_ddp(args.savedir)):
+        if dist.get_rank() == 0:
+            print(line, flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

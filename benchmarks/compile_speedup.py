@@ -1,0 +1,192 @@
+"""torch.compile of the generated program: ComputeConfig(compile=True) against the same generated
+module run eagerly, on the GPT, forward + backward.
+
+    torchrun --nproc_per_node=1 benchmarks/compile_speedup.py            # dp on 1 rank
+    torchrun --nproc_per_node=2 benchmarks/compile_speedup.py            # tp plan 2, and dp
+    [--plans tp,dp] [--steps 20] [--warmup 3] [--n-layer 4] [--n-embd 256] [--threads 1]
+
+Every rank builds the same GPT (examples/gpt.py, seed 0, vocab 512, 8 heads) twice per plan and
+parallelizes both copies with the same plan: one eager, one with compile=True (inductor; its
+collectives traced as functional collectives). Each contender trains with AdamW on the same
+batches; the two step in turn, the order alternating every step, so machine noise hits both
+alike. The timed part is forward + backward (what compile changes; AdamW runs untimed), each
+step's time the slowest rank's; medians after --warmup. The first compiled step (tracing and
+inductor's code generation, with an empty inductor cache unless --warm-cache) is reported
+separately. Both start from the same weights, so their
+losses agree to float32 reordering; a difference beyond --loss-rtol fails the run.
+
+Plans: `dp` (plan_ngpus 1, data parallel over the ranks) and `tp` (plan_ngpus = world size,
+Megatron-style). The table is printed and appended to benchmarks/results/compile_cpu.txt
+unless --no-save. Check `uptime` first: other jobs on the machine skew CPU timings.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+from gpt import GPT  # noqa: E402
+
+import nncompile  # noqa: E402
+from run_record import command, write_atomic  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+CONTENDERS = ("eager", "compiled")
+
+
+def make_model(args) -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=512, block_size=args.block, n_layer=args.n_layer, n_head=8,
+               n_embd=args.n_embd)
+
+
+def fwd_bwd(pm, batch) -> tuple[float, float]:
+    """(seconds of forward + backward, loss)."""
+    start = time.perf_counter()
+    loss = pm(**batch)
+    loss.backward()
+    return time.perf_counter() - start, loss.item()
+
+
+def run_plan(args, policy: str, savedir: str) -> dict:
+    """Both contenders on one plan; this rank's numbers."""
+    from torch._dynamo.utils import counters
+    world, rank = dist.get_world_size(), dist.get_rank()
+    plan = 1 if policy == "dp" else world
+    unit = rank // plan
+    g = torch.Generator().manual_seed(1000 + unit)
+    batches = [{k: torch.randint(0, 512, (args.batch, args.block), generator=g)
+                for k in ("idx", "targets")} for _ in range(4)]
+    runs = {}
+    for label in CONTENDERS:
+        cfg = nncompile.ComputeConfig(plan, world, compile=label == "compiled")
+        pm = nncompile.parallelize(make_model(args), batches[0], cfg, pas_policy=policy,
+                                   gen_savedir=savedir, instance_name=f"{policy}_{label}")
+        runs[label] = (pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3))
+    counters.clear()
+    times = {k: [] for k in CONTENDERS}
+    losses = {k: [] for k in CONTENDERS}
+    first = {}
+    load = os.getloadavg()[0]
+    for i in range(args.warmup + args.steps):
+        for label in CONTENDERS[::-1] if i % 2 else CONTENDERS:
+            pm, opt = runs[label]
+            dist.barrier()
+            t, loss = fwd_bwd(pm, batches[i % len(batches)])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[label].append(loss)
+            if i == 0:
+                first[label] = t
+            elif i >= args.warmup:
+                times[label].append(t)
+    return {"times": times, "losses": losses, "first": first,
+            "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values()),
+            "load": [load, os.getloadavg()[0]]}
+
+
+def summarize(args, results: dict) -> tuple[list[str], bool]:
+    world = dist.get_world_size()
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    n_params = sum(p.numel() for p in make_model(args).parameters())
+    lines = [f"nncompile compile=True vs eager generated code -- {stamp} on "
+             f"{socket.gethostname()} ({os.cpu_count()} cores)",
+             f"GPT {args.n_layer}L d{args.n_embd} h8 vocab 512 ({n_params / 1e6:.2f}M params), "
+             f"batch {args.batch}x{args.block} per plan unit, {world} rank(s) (gloo, cpu), torch "
+             f"{torch.__version__}, {args.threads} thread(s)/rank, backend inductor",
+             f"{args.steps} timed steps after {args.warmup} warmup, alternating; a step = the "
+             "slowest rank's forward + backward (AdamW untimed); medians",
+             f"{'plan':<10}{'eager ms':>10}{'compiled ms':>13}{'speedup':>9}{'1st step s':>12}"
+             f"{'graphs':>8}{'breaks':>8}   {'loss first':>10}{'loss last':>10}"
+             f"{'max rel diff':>14}"]
+    same = True
+    for policy, every in results.items():
+        step = {k: [max(r["times"][k][i] for r in every) for i in range(args.steps)]
+                for k in CONTENDERS}
+        med = {k: statistics.median(v) for k, v in step.items()}
+        losses = every[0]["losses"]
+        ref = torch.tensor(losses["eager"], dtype=torch.float64)
+        diff = float(((torch.tensor(losses["compiled"], dtype=torch.float64) - ref).abs()
+                      / ref.abs()).max())
+        same &= diff <= args.loss_rtol
+        plan = "dp 1x" if policy == "dp" else f"tp {world}x"
+        first = max(r["first"]["compiled"] for r in every)
+        lines.append(f"{plan + str(world):<10}{med['eager'] * 1e3:10.2f}"
+                     f"{med['compiled'] * 1e3:13.2f}{med['eager'] / med['compiled']:9.3f}"
+                     f"{first:12.1f}{every[0]['graphs']:8d}{every[0]['breaks']:8d}   "
+                     f"{losses['eager'][0]:10.5f}{losses['eager'][-1]:10.5f}{diff:14.1e}")
+    loads = [r[0]["load"] for r in results.values()]
+    lines.append(f"speedup = eager / compiled median; losses of eager and compiled: "
+                 f"{'equal' if same else 'MISMATCH'} within {args.loss_rtol:g} (rank 0, "
+                 f"{args.warmup + args.steps} AdamW steps each); 1-minute load average "
+                 f"{loads[0][0]:.1f} before, {loads[-1][1]:.1f} after")
+    return lines, same
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plans", default=None, help="comma-separated, of tp, dp (default: dp on "
+                                                   "1 rank, tp,dp on more)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--loss-rtol", type=float, default=1e-4)
+    ap.add_argument("--results-dir", default=RESULTS)
+    ap.add_argument("--no-save", action="store_true", help="do not write a results file")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="use inductor's usual cache (default: an empty one, so the first step "
+                         "shows a cold compile)")
+    args = ap.parse_args()
+    os.environ.setdefault("NNCOMPILE_QUIET", "1")
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    plans = (args.plans or ("dp" if world == 1 else "tp,dp")).split(",")
+    if set(plans) - {"tp", "dp"}:
+        ap.error(f"unknown plan(s) {sorted(set(plans) - {'tp', 'dp'})}; choose from tp, dp")
+    results = {}
+    with tempfile.TemporaryDirectory() as savedir:
+        box = [savedir]
+        dist.broadcast_object_list(box, src=0)        # one directory for every rank
+        if not args.warm_cache:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(box[0], "inductor")
+        for policy in plans:
+            every = [None] * world
+            dist.all_gather_object(every, run_plan(args, policy, box[0]))
+            results[policy] = every
+        dist.barrier()
+    same = True
+    if dist.get_rank() == 0:
+        lines, same = summarize(args, results)
+        print("\n".join(lines), flush=True)
+        if not args.no_save:
+            os.makedirs(args.results_dir, exist_ok=True)
+            path = os.path.join(args.results_dir, "compile_cpu.txt")
+            old = open(path).read() if os.path.exists(path) else ""
+            block = [f"# {command('benchmarks/compile_speedup.py', world)}   (gloo, {world} "
+                     f"rank(s))"] + lines
+            write_atomic(path, old + "\n".join(block) + "\n")
+            print(f"appended to {os.path.relpath(path)}")
+        if not same:
+            print("ERROR: eager and compiled losses differ beyond float32 noise", flush=True)
+    dist.destroy_process_group()
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()
