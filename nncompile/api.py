@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from . import codegen, layer_replay
+from . import codegen, layer_replay, symbolic
 from .config import ComputeConfig
 from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
 from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
@@ -67,22 +67,28 @@ def _no_full_gc() -> Iterator[None]:
 
 def compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConfig, *,
                    pas_policy: Any, outdir: Path, reuse: str = "match",
-                   check: bool = False) -> Compiled:
+                   check: bool = False, dynamic_dims: Any = None) -> Compiled:
     """Compile into `outdir` (or reuse what is there)."""
     with _no_full_gc():
         return _compile_module(module, dummy_args, config, pas_policy=pas_policy,
-                               outdir=outdir, reuse=reuse, check=check)
+                               outdir=outdir, reuse=reuse, check=check,
+                               dynamic_dims=dynamic_dims)
 
 
 def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeConfig, *,
-                    pas_policy: Any, outdir: Path, reuse: str, check: bool) -> Compiled:
+                    pas_policy: Any, outdir: Path, reuse: str, check: bool,
+                    dynamic_dims: Any = None) -> Compiled:
     policy = get_policy(pas_policy)
     check_writable(outdir.parent)
     start, cpu_start = time.perf_counter(), _cpu()
     _log(f"tracing {type(module).__name__} ...")
     m = config.pipeline.microbatches
+    if dynamic_dims and (m > 1 or config.pipeline.enabled):
+        raise ConfigError("dynamic_dims cannot be combined with micro-batches or pipeline "
+                          "stages yet (their schedules exchange fixed-size activations); "
+                          "compile one instance per shape, or drop pipeline_stages/microbatches")
     dummy_args, batch = microbatch_dummy(dummy_args, m)
-    graph = trace(module, dummy_args)
+    graph = trace(module, dummy_args, dynamic_dims)
     graph.trace_info.inference_only = config.inference_only
     if m > 1:       # the code runs one micro-batch; train_step splits the batch
         graph.trace_info.microbatches = m
@@ -127,6 +133,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
+    symbolic.warn_if_unsplit(final)
     memory = memory_choice(final, config)
     _log(f"writing {config.runtime_ngpus} rank file(s) ...")
     with staged_dir(outdir) as staging:
@@ -247,11 +254,14 @@ def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, de
 def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig, *,
                 pas_policy: Any = "autodist", gen_savedir: str | os.PathLike = "./.nncompile",
                 reuse: str = "match", instance_name: str | None = None,
-                load_module: bool = True, device: Any = None):
+                load_module: bool = True, device: Any = None, dynamic_dims: Any = None):
     """Compile `module` for `compute_config` and return this rank's ParallelModule.
 
     dummy_args: a dict of forward's keyword arguments or a tuple of its positional ones, shaped
-    like one plan unit's batch. With load_module=False it only compiles (no process group
+    like one plan unit's batch. dynamic_dims: sizes that may vary between calls, e.g.
+    {"idx": {0: "batch", 1: "seq"}} (a name, {"name", "min", "max", "multiple_of"} or a
+    torch.export.Dim per dim; see nncompile/symbolic.py); the plan is made at the dummy args'
+    sizes. With load_module=False it only compiles (no process group
     needed) and returns the directory of generated files.
     """
     if not isinstance(module, torch.nn.Module):
@@ -284,7 +294,7 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
     if rank == 0 or not load_module:
         try:
             compile_module(module, dummy_args, config, pas_policy=pas_policy, outdir=outdir,
-                           reuse=reuse)
+                           reuse=reuse, dynamic_dims=dynamic_dims)
         except NNCompileError as e:
             error = e
     if distributed and load_module:

@@ -17,6 +17,7 @@ from .custom_ops import REGISTRY, is_custom_op
 from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, print_graph,
                  shard_slices)
 from .ir.printer import fmt_body, value_names
+from .symbolic import Sym
 from .runtime.rows import BufferRow, ConstRow, ParamRow
 from .zero_codegen import zero_forward_body, zero_units
 
@@ -139,11 +140,15 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         fingerprint=fingerprint[:16], fingerprint_full=fingerprint, out_spec=g.out_spec,
         param_order=g.trace_info.param_order,
         state_keys=[tuple(k) for k in g.trace_info.state_keys],
-        inputs=_rows([(v.name, tuple(v.meta.shape), str(v.meta.dtype)) for v in g.inputs]),
+        inputs=_rows([(v.name, tuple(d.code() if isinstance(d, Sym) else d for d in v.meta.shape),
+                       str(v.meta.dtype)) for v in g.inputs]),
         args=_rows([tuple(r) for r in g.trace_info.args]),
         signature=g.trace_info.signature, defaults=g.trace_info.defaults,
         params=_rows(t["params"]), frozen=[v.name for v in tg.params if not v.requires_grad],
         buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
+    if g.trace_info.sizes:
+        text += (f"    SIZES = {g.trace_info.sizes!r}  # dynamic_dims: allowed (min, max, "
+                 f"multiple of); checked on every call\n")
     if g.trace_info.microbatches > 1:
         text += (f"    MICROBATCHES = {g.trace_info.microbatches}  # train_step splits the batch "
                  f"into this many; the code runs one\n"
@@ -188,14 +193,29 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         if units:
             lines.append("        DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, "
                          "self.zero")
+            lines += size_lines(g, "        ")
             lines += zero_forward_body(g, units, indent="        ", local_n=n)
         else:
             lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
+            lines += size_lines(g, "        ")
             lines += forward_body(g, indent="        ", local_n=n)
         lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
     out = "\n".join(lines) + "\n"
     shared["tail"] = out[head:]
     return out
+
+
+def size_lines(g: Graph, indent: str) -> list[str]:
+    """The dynamic sizes (s_batch, s_seq, ...) read off the first input that has each."""
+    lines, done = [], set()
+    for v in g.inputs:
+        for d, size in enumerate(v.meta.shape):
+            if isinstance(size, Sym) and size.code() in g.trace_info.sizes \
+                    and size.code() not in done:
+                done.add(size.code())
+                lines.append(f"{indent}{size.code()} = {v.name}.shape[{d}]  "
+                             f"# dynamic_dims: {v.name} dim {d}")
+    return lines
 
 
 def gencode_all(g: Graph, runtime_ngpus: int, fingerprint: str,

@@ -4,8 +4,9 @@ dual and the bytes each rank moves, and the gradient reduction the runtime adds 
 Bytes are payload bytes per rank, each kind's `payload` in nncompile/collectives.py: the size
 of the tensor a collective reduces, gathers into, scatters from or exchanges (a ring all-reduce
 puts about twice that on the wire). Local steps (chunk, to_partial, identity) move nothing.
-Ops with no table entry, such as a local implementation with a scalar reduction inside
-(cross_entropy_rows), are not listed.
+A comm op with no table entry, a local implementation with a scalar reduction inside
+(cross_entropy_rows: one all-reduced count of the targets, no gradient), is a row too, so
+`plan.json`'s `collectives` (count by kind) and its `collective_ops` rows always agree.
 """
 from __future__ import annotations
 
@@ -22,23 +23,36 @@ def collective_rows(g: Graph) -> list[dict[str, Any]]:
     training = not g.trace_info.inference_only
     rows = []
     for op in g.ops:
-        c = of_target(op.target_name)
-        if c is None:                     # not a collective (cross_entropy_rows)
+        if not op.target_name.startswith("comm."):
             continue
+        c = of_target(op.target_name)
         x, out = op.tensor_inputs()[0], op.outputs[0]
         full, local = int(nbytes(x)), int(nbytes(x, x.placement, n))
-        fwd = c.payload(full, local, n)
-        back = c.backward_kind(bool(op.kwargs.get("reduce_grad")))
+        if c is None:                     # cross_entropy_rows: all-reduces one scalar count
+            kind, fwd, back, bwd = op.target_name[len("comm."):], out.meta.dtype.itemsize, \
+                "identity", 0
+        else:
+            kind, fwd = c.name, c.payload(full, local, n)
+            back = c.backward_kind(bool(op.kwargs.get("reduce_grad")))
+            bwd = 0 if back == "-" else by_name(back).payload(full, local, n)
         if not (training and out.requires_grad):
-            back = "-"
-        bwd = 0 if back == "-" else by_name(back).payload(full, local, n)
-        rows.append({"name": out.name, "kind": c.name, "input": x.name,
+            back, bwd = "-", 0
+        rows.append({"name": out.name, "kind": kind, "input": x.name,
                      "from": repr(x.placement), "to": repr(out.placement),
                      "shape": list(x.meta.shape), "dtype": str(x.meta.dtype).replace("torch.", ""),
                      "forward_bytes": fwd, "backward": back, "backward_bytes": bwd,
                      "module": op.module_path,
                      "source": str(op.source) if op.source else None})
     return rows
+
+
+def count_by_kind(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """{kind: count} of the rows, most frequent first (ties in program order): the one count
+    `nncompile show` and `diff` print, so the totals and the kinds always agree."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["kind"]] = counts.get(r["kind"], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def fmt_bytes(b: float) -> str:

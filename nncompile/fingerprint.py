@@ -95,7 +95,7 @@ def fingerprint_inputs(graph: Graph, config: ComputeConfig, pas_policy: Any,
         "graph": (print_graph(graph, source=False) if graph_text is None else graph_text)
         + f"# out_spec: {graph.out_spec}\n"
         + "".join(f"# {k}: {getattr(graph.trace_info, k)!r}\n"
-                  for k in ("args", "signature", "defaults")),
+                  for k in ("args", "signature", "defaults", "sizes")),
         "config": json.dumps(plan, sort_keys=True),
         "policy": pas_policy if isinstance(pas_policy, str) else source_text(pas_policy),
         "device": _device(config) if autodist else "",

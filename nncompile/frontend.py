@@ -20,7 +20,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from . import layer_replay
+from . import layer_replay, symbolic
 from .errors import ConfigError, TraceError
 from .runtime import arguments
 from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, TraceInfo, Value
@@ -90,9 +90,11 @@ def _user_frame_from_text(text: str) -> SourceInfo | None:
     return None
 
 
-def _meta_of(val: Any) -> TensorMeta | None:
+def _meta_of(val: Any, sizes: symbolic.SymbolMap | None = None) -> TensorMeta | None:
     if isinstance(val, torch.Tensor):
-        return TensorMeta(tuple(int(s) for s in val.shape), val.dtype)
+        if sizes is None:
+            return TensorMeta(tuple(int(s) for s in val.shape), val.dtype)
+        return TensorMeta(tuple(sizes.sym(s) for s in val.shape), val.dtype)
     return None
 
 
@@ -119,8 +121,11 @@ def _canonical(module: torch.nn.Module) -> dict[int, str]:
 
 class _Lowering:
     def __init__(self, ep: ExportedProgram, module: torch.nn.Module,
-                 runs: list[layer_replay.Run] = (), canonical: dict[int, str] | None = None):
+                 runs: list[layer_replay.Run] = (), canonical: dict[int, str] | None = None,
+                 dynamic: dict[str, dict[int, symbolic.SizeSpec]] | None = None):
         self.ep = ep
+        self.dynamic = dynamic or {}
+        self.sizes = symbolic.SymbolMap() if dynamic else None
         self.module = module
         self.env: dict[torch.fx.Node, Any] = {}
         self.names: set[str] = set()
@@ -178,9 +183,11 @@ class _Lowering:
         params, buffers, inputs = [], [], []
         const_literal_ops: list[Op] = []
         by_fqn = self.by_fqn
-        for spec, node in zip(sig.input_specs,
-                              [n for n in self.ep.graph.nodes if n.op == "placeholder"]):
-            meta = _meta_of(node.meta.get("val"))
+        placeholders = [n for n in self.ep.graph.nodes if n.op == "placeholder"]
+        if self.sizes is not None:
+            self._bind_sizes(sig, placeholders)
+        for spec, node in zip(sig.input_specs, placeholders):
+            meta = _meta_of(node.meta.get("val"), self.sizes)
             if spec.kind == InputKind.PARAMETER:
                 fqn = self.canonical_fqn(spec.target)
                 v = by_fqn.get(fqn)
@@ -216,6 +223,22 @@ class _Lowering:
             else ""
         return Graph(inputs, params, buffers, self.ops, list(outputs), out_spec=spec)
 
+    def _bind_sizes(self, sig, placeholders: list[torch.fx.Node]) -> None:
+        """Name torch.export's size symbols after dynamic_dims, with the ranges it proved."""
+        ranges = {str(k): v for k, v in self.ep.range_constraints.items()}
+        for spec, node in zip(sig.input_specs, placeholders):
+            dims = self.dynamic.get(getattr(spec.arg, "name", None)) or \
+                self.dynamic.get(node.name)
+            if spec.kind != InputKind.USER_INPUT or not dims:
+                continue
+            for d, size_spec in dims.items():
+                size = node.meta["val"].shape[d]
+                expr = getattr(getattr(size, "node", None), "expr", None)
+                vr = ranges.get(str(expr))
+                lo = int(vr.lower) if vr is not None and vr.lower.is_finite else size_spec.min
+                hi = int(vr.upper) if vr is not None and vr.upper.is_finite else size_spec.max
+                dims[d] = self.sizes.bind(size_spec, size, lo, hi)
+
     def _lifted_constant(self, target: str, ops: list[Op]) -> Value:
         t = self.ep.constants[target]
         if not isinstance(t, torch.Tensor) or t.numel() > 64:
@@ -249,6 +272,14 @@ class _Lowering:
 
     def _lower_call(self, gm: torch.fx.GraphModule, node: torch.fx.Node, no_grad: bool) -> None:
         target = node.target
+        val = node.meta.get("val")
+        if self.sizes is not None and isinstance(val, (torch.SymInt, torch.SymBool,
+                                                       torch.SymFloat)):
+            # size arithmetic (sym_size, operator.mul, ...) becomes a literal: a Sym size, or
+            # the value at the dummy args of what only asserts read
+            self.env[node] = self.sizes.sym(val) if isinstance(val, torch.SymInt) else \
+                val.node.hint
+            return
         if target is operator.getitem:
             self.env[node] = self.env[node.args[0]][node.args[1]]
             return
@@ -287,10 +318,9 @@ class _Lowering:
         if stack:
             module_path = list(stack.values())[-1][0]
         base = self.base(module_path, opname)
-        val = node.meta.get("val")
 
         def make(v: Any) -> Value:
-            meta = _meta_of(v)
+            meta = _meta_of(v, self.sizes)
             rg = grad_in and meta is not None and (meta.dtype.is_floating_point
                                                    or meta.dtype.is_complex)
             return Value(self.fresh(base), meta, requires_grad=rg)
@@ -523,15 +553,24 @@ def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
         return None
 
 
-def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
+def export(module: torch.nn.Module, args: tuple, kwargs: dict,
+           dynamic_shapes: dict | None = None) -> ExportedProgram:
     """torch.export with errors translated into TraceError naming the user's file:line."""
     args, kwargs = _meta_args(module, args, kwargs)
     watch = _WatchFunctions()
     try:
         with watch:
-            ep = torch.export.export(module, args, kwargs, strict=False)
+            ep = torch.export.export(module, args, kwargs, strict=False,
+                                     dynamic_shapes=dynamic_shapes)
     except Exception as e:  # noqa: BLE001 - translated below
         text = str(e) + "\n" + "".join(traceback.format_exception(e))
+        if dynamic_shapes and ("Constraints violated" in text or "specializ" in text
+                               or "ConstraintViolation" in type(e).__name__):
+            detail = "\n".join(str(e).strip().splitlines()[:12])
+            raise TraceError(
+                f"{type(module).__name__}.forward does not work for every size dynamic_dims "
+                f"allows; narrow the ranges (min/max/multiple_of) or drop the dim. "
+                f"torch.export says:\n{detail}") from e
         where = _user_frame_from_text(text)
         data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(e).__name__
         at = f" at {where.file}:{where.line}: `{where.code}`" if where else ""
@@ -561,13 +600,17 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgra
     return functionalize(ep)
 
 
-def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
-    """Trace `module.forward` on `dummy_args` into an IR Graph (the module is not modified)."""
+def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None) -> Graph:
+    """Trace `module.forward` on `dummy_args` into an IR Graph (the module is not modified).
+    dynamic_dims: sizes that vary between calls (nncompile/symbolic.py)."""
     args, kwargs = normalize_args(module, dummy_args)
     arguments.register_dataclasses((args, kwargs))
     positional, defaults = arguments.literal_defaults(module.forward)
     items = arguments.entries(positional, args, kwargs)
     arguments.check_constants(items)
+    dynamic = symbolic.parse_dynamic_dims(
+        dynamic_dims, [k for k, v in items if isinstance(v, torch.Tensor)])
+    shapes = symbolic.export_dims(dynamic, items) if dynamic else None
     # every input its own tensor: the same tensor passed twice (labels=input_ids) or two views
     # of one storage would be traced as one input, and code would read one where the other
     # belongs
@@ -575,7 +618,7 @@ def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
     canonical = _canonical(module)
     graph = None
-    runs = layer_replay.find_runs(module, canonical)
+    runs = [] if dynamic else layer_replay.find_runs(module, canonical)
     layer_replay.last.clear()
     replayed = _export_replaying(module, args, kwargs, runs) if runs else None
     if replayed is not None:
@@ -593,8 +636,9 @@ def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
         layer_replay.last.update(fallback="export with replay failed or a template writes "
                                           "in place")
     if graph is None:
-        ep = export(module, args, kwargs)
-        graph = _Lowering(ep, module, canonical=canonical).run()
+        ep = export(module, args, kwargs, shapes)
+        lowering = _Lowering(ep, module, canonical=canonical, dynamic=dynamic)
+        graph = lowering.run()
     for op in graph.ops:
         if getattr(op.target, "_schema", None) is not None and op.target._schema.is_mutable:
             where = f" at {op.source.file}:{op.source.line}" if op.source else ""
@@ -615,4 +659,7 @@ def trace(module: torch.nn.Module, dummy_args: Any) -> Graph:
         param_order=[name for name, _ in module.named_parameters()],
         state_keys=[(key, canonical.get(id(t), key))
                     for key, t in module.state_dict(keep_vars=True).items()])
+    if dynamic:
+        graph.trace_info.sizes = {s.var: (s.min, s.max, s.multiple_of)
+                                  for s in lowering.sizes.specs.values()}
     return graph

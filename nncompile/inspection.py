@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-from .comm_stats import align, fmt_bytes, format_rows
+from .comm_stats import align, count_by_kind, fmt_bytes, format_rows
 from .edits import edited_files
 from .errors import ConfigError, NNCompileError
 from .ir.placement import Replicate, Shard, parse_placement
@@ -154,9 +154,9 @@ class Instance:
                 sum(n * _itemsize(seen[f]["dtype"]) for f, n in numels.items()))
 
     def kind_counts(self) -> collections.Counter:
-        """Every comm op of the program by kind (local ones included)."""
-        return collections.Counter({k.removeprefix("comm."): v
-                                    for k, v in self.plan["collectives"].items()})
+        """Every comm op of the program by kind (local ones included), counted from the rows
+        the collectives table lists (`collective_ops`): the total and the kinds agree."""
+        return collections.Counter(count_by_kind(self.plan["collective_ops"]))
 
     def comm_bytes(self) -> tuple[int, int]:
         rows = self.plan["collective_ops"]

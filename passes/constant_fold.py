@@ -9,14 +9,18 @@ Before:                                        After:
 
 Constants are literals, buffers (the frontend rejects buffer mutation) and results of
 deterministic ops on constants: `arange`, causal masks, rotary tables. Shape arithmetic is
-already folded to literals by tracing with static shapes. The constant section is computed in
+already folded to literals by tracing with static shapes; ops whose arguments are dynamic sizes
+(nncompile/symbolic.py) stay in the forward. The constant section is computed in
 full on every rank when the generated module loads and the values the forward reads are kept
 as non-persistent buffers, sliced like parameters when a policy shards them.
 Precondition: none. Idempotent: yes.
 """
 from __future__ import annotations
 
+from torch.utils import _pytree as pytree
+
 from nncompile.ir import BUFFER, CONST, Graph, Stage, Value
+from nncompile.symbolic import Sym
 
 from .contract import contract
 
@@ -35,7 +39,9 @@ def constant_fold(graph: Graph) -> Graph:
     for op in g.ops:
         name = getattr(op.target, "_opname", str(op.target))
         if name not in _RANDOM and not op.is_inplace and op.outputs \
-                and all(id(v) in const for v in op.inputs()):
+                and all(id(v) in const for v in op.inputs()) \
+                and not any(isinstance(a, Sym) for a in pytree.tree_leaves((op.args, op.kwargs))):
+            # (an op on a dynamic size, `arange(s_seq)`, runs every call)
             moved.append(op)
             const |= {id(v) for v in op.outputs}
         else:

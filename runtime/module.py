@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from nncompile.config import ComputeConfig
 from nncompile.errors import ConfigError, InputMismatchError, PipelineError
+from nncompile.symbolic import check_sizes
 from nncompile.ir import MemoryChoice
 from nncompile.ir.placement import Shard
 from nncompile.mesh import Mesh, grad_reduction
@@ -44,6 +45,7 @@ class ParallelModule(torch.nn.Module):
     RUNTIME_NGPUS = 1
     INFERENCE_ONLY = False
     INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
+    SIZES: dict[str, tuple[int, int, int]] = {}        # dynamic_dims: name -> (min, max, mult)
     ARGS: list[tuple] | None = None    # forward's arguments as traced (runtime/arguments.py)
     SIGNATURE: list[str] = []          # forward's positional parameters
     DEFAULTS: dict = {}                # untraced arguments' constant defaults
@@ -161,8 +163,9 @@ class ParallelModule(torch.nn.Module):
             specs = self._input_specs
         except AttributeError:
             self._legacy_args()
-            specs = self._input_specs = [(name, torch.Size(shape), _dtype(dtype), shape, dtype)
-                                         for name, shape, dtype in self.INPUTS]
+            specs = self._input_specs = [
+                (name, torch.Size(shape) if all(isinstance(d, int) for d in shape) else None,
+                 _dtype(dtype), shape, dtype) for name, shape, dtype in self.INPUTS]
         bound = dict(arguments.bind(self, args, kwargs))
         inputs = []
         for name, size, dt, shape, dtype in specs:
@@ -197,6 +200,9 @@ class ParallelModule(torch.nn.Module):
 
     def _run(self, inputs: list[torch.Tensor]):
         """The generated forward on checked inputs."""
+        if self.SIZES:                    # dynamic_dims: each size within its range
+            check_sizes([(name, x, shape) for x, (name, shape, _) in zip(inputs, self.INPUTS)],
+                        self.SIZES)
         reducer = self._reducer if torch.is_grad_enabled() else None
         if reducer is not None:
             reducer.reset()               # a backward that raised must not leave state behind
@@ -223,11 +229,13 @@ class ParallelModule(torch.nn.Module):
                 isinstance(x, (list, tuple)) else ""
             raise InputMismatchError(f"input {name!r} is {kind}, but the module was traced with "
                                      f"{traced}{hint}")
-        if tuple(x.shape) != tuple(shape):
+        if all(isinstance(d, int) for d in shape) and tuple(x.shape) != tuple(shape):
             raise InputMismatchError(
                 f"input {name!r} is {str(x.dtype)}{list(x.shape)} but the module was traced "
-                f"with {dtype}{list(shape)}; shapes are static: call parallelize again with "
-                f"dummy_args of this shape (another instance_name), or pad/batch to it")
+                f"with {dtype}{list(shape)}; shapes are static unless named in "
+                f"parallelize(..., dynamic_dims={{{name!r}: {{0: 'batch', ...}}}}): pass "
+                f"dynamic_dims, call parallelize again with dummy_args of this shape (another "
+                f"instance_name), or pad/batch to it")
         if str(x.dtype) != dtype:
             raise InputMismatchError(f"input {name!r} is {str(x.dtype)} but the module was "
                                      f"traced with {dtype}; convert it with .to({dtype})")

@@ -5,21 +5,40 @@ Blocks, by the info string after the opening fence:
     python            executed in page order, all in one namespace shared by the page
     python file=NAME  written to NAME in the working directory (run it from a later block)
     bash              run with `bash -euo pipefail -c` in the working directory
-    text              output shown to the reader; not run
+    output            what the python or bash block just above it prints on standard output;
+                      compared line by line with what it printed (see "Shown output" below)
+    text              anything else shown to the reader; not run, not compared
 
 Any other info string (an empty one included) is an error, and so is a page without a python
-or bash block: nothing on a page escapes being run. Blocks run in a fresh temporary directory
-(`--workdir DIR` to choose one) with NNCOMPILE_REPO set to the repository root, which is also
-put on PYTHONPATH (so `examples` is importable); bash blocks get that environment, not changes
-python blocks make to os.environ. The first failing block stops the page: its
-page line, its text and the error are printed and the exit status is 1. On success the last
-line is `doc_runner: PAGE: ok: N python, M bash, K file blocks (T s)`.
+or bash block, or an output block that does not follow a python or bash block (only blank
+lines between): nothing on a page escapes being run.
+
+A page runs the way a person runs it from the repository root in a fresh shell: in a fresh
+copy of the repository (its tracked and unignored files; `--workdir DIR` to choose where), as
+the current directory, with nothing added to the environment. PYTHONPATH and NNCOMPILE_REPO are
+removed, so a page that needs them has to set them itself. python blocks run as if typed into
+`python` started there (the current directory first on sys.path, so `import examples.gpt`
+works); bash blocks do not see changes python blocks make to os.environ.
+
+Shown output: trailing spaces and leading or trailing blank lines are ignored on both sides;
+otherwise every line must be equal, with two wildcards for what changes from run to run
+(timings, temporary paths): a line that is just `...` stands for any number of lines (none
+included), and `...` inside a line for any text on that line. Progress lines on standard error
+are not compared.
+
+The first failing block stops the page: its page line, its text and the error (for an output
+block, a diff of shown against printed lines) are printed and the exit status is 1. On success
+the last line is `doc_runner: PAGE: ok: N python, M bash, K file blocks, J outputs (T s)`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import io
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 FILE_INFO = re.compile(r"^python file=(?P<name>[\w./-]+)$")
 BASH_TIMEOUT_S = 300
+WILDCARD = "..."
+# set by a person's own shell or by the test suite for speed, never relied on by a page
+UNSET_ENV = ("PYTHONPATH", "NNCOMPILE_REPO")
 
 
 class PageError(Exception):
@@ -40,7 +62,7 @@ class PageError(Exception):
 
 @dataclass
 class Block:
-    kind: str            # "python", "file", "bash" or "text"
+    kind: str            # "python", "file", "bash", "output" or "text"
     line: int            # page line of the block's first code line (1-based)
     code: str
     name: str | None = None     # file=NAME
@@ -54,6 +76,7 @@ def parse(path: str | os.PathLike) -> list[Block]:
     """The page's fenced blocks, in order; PageError on anything that would not be run."""
     lines = Path(path).read_text().splitlines()
     blocks: list[Block] = []
+    last_close = -2          # page index of the previous block's closing fence
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -75,14 +98,22 @@ def parse(path: str | os.PathLike) -> list[Block]:
                 for ln in lines[start:j]]
         code = "\n".join(body) + "\n"
         file_m = FILE_INFO.match(info)
-        if info in ("python", "bash", "text"):
+        if info == "output":
+            adjacent = blocks and last_close >= 0 and \
+                all(not ln.strip() for ln in lines[last_close + 1:i])
+            if not (adjacent and blocks[-1].kind in ("python", "bash")):
+                raise PageError(f"{path}:{i + 1}: an output block must follow a python or bash "
+                                "block (blank lines only between); use text for other shown text")
+            blocks.append(Block("output", start + 1, code))
+        elif info in ("python", "bash", "text"):
             blocks.append(Block(info, start + 1, code))
         elif file_m:
             blocks.append(Block("file", start + 1, code, file_m["name"]))
         else:
             raise PageError(f"{path}:{i + 1}: code block with info string {info!r}; use python, "
-                            "'python file=NAME', bash or text (every other block would go "
-                            "unchecked)")
+                            "'python file=NAME', bash, output or text (every other block would "
+                            "go unchecked)")
+        last_close = j
         i = j + 1
     if not any(b.kind in ("python", "bash") for b in blocks):
         raise PageError(f"{path}: no python or bash block to run")
@@ -90,7 +121,83 @@ def parse(path: str | os.PathLike) -> list[Block]:
 
 
 def counts(blocks: list[Block]) -> dict[str, int]:
-    return {k: sum(b.kind == k for b in blocks) for k in ("python", "bash", "file", "text")}
+    return {k: sum(b.kind == k for b in blocks)
+            for k in ("python", "bash", "file", "output", "text")}
+
+
+def _trim(text: str) -> list[str]:
+    lines = [ln.rstrip() for ln in text.splitlines()]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def _line_matches(shown: str, printed: str) -> bool:
+    if WILDCARD not in shown:
+        return shown == printed
+    pattern = ".*".join(re.escape(part) for part in shown.split(WILDCARD))
+    return re.fullmatch(pattern, printed) is not None
+
+
+def output_matches(shown: str, printed: str) -> bool:
+    """Whether `printed` is what the output block `shown` shows (the rules in the docstring)."""
+    want, got = _trim(shown), _trim(printed)
+    memo: dict[tuple[int, int], bool] = {}
+
+    def match(i: int, j: int) -> bool:
+        if (i, j) not in memo:
+            if i == len(want):
+                ok = j == len(got)
+            elif want[i] == WILDCARD:
+                ok = match(i + 1, j) or (j < len(got) and match(i, j + 1))
+            else:
+                ok = j < len(got) and _line_matches(want[i], got[j]) and match(i + 1, j + 1)
+            memo[i, j] = ok
+        return memo[i, j]
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * (len(want) + len(got)) + 100))
+    return match(0, 0)
+
+
+def output_diff(shown: str, printed: str, where: str) -> str:
+    """A unified diff, shown (the page) against printed, for a failed comparison."""
+    diff = difflib.unified_diff(_trim(shown), _trim(printed), f"shown ({where})", "printed",
+                                lineterm="", n=2)
+    return "\n".join(diff) + f"\n(lines that are just {WILDCARD} stand for any lines, and " \
+                             f"{WILDCARD} inside a line for any text)"
+
+
+class _Tee(io.TextIOBase):
+    """Writes through to the real stdout and keeps a copy."""
+
+    def __init__(self, real):
+        self.real, self.copy = real, io.StringIO()
+
+    def write(self, s):
+        self.copy.write(s)
+        return self.real.write(s)
+
+    def flush(self):
+        self.real.flush()
+
+
+def copy_repository(dest: Path) -> None:
+    """The repository's tracked and unignored files, as a person's checkout has them."""
+    try:
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard",
+                                 "-z"], capture_output=True, check=True).stdout
+        names = [n for n in listed.decode().split("\0") if n]
+    except (OSError, subprocess.CalledProcessError):
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+                 if p.is_file() and not {".git", "__pycache__", ".nncompile"} & set(p.parts)]
+    for name in names:
+        src = ROOT / name
+        if src.is_file():
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
 
 
 def _fail(page: str, block: Block, detail: str) -> int:
@@ -110,56 +217,69 @@ def run_page(page: str, workdir: Path) -> int:
     except PageError as e:
         print(f"doc_runner: FAILED {e}", flush=True)
         return 1
+    copy_repository(workdir)
     os.chdir(workdir)
-    os.environ["NNCOMPILE_REPO"] = str(ROOT)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(ROOT) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + paths)
-    sys.path[:0] = [str(workdir), str(ROOT)]
+    for name in UNSET_ENV:
+        os.environ.pop(name, None)
+    # like `python` started in the repository root: the current directory first on sys.path
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [str(workdir)] + [p for p in sys.path
+                                    if p and Path(p).resolve() not in (here, ROOT)]
     shell_env = dict(os.environ)    # bash blocks do not see what python blocks set (a terminal would not)
     namespace: dict = {"__name__": "__main__"}
+    printed = ""                    # standard output of the last python or bash block
     start = time.perf_counter()
     for block in blocks:
         t0 = time.perf_counter()
         if block.kind == "text":
             continue
-        if block.kind == "file":
+        if block.kind == "output":
+            if not output_matches(block.code, printed):
+                return _fail(page, block, "the page shows other output than the block above "
+                                          "printed\n" + output_diff(block.code, printed,
+                                                                    f"{page}:{block.line}"))
+        elif block.kind == "file":
             target = workdir / block.name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(block.code)
         elif block.kind == "python":
             source = "\n" * (block.line - 1) + block.code   # tracebacks name page lines
+            tee = _Tee(sys.stdout)
             try:
-                exec(compile(source, str(page_path), "exec"), namespace)
+                with contextlib.redirect_stdout(tee):
+                    exec(compile(source, str(page_path), "exec"), namespace)
             except BaseException:                            # noqa: BLE001 - reported
                 sys.stdout.flush()
                 return _fail(page, block, traceback.format_exc())
+            printed = tee.copy.getvalue()
         else:
             try:
                 proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code],
                                       cwd=workdir, env=shell_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
+                                      stderr=subprocess.PIPE, text=True,
                                       timeout=BASH_TIMEOUT_S)
             except subprocess.TimeoutExpired as e:
                 out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode()
                 return _fail(page, block, f"timed out after {BASH_TIMEOUT_S} s\n{out[-6000:]}")
-            sys.stdout.write(proc.stdout)
+            sys.stdout.write(proc.stdout + proc.stderr)
             if proc.returncode != 0:
                 return _fail(page, block, f"exit status {proc.returncode}; output tail:\n"
-                                          f"{proc.stdout[-6000:]}")
+                                          f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            printed = proc.stdout
         sys.stdout.flush()
         print(f"doc_runner: {page}:{block.line} {block.label} ok "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
     n = counts(blocks)
     print(f"doc_runner: {page}: ok: {n['python']} python, {n['bash']} bash, {n['file']} file "
-          f"blocks ({time.perf_counter() - start:.1f} s)", flush=True)
+          f"blocks, {n['output']} outputs ({time.perf_counter() - start:.1f} s)", flush=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("page", help="a Markdown page, e.g. docs/quickstart.md")
-    ap.add_argument("--workdir", help="directory to run in (default: a fresh temporary one)")
+    ap.add_argument("--workdir", help="directory to copy the repository to and run in "
+                                      "(default: a fresh temporary one)")
     args = ap.parse_args(argv)
     if args.workdir:
         workdir = Path(args.workdir).resolve()

@@ -1,5 +1,7 @@
-"""Every code block of docs/ runs: one test per page (tests/doc_runner.py in a fresh directory),
-plus checks that the index links every page and that the runner refuses what it cannot run."""
+"""Every code block of docs/ runs: one test per page (tests/doc_runner.py in a fresh copy of the
+repository, as a person would run it from the repository root), and every output block matches
+what its block printed; plus checks that the index links every page, that the runner refuses
+what it cannot run and that it catches shown output that differs from the printed."""
 from __future__ import annotations
 
 import os
@@ -27,9 +29,8 @@ def _pages() -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1",
-            "PYTHONPATH": os.pathsep.join(path)}
+    # for speed only: one thread per process, no progress lines on stderr (never compared)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
 
 
 def _run(page: Path, workdir: Path, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -52,10 +53,12 @@ def test_page(name, tmp_path):
         report = out[at:] if at >= 0 else "(no failing block reported)"
         pytest.fail(f"docs/{name} failed (exit {proc.returncode})\n{report[-8000:]}\n"
                     f"---- output tail ----\n{out[-3000:]}", pytrace=False)
-    summary = f"ok: {n['python']} python, {n['bash']} bash, {n['file']} file blocks"
+    summary = (f"ok: {n['python']} python, {n['bash']} bash, {n['file']} file blocks, "
+               f"{n['output']} outputs")
     assert summary in out, f"the runner did not run every block of docs/{name}:\n{out[-3000:]}"
-    ran = len(re.findall(r"^doc_runner: \S+:\d+ (python|bash|python file=\S+) ok ", out, re.M))
-    assert ran == n["python"] + n["bash"] + n["file"]
+    ran = len(re.findall(r"^doc_runner: \S+:\d+ (python|bash|output|python file=\S+) ok ", out,
+                         re.M))
+    assert ran == n["python"] + n["bash"] + n["file"] + n["output"]
 
 
 def test_index_links_every_page_in_order():
@@ -81,6 +84,10 @@ def test_index_links_every_page_in_order():
     ("```python\nx = 1\n```\n\n```bash\necho ok\n```\n\n```python\nassert x == 2, 'x is 1'\n```\n",
      "FAILED page.md:10 (python block)"),
     ("```bash\nfalse\necho unre\"\"achable\n```\n", "FAILED page.md:2 (bash block)"),
+    ("```output\nhi\n```\n\n```bash\necho hi\n```\n", "output block must follow"),
+    ("```bash\necho hi\n```\n\nSome prose.\n\n```output\nhi\n```\n", "output block must follow"),
+    ("```python\nprint('PYTHONPATH' in __import__('os').environ)\n```\n```output\nTrue\n```\n"
+     "```bash\necho unre\"\"achable\n```\n", "+False"),
 ])
 def test_runner_refuses_what_it_cannot_run(tmp_path, text, error):
     (tmp_path / "page.md").write_text(text)
@@ -94,11 +101,78 @@ def test_runner_refuses_what_it_cannot_run(tmp_path, text, error):
 def test_runner_shares_one_namespace_and_writes_files(tmp_path):
     (tmp_path / "page.md").write_text(
         "```python file=sub/hello.py\nprint('hello from', __file__)\n```\n\n"
-        "```bash\npython sub/hello.py > said.txt\ntest \"$NNCOMPILE_REPO\" = "
-        f"{ROOT}\n```\n\n```python\nx = open('said.txt').read()\n```\n\n"
-        "```python\nassert x.startswith('hello from'), x\nimport examples.gpt\n```\n")
+        "```bash\npython sub/hello.py > said.txt\ntest -z \"${NNCOMPILE_REPO:-}\"\n"
+        "test -f examples/gpt.py\n```\n\n```python\nx = open('said.txt').read()\n```\n\n"
+        "```python\nassert x.startswith('hello from'), x\nimport examples.gpt\n"
+        "print(examples.gpt.__file__)\n```\n")
+    env = {**_env(), "NNCOMPILE_REPO": str(ROOT), "PYTHONPATH": str(ROOT)}   # both removed
     proc = subprocess.run([sys.executable, str(RUNNER), "page.md", "--workdir", "."],
-                          cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                          cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout
-    assert "ok: 2 python, 1 bash, 1 file blocks" in proc.stdout
+    assert "ok: 2 python, 1 bash, 1 file blocks, 0 outputs" in proc.stdout
+    # examples/ is the fresh copy's (the page runs from a copy of the repository root)
+    assert f"{tmp_path.resolve()}/examples/gpt.py" in proc.stdout
+
+
+SHOWN = """```bash
+printf 'step 0 loss 2.8192\\nstep 1 loss 2.6474\\ntook 3.2 s\\n'
+```
+
+```output
+step 0 loss 2.8192
+step 1 loss 2.6474
+took ... s
+```
+
+```python
+for step in range(4):
+    print(f"step {step}")
+print("done in /tmp/x")
+```
+
+```output
+step 0
+...
+step 3
+done in ...
+```
+"""
+
+
+def _run_fake(tmp_path, text: str) -> subprocess.CompletedProcess:
+    (tmp_path / "page.md").write_text(text)
+    return subprocess.run([sys.executable, str(RUNNER), "page.md", "--workdir", "."],
+                          cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=60)
+
+
+def test_output_blocks_are_compared(tmp_path):
+    proc = _run_fake(tmp_path, SHOWN)
+    assert proc.returncode == 0, proc.stdout
+    assert "ok: 1 python, 1 bash, 0 file blocks, 2 outputs" in proc.stdout
+
+
+def test_wrong_shown_output_fails_with_a_diff(tmp_path):
+    proc = _run_fake(tmp_path, SHOWN.replace("loss 2.6474\ntook", "loss 2.6475\ntook"))
+    assert proc.returncode == 1
+    out = proc.stdout
+    assert "FAILED page.md:7 (output block)" in out, out
+    assert "the page shows other output than the block above printed" in out
+    assert "-step 1 loss 2.6475" in out and "+step 1 loss 2.6474" in out, out
+    assert "done in" not in out.split("FAILED")[1]         # nothing after the failure runs
+
+
+@pytest.mark.parametrize("shown, printed, ok", [
+    ("a\nb\n", "a\nb  \n\n", True),              # trailing spaces and blank lines
+    ("a\n...\nd\n", "a\nb\nc\nd\n", True),
+    ("a\n...\nd\n", "a\nd\n", True),             # ... may stand for no line
+    ("a\n...\n", "a\n", True),
+    ("took ... s\n", "took 1.25 s\n", True),
+    ("took ... s\n", "took 1.25 ms\n", False),
+    ("loss 2.8192\n", "loss 2.8193\n", False),       # numbers match exactly
+    ("a\nb\n", "a\nb\nc\n", False),                # no line left over
+    ("a (x)\n", "a (x)\n", True),                     # not a regular expression
+])
+def test_output_matching_rules(shown, printed, ok):
+    assert doc_runner.output_matches(shown, printed) is ok

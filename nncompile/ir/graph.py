@@ -242,6 +242,7 @@ class TraceInfo:
     inference_only: bool = False
     microbatches: int = 1          # the batch was traced split into this many (train_step)
     batched: list[str] = field(default_factory=list)   # inputs split into micro-batches
+    sizes: dict[str, tuple] = field(default_factory=dict)   # dynamic: s_name -> (min, max, mult)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..symbolic import Sym
 from .graph import PARAM, Graph, Op, Stage, Value, target_name
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -80,6 +81,8 @@ def fmt_literal(x: Any) -> str:
         return _NAMES.get().get(id(x), x.name)
     if isinstance(x, Symbol):
         return str(x)
+    if isinstance(x, Sym):
+        return x.code()
     if isinstance(x, bool) or x is None:
         return repr(x)
     if isinstance(x, float):

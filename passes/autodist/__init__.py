@@ -129,6 +129,8 @@ def autodist(graph: Graph, config) -> Graph:
     g.plan_state.memory = best.choice
     g.plan_state.autodist = explanation_data(prob, sol, g, prob.model.profile.name)
     g.plan_state.autodist["memory"] = memory_report(found, mem)
+    if graph.trace_info.sizes:
+        g.plan_state.autodist["sizes"] = _cost_at_range_ends(g, config)
     if g.plan_state.pipeline is not None:
         _cost_stages(g, prob, sol.picks)
     shared = ", ".join(f"{p} x{k}" for p, k in prob.layers.items()) or "none"
@@ -142,6 +144,21 @@ def autodist(graph: Graph, config) -> Graph:
     if pc.get("save_plan_path"):
         save_plan(g, pc["save_plan_path"])
     return g
+
+
+def _cost_at_range_ends(g: Graph, config) -> list[dict]:
+    """The plan (made at the dummy args' sizes) priced at the dynamic sizes' range ends."""
+    from nncompile import symbolic
+    rows = []
+    dummy = {var[2:]: int(size) for v in g.inputs for size in v.meta.shape
+             if isinstance(size, symbolic.Sym)
+             for var in [size.code()] if var in g.trace_info.sizes}
+    for label_, values in [("dummy args", {})] + symbolic.range_ends(g.trace_info.sizes):
+        est = estimate_step(symbolic.graph_at(g, values) if values else g, config)
+        shown = {k: values.get(k, d) for k, d in dummy.items()}
+        rows.append({"at": label_, "sizes": shown, "ms": est.total * 1e3,
+                     "memory_gb": est.memory / 1e9})
+    return rows
 
 
 def _cost_stages(g: Graph, prob: Problem, picks: list[int]) -> None:

@@ -310,6 +310,20 @@ def report_table(target: Any, width: int = 120) -> str:
     if data.get("memory"):
         for extra in _memory_tables(data["memory"]):
             console.print(extra)
+    if data.get("sizes"):
+        console.print(_sizes_table(data["sizes"]))
     if plan.get("pipeline"):
         buf.write("\n" + explain_pipeline(plan["pipeline"]) + "\n")
     return buf.getvalue()
+
+
+def _sizes_table(rows: list[dict]):
+    """dynamic_dims: the plan's modelled cost at the dummy args and at the ranges' ends."""
+    from rich.table import Table
+    t = Table(title="dynamic sizes: the plan (made at the dummy args) at its ranges' ends")
+    for col in ("at", "sizes", "ms/step (model)", "GB/rank"):
+        t.add_column(col, justify="right" if col[0] in "mG" else "left")
+    for r in rows:
+        t.add_row(r["at"], ", ".join(f"{k}={v}" for k, v in r["sizes"].items()),
+                  f"{r['ms']:.3f}", f"{r['memory_gb']:.4f}")
+    return t
