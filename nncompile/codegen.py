@@ -16,7 +16,8 @@ from .comm_stats import collective_rows
 from .custom_ops import REGISTRY, is_custom_op
 from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, print_graph,
                  shard_slices)
-from .ir.printer import fmt_body, value_names
+from .codegen_notes import comm_note, reduction_header
+from .ir.printer import fmt_body, op_notes, value_names
 from .symbolic import Sym
 from .runtime.rows import BufferRow, ConstRow, ParamRow
 from .zero_codegen import zero_forward_body, zero_units
@@ -149,6 +150,8 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
     if g.trace_info.sizes:
         text += (f"    SIZES = {g.trace_info.sizes!r}  # dynamic_dims: allowed (min, max, "
                  f"multiple of); checked on every call\n")
+    text += reduction_header(tg, t["params"], runtime_ngpus, pp.ranks if pp else 1,
+                             memory.zero if memory is not None else 0)
     if g.trace_info.microbatches > 1:
         text += (f"    MICROBATCHES = {g.trace_info.microbatches}  # train_step splits the batch "
                  f"into this many; the code runs one\n"
@@ -182,7 +185,8 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         lines.append("        return {" + ", ".join(f"{v.name!r}: {v.name}"
                                                     for v in g.consts) + "}")
     if pp is not None:
-        lines += pc.stage_methods(g, rank, stages, units)
+        with op_notes(comm_note):
+            lines += pc.stage_methods(g, rank, stages, units)
         return "\n".join(lines) + "\n"
     # in the forward, parameters, buffers and constants are attributes of the module
     attrs = g.buffers + g.consts + ([] if units else g.params)
@@ -194,7 +198,8 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
             lines.append("        DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, "
                          "self.zero")
             lines += size_lines(g, "        ")
-            lines += zero_forward_body(g, units, indent="        ", local_n=n)
+            with op_notes(comm_note):
+                lines += zero_forward_body(g, units, indent="        ", local_n=n)
         else:
             lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
             lines += size_lines(g, "        ")
@@ -279,12 +284,13 @@ def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
     """The forward's ops; runs marked by the recompute pass become checkpointed closures."""
     runs = runs_of(g)
     lines: list[str] = []
-    for i, (mark, ops) in enumerate(runs):
-        if mark is None:
-            lines += fmt_body(ops, indent=indent, local_n=local_n)
-        else:
-            lines += closure(g, runs, i, indent,
-                             fmt_body(ops, indent=indent + "    ", local_n=local_n))
+    with op_notes(comm_note):           # each collective's backward as a comment above it
+        for i, (mark, ops) in enumerate(runs):
+            if mark is None:
+                lines += fmt_body(ops, indent=indent, local_n=local_n)
+            else:
+                lines += closure(g, runs, i, indent,
+                                 fmt_body(ops, indent=indent + "    ", local_n=local_n))
     return lines
 
 
@@ -360,13 +366,25 @@ def plan_json(g: Graph) -> dict[str, Any]:
 def graph_dumps(history: list[tuple[str, Graph, float]]) -> dict[str, str]:
     out = {}
     printed: dict[int, str] = {}        # a pass that returned its input graph: printed once
+    plan_n = history[-1][1].plan_ngpus if history else 1
     for i, (name, graph, ms) in enumerate(history):
         text = printed.get(id(graph))
         if text is None:
             local = graph.plan_ngpus if Stage.LOCALIZED in graph.stages else None
             text = printed[id(graph)] = print_graph(graph, local_n=local)
-        out[f"{i:02d}_{name}.py"] = f"# after {name!r} ({ms:.1f} ms)\n" + text
+        out[f"{i:02d}_{name}.py"] = dump_header(name, ms, graph, plan_n) + text
     return out
+
+
+def dump_header(name: str, ms: float, graph: Graph, plan_n: int) -> str:
+    """The first lines of graphs/NN_<pass>.py: the pass, its time and the compile's plan size
+    (before the plan pass the graph is the single-device program, its IR header says
+    plan_ngpus={graph.plan_ngpus})."""
+    head = f"# after {name!r} ({ms:.1f} ms)\n# compiled for plan_ngpus={plan_n}"
+    if Stage.PLANNED not in graph.stages:
+        head += (f": not yet partitioned at this stage, the whole model on one device (so "
+                 f"plan_ngpus={graph.plan_ngpus} below); the plan pass splits it")
+    return head + "\n"
 
 
 _ESCAPE = json.encoder.encode_basestring_ascii

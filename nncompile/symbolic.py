@@ -48,7 +48,8 @@ class SizeSpec:
     @property
     def symbol(self) -> sympy.Symbol:
         """The integer symbol sizes are expressions of: the size itself, or size / multiple."""
-        name = self.var if self.multiple_of == 1 else f"k_{self.name}"
+        name = self.var if self.multiple_of == 1 else f"k_{self.name}_{self.multiple_of}"
+        _SPECS.setdefault(name, self)
         return sympy.Symbol(name, integer=True, positive=True)
 
     def allows(self, size: int) -> bool:
@@ -60,7 +61,7 @@ class SizeSpec:
         return f"{self.var} in [{self.min}, {hi}]{mult}"
 
 
-# the specs of every traced name, by symbol name: how generated code prints k_batch
+# by symbol name, the size each integer symbol stands for: k_batch_2 is s_batch / 2
 _SPECS: dict[str, SizeSpec] = {}
 
 
@@ -125,9 +126,9 @@ class _CodePrinter(StrPrinter):
 
 def to_code(expr: sympy.Expr) -> str:
     """Python source for `expr`, in terms of the s_<name> sizes of the inputs."""
-    subs = {sympy.Symbol(f"k_{s.name}", integer=True, positive=True):
+    subs = {sympy.Symbol(k, integer=True, positive=True):
             sympy.Symbol(s.var, integer=True, positive=True) / s.multiple_of
-            for s in _SPECS.values() if s.multiple_of > 1}
+            for k, s in _SPECS.items() if s.multiple_of > 1}
     e = sympy.sympify(expr).xreplace(subs) if subs else sympy.sympify(expr)
     num, den = sympy.fraction(sympy.together(e))
     printer = _CodePrinter()
@@ -248,7 +249,6 @@ class SymbolMap:
         self.subs[sym] = spec.symbol
         spec = SizeSpec(spec.name, max(spec.min, lo), min(spec.max, hi), m)
         self.specs[spec.name] = spec
-        _SPECS[spec.symbol.name] = spec
         return spec
 
     def sym(self, size: Any) -> int:
@@ -345,10 +345,13 @@ def at_sizes(x: Any, values: dict[str, int]) -> Any:
     if not isinstance(x, Sym):
         return x
     subs = {}
-    for spec in _SPECS.values():
+    for key, spec in _SPECS.items():
         if spec.name in values:
-            subs[spec.symbol] = sympy.Integer(values[spec.name] // spec.multiple_of)
+            subs[sympy.Symbol(key, integer=True, positive=True)] = \
+                sympy.Integer(values[spec.name] // spec.multiple_of)
     v = x.expr.xreplace(subs)
+    if v.free_symbols:                  # a size not given: its value at the dummy args
+        return int(x)
     return int(v) if v.is_Integer else int(math.floor(float(v)))
 
 

@@ -5,7 +5,9 @@
 
 At setup the LightningModule's `forward` is parallelized once (trace inputs from
 `dummy_forward_args`, `dummy_forward_args_fn(first training batch)` or
-`example_input_array`), `forward` is replaced by the parallel module's and the original
+`example_input_array`; sizes that vary between batches, such as a smaller last batch, are
+named in `dynamic_dims=` or a `dynamic_dims` attribute), `forward` is replaced by the
+parallel module's and the original
 submodules whose parameters it traced (frozen ones too) are set to None, so
 `self.parameters()` in `configure_optimizers` yields the parallel module's shards. Ranks of
 one plan unit get the same batches (the sampler is sized by data-parallel units) and
@@ -77,7 +79,8 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
     def __init__(self, compute_config: nncompile.ComputeConfig | None = None, *,
                  pas_policy: Any = "autodist", gen_savedir: str = "./.nncompile",
                  reuse: str = "match", instance_name: str | None = None,
-                 state_dict_type: str = "sharded", accelerator=None,
+                 state_dict_type: str = "sharded", dynamic_dims: dict | None = None,
+                 accelerator=None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io=None,
                  precision_plugin=None, process_group_backend: str | None = None,
@@ -98,6 +101,7 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
                               f"concrete value (use_zero=0-3, offload_optimizer=True/False)")
         self.pas_policy, self.gen_savedir, self.reuse = pas_policy, gen_savedir, reuse
         self.instance_name = instance_name
+        self.dynamic_dims = dynamic_dims
         self.state_dict_type = state_dict_type
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -215,7 +219,9 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
         pm = nncompile.parallelize(lm, dummy, config, pas_policy=self.pas_policy,
                                    gen_savedir=self.gen_savedir, reuse=self.reuse,
                                    instance_name=self.instance_name or type(lm).__name__,
-                                   device=self.root_device)
+                                   device=self.root_device,
+                                   dynamic_dims=self.dynamic_dims
+                                   or getattr(lm, "dynamic_dims", None))
         traced = {row.fqn.split(".")[0] for row in param_rows(pm)}   # frozen ones included
         for name, child in list(lm.named_children()):
             if name in traced:

@@ -56,6 +56,20 @@ def value_names(names: dict[Value, str]):
         _NAMES.reset(token)
 
 
+_NOTES: contextvars.ContextVar[Any] = contextvars.ContextVar("op_notes", default=None)
+
+
+@contextlib.contextmanager
+def op_notes(note):
+    """While inside, `note(op)` gives whole-line comments to print above each op (below its
+    source line); codegen names each collective's backward this way."""
+    token = _NOTES.set(note)
+    try:
+        yield
+    finally:
+        _NOTES.reset(token)
+
+
 def _fmt_list(x: list) -> str:
     return "[" + ", ".join([fmt_literal(e) for e in x]) + "]"
 
@@ -191,7 +205,10 @@ def fmt_op(op: Op, indent: str = "    ", local_n: int | None = None,
     lines = []
     src = op.source
     if source and src is not None:
-        lines.append(f"{indent}# {src.file}:{src.line}  {src.code}")
+        lines.append(_source_comment(src, indent))
+    note = _NOTES.get()
+    if note is not None:
+        lines += [f"{indent}# {text}" for text in note(op)]
     outputs = op.outputs
     if op.multi_output:
         lhs = ", ".join(v.name for v in outputs) + ("," if len(outputs) == 1 else "")
@@ -226,10 +243,36 @@ def fmt_body(ops: list[Op], indent: str = "    ", local_n: int | None = None,
     """Ops as code, with a source comment wherever the user's line changes (none without
     `source`)."""
     lines, last = [], None
-    for op in ops:
+    for i, op in enumerate(ops):
+        if source and op.source is None and op.target_name.startswith("comm."):
+            served = _served(ops, i)    # an inserted collective sits under its consumer's line
+            if served is not None and served.source != last:
+                lines.append(_source_comment(served.source, indent))
+                last = served.source
         lines += fmt_op(op, indent, local_n, source=source and op.source != last)
         last = op.source or last        # inserted collectives (no source) do not repeat it
     return lines
+
+
+def _source_comment(src: Any, indent: str) -> str:
+    return f"{indent}# {src.file}:{src.line}  {src.code}"
+
+
+def _served(ops: list[Op], i: int) -> Op | None:
+    """The op an inserted collective ops[i] is for, when it prepares an input of the next op
+    with a user line (possibly through more inserted ops) and does not convert the output of
+    the op just before it (an all_reduce after a linear stays under the linear's line)."""
+    op = ops[i]
+    if i > 0 and any(v.producer is ops[i - 1] for v in op.tensor_inputs()):
+        return None
+    want = {id(v) for v in op.outputs}
+    for nxt in ops[i + 1:]:
+        uses = any(id(v) in want for v in nxt.inputs())
+        if nxt.source is not None:
+            return nxt if uses else None
+        if uses:
+            want.update(id(v) for v in nxt.outputs)
+    return None
 
 
 def fmt_input(v: Value, local_n: int | None = None) -> str:

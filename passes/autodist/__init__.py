@@ -154,7 +154,7 @@ def _cost_at_range_ends(g: Graph, config) -> list[dict]:
              if isinstance(size, symbolic.Sym)
              for var in [size.code()] if var in g.trace_info.sizes}
     for label_, values in [("dummy args", {})] + symbolic.range_ends(g.trace_info.sizes):
-        est = estimate_step(symbolic.graph_at(g, values) if values else g, config)
+        est = estimate_step(symbolic.graph_at(g, {**dummy, **values}) if values else g, config)
         shown = {k: values.get(k, d) for k, d in dummy.items()}
         rows.append({"at": label_, "sizes": shown, "ms": est.total * 1e3,
                      "memory_gb": est.memory / 1e9})
