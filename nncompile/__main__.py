@@ -3,7 +3,9 @@
     profile -o FILE [--name NAME] [--threads N]
                                     measure this machine for autodist's cost model; use the file
                                     with pas_config={"device": "FILE"}. Under torchrun it also
-                                    times all-reduces across the job's ranks.
+                                    times all-reduces across the job's ranks. Prints matmul
+                                    speed per dtype (a dtype slower than float32 is marked not
+                                    accelerated on this device) and memory bandwidth.
     merge FILES_OR_DIRS -o FILE     merge a checkpoint (per-rank files or its directory; sharded,
                                     deduped or dcp) into one file the original module and any
                                     plan load (nncompile.load_checkpoint)
@@ -16,7 +18,9 @@
     diff DIR_A DIR_B [--code [--rank R]]
                                     what differs between two plans: config, placements,
                                     collectives, bytes per rank; --code adds gencode{R}.py's diff
-    plot DIR -o FILE                draw the op graph coloured by placement (png, svg, pdf)
+    plot DIR -o FILE                draw the op graph (png, svg, pdf): a box per module, coloured
+                                    by placement, its weights' placements beside it; repeated
+                                    blocks drawn once, the identical rest summarized
     memory PROFILE [-o FILE [--x events|time]] [--predicted PLAN]
                                     a memory profile (nncompile.memory.profile(...).save): the
                                     predicted-vs-measured table; -o draws the timeline per rank
@@ -42,12 +46,36 @@ def _profile(args) -> int:
     prof = measure_profile(args.name)
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = save_profile(prof, args.output)
-        peak = ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in prof.flops.items())
-        print(f"{prof.name}: {peak}; memory {prof.mem_bandwidth / 1e9:.1f} GB/s, "
-              f"{prof.mem_capacity_gb:.1f} GB -> {path}")
+        where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+        print(f"{profile_summary(prof, where)} -> {path}")
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def fmt_rate(per_s: float, unit: str = "FLOP/s") -> str:
+    """A rate with the prefix that keeps 1 to 3 digits before the point: 0.45 TFLOP/s is
+    `450 GFLOP/s`, 3.2e9 is `3.20 GFLOP/s`."""
+    prefix, scale = next(((p, sc) for p, sc in (("P", 1e15), ("T", 1e12), ("G", 1e9),
+                                                 ("M", 1e6), ("k", 1e3)) if abs(per_s) >= sc),
+                         ("", 1.0))
+    v = per_s / scale
+    digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2
+    return f"{v:.{digits}f} {prefix}{unit}"
+
+
+def profile_summary(prof, device: str = "CPU") -> str:
+    """One line: matmul speed per dtype (a dtype slower than float32 is marked as not
+    accelerated on `device`), memory bandwidth and capacity."""
+    base = prof.flops.get("float32")
+    peak = []
+    for dtype, v in prof.flops.items():
+        text = f"{dtype} {fmt_rate(v)}"
+        if dtype != "float32" and base and v < base:
+            text += f" (not accelerated on this {device}: {base / v:.1f}x slower than float32)"
+        peak.append(text)
+    return (f"{prof.name}: matmul {', '.join(peak) or 'not measured'}; memory "
+            f"{fmt_rate(prof.mem_bandwidth, 'B/s')}, {prof.mem_capacity_gb:.1f} GB")
 
 
 def _merge(args) -> int:
@@ -131,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=None, metavar="R",
                    help="the rank file --code compares (default 0)")
     p.set_defaults(func=_inspect)
-    p = sub.add_parser("plot", help="draw the op graph coloured by placement")
+    p = sub.add_parser("plot", help="draw the op graph by module, coloured by placement, "
+                                    "repeated blocks drawn once")
     p.add_argument("dir", help="gen_savedir or instance directory")
     p.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, .pdf)")
     p.set_defaults(func=_inspect)

@@ -2,8 +2,11 @@
 and the IR after every pass (`graphs/NN_<pass>.py`).
 
 Generated code is straight-line torch calls, one per IR op, each under a comment with the
-user's `file:line` and source text. A rank's file differs from its peers' only in which
-slices of the full parameters it holds.
+user's `file:line` and source text (an inserted collective under the line of the op it
+serves). What the lines do not show is in comments too (codegen_notes.py): above each
+collective, what its backward runs; in the class body, the gradient reductions the runtime
+does after backward (groups, tensors, bytes, buckets). A rank's file differs from its peers'
+only in which slices of the full parameters it holds.
 """
 from __future__ import annotations
 
@@ -377,13 +380,13 @@ def graph_dumps(history: list[tuple[str, Graph, float]]) -> dict[str, str]:
 
 
 def dump_header(name: str, ms: float, graph: Graph, plan_n: int) -> str:
-    """The first lines of graphs/NN_<pass>.py: the pass, its time and the compile's plan size
-    (before the plan pass the graph is the single-device program, its IR header says
-    plan_ngpus={graph.plan_ngpus})."""
-    head = f"# after {name!r} ({ms:.1f} ms)\n# compiled for plan_ngpus={plan_n}"
+    """The first line of graphs/NN_<pass>.py: the pass, its time and the compile's plan size
+    (before the plan pass the graph is the single-device program: its IR header, the next
+    line, says plan_ngpus=1)."""
+    head = f"# after {name!r} ({ms:.1f} ms) of a plan_ngpus={plan_n} compile"
     if Stage.PLANNED not in graph.stages:
-        head += (f": not yet partitioned at this stage, the whole model on one device (so "
-                 f"plan_ngpus={graph.plan_ngpus} below); the plan pass splits it")
+        head += (f": not yet partitioned, the whole model on one device (plan_ngpus="
+                 f"{graph.plan_ngpus} below) until the plan pass splits it")
     return head + "\n"
 
 

@@ -7,7 +7,8 @@ reads only the files parallelize wrote, and raises ConfigError saying what is mi
                                     predicted time and memory, collectives per stage)
     ir_after(path, pass_name=None)  graphs/NN_<pass>.py, or the list of passes
     diff(a, b, code=False, rank=0)  what differs between two plans (and one rank's code)
-    plot(path, output)              the op graph coloured by placement, as an image
+    plot(path, output)              the op graph by module, coloured by placement, repeated
+                                    blocks drawn once, as an image
 
 `path` is an instance directory (holding manifest.json) or a gen_savedir holding exactly one.
 """
@@ -458,7 +459,7 @@ def _code_diff(pa: Instance, pb: Instance, rank: int) -> list[str]:
 
 # ---- plot ------------------------------------------------------------------------------------
 def plot(path: str | Path, output: str | Path) -> Path:
-    """Draw the op graph coloured by placement into `output` (png, svg, pdf...)."""
+    """Draw the op graph into `output` (png, svg, pdf...): nncompile/plot.py."""
     from .plot import plot_plan
     p = Instance(path)
     with _garbled(p.dir):

@@ -144,6 +144,22 @@ def test_show_collectives_and_reduction(gen):
     assert "not reduced (one data-parallel unit)" in out
 
 
+def test_show_total_equals_the_sum_by_kind(gen):
+    """One source of truth: the table's total, its rows and the `by kind` line agree, also for
+    a plan whose loss is split by rows (cross_entropy_rows all-reduces a count)."""
+    for inst, text in ((gen["tp"], _ok(gen, "show")), (gen["data"], inspection.show(gen["data"]))):
+        plan = _load(inst, "plan.json")
+        section = text[text.index("Collectives per"):text.index("Gradient reduction")]
+        total = int(re.search(r"^  total\s+(\d+) collectives", section, re.M)[1])
+        by_kind = dict((k, int(v)) for k, v in re.findall(r"(\w+) (\d+)", re.search(
+            r"^  by kind: (.*)$", section, re.M)[1]))
+        listed = re.findall(r"^  (\w+)\s+\w+\s+\S+ -> ", section, re.M)
+        assert total == sum(by_kind.values()) == len(listed) == len(plan["collective_ops"])
+        assert by_kind == dict(collections.Counter(listed))
+        assert by_kind == {k.removeprefix("comm."): v for k, v in plan["collectives"].items()}
+    assert "cross_entropy_rows" in inspection.show(gen["data"])
+
+
 def test_show_data_parallel_units_and_edited_files(gen, tmp_path):
     out = inspection.show(gen["dp2"])
     assert "data-parallel units 2" in out and "gencode3.py" in out
@@ -197,6 +213,11 @@ def test_ir_after_pass(gen):
     folded, local = _ok(gen, "ir_constant_fold"), _ok(gen, "ir_localize")
     assert "def forward(" in folded and "def forward(" in local and folded != local
     assert folded == (gen["tp"] / "graphs" / "01_constant_fold.py").read_text()
+    # the header says the compile's plan size, and that the graph is not yet split there
+    assert re.match(r"# after 'constant_fold' \(\d+\.\d ms\) of a plan_ngpus=2 compile: "
+                    r"not yet partitioned", folded)
+    assert re.match(r"# after 'localize' \(\d+\.\d ms\) of a plan_ngpus=2 compile\n"
+                    r"# nncompile IR: plan_ngpus=2 ", local)
     assert inspection.ir_after(gen["tp"], "1") == folded
     bad = gen["run"]["ir_bad"]
     assert bad.returncode == 2 and bad.stderr.startswith("nncompile ir: ")
@@ -246,3 +267,23 @@ def test_plot_writes_a_coloured_png(gen):
     node_colours = [tuple(b * 16) for b, n in zip(buckets, counts) if n >= 300]
     places = set(_load(gen["tp"], "plan.json")["params"].values()) | {"P"}
     assert len(node_colours) >= 4 and len(node_colours) >= len(places), node_colours
+
+
+# ---- profile ---------------------------------------------------------------------------------
+def test_profile_summary_units_and_unaccelerated_dtypes():
+    from nncompile.__main__ import fmt_rate, profile_summary
+    from nncompile.passes.autodist.profiles import DeviceProfile
+    assert fmt_rate(4.5e11) == "450 GFLOP/s" and fmt_rate(3.2e9) == "3.20 GFLOP/s"
+    assert fmt_rate(1.25e13) == "12.5 TFLOP/s" and fmt_rate(2e15) == "2.00 PFLOP/s"
+    assert fmt_rate(5e6) == "5.00 MFLOP/s" and fmt_rate(2.5e10, "B/s") == "25.0 GB/s"
+    cpu = DeviceProfile("measured", flops={"float32": 1.2e11, "bfloat16": 3e9,
+                                           "float16": 2.4e11}, mem_bandwidth=2.3e10,
+                        mem_capacity_gb=64)
+    line = profile_summary(cpu, "CPU")
+    assert "0.00" not in line and "TFLOP/s" not in line
+    assert "float32 120 GFLOP/s" in line
+    assert "bfloat16 3.00 GFLOP/s (not accelerated on this CPU: 40.0x slower than float32)" \
+        in line
+    assert "float16 240 GFLOP/s;" in line and "memory 23.0 GB/s, 64.0 GB" in line
+    gpu = DeviceProfile("h100", flops={"float32": 5e13, "bfloat16": 7e14})
+    assert "bfloat16 700 TFLOP/s;" in profile_summary(gpu, "NVIDIA H100")

@@ -10,7 +10,9 @@ The header names plan_ngpus and the stages the passes established. Comments carr
 code does not: a value's dtype, shape (`local of full` with local_n) and placement, `no_grad` /
 `requires_grad` where a value differs from the default (see default_requires_grad), an op's
 strategy note in brackets and, while an input lacks the placement the strategy wants (before
-insert_comm), `wants (R, S(1), P)`. nncompile.ir.parse_graph reads all of it back.
+insert_comm), `wants (R, S(1), P)`. nncompile.ir.parse_graph reads all of it back. An
+inserted collective that prepares an input of the next op sits under that op's source line;
+one that converts the previous op's output stays under the previous op's line.
 
 Names the code refers to but does not define: `aten` (torch.ops.aten), `torch`, `comm`
 (nncompile.runtime.comm), `custom` (ops made with nncompile.register_op), `PLAN_GROUP` (the

@@ -13,8 +13,8 @@ def forward(
     # tests/models.py:24  h = F.relu(self.fc1(x))
     fc1_linear = aten.linear.default(x, fc1_weight, fc1_bias)  # f32[4, 32] of [4, 64] S(1)  [split n]
     relu = aten.relu.default(fc1_linear)  # f32[4, 32] of [4, 64] S(1)  [split dim 1]
-    fc2_bias_to_partial = comm.to_partial(fc2_bias, group=PLAN_GROUP)  # f32[64] of [64] P  [to_partial]
     # tests/models.py:25  h = torch.tanh(self.fc2(h))
+    fc2_bias_to_partial = comm.to_partial(fc2_bias, group=PLAN_GROUP)  # f32[64] of [64] P  [to_partial]
     fc2_linear = aten.linear.default(relu, fc2_weight, fc2_bias_to_partial)  # f32[4, 64] of [4, 64] P  [split k]
     fc2_linear_all_reduce = comm.all_reduce(fc2_linear, group=PLAN_GROUP)  # f32[4, 64] of [4, 64] R  [all_reduce]
     tanh = aten.tanh.default(fc2_linear_all_reduce)  # f32[4, 64] of [4, 64] R  [replicate]

@@ -60,10 +60,9 @@ def check(name: str, policy: str, plan: int, savedir: str) -> dict:
         grads = pm.gather_grads()
         ref_loss, ref_grads = reference(name, b, t, unit)
         if world // plan > 1:          # data-parallel units: gradients are their average
+            others = [reference(name, b, t, u)[1] for u in range(world // plan) if u != unit]
             for k in ref_grads:
-                others = [reference(name, b, t, u)[1][k] for u in range(world // plan)
-                          if u != unit]
-                ref_grads[k] = (ref_grads[k] + sum(others)) / (world // plan)
+                ref_grads[k] = (ref_grads[k] + sum(o[k] for o in others)) / (world // plan)
         what = f"{name} {policy} plan {plan} at batch {b} seq {t}"
         torch.testing.assert_close(loss.detach(), ref_loss, rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{what} loss: {m}")

@@ -9,6 +9,7 @@ graph-break counts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ PLANS = {1: [(1, 1)], 2: [(1, 2), (2, 2)], 4: [(2, 4), (4, 4)]}
 COMPILED = {1: [("gpt", "dp", 1)], 2: [("gpt", "tp", 2), ("hf_llama", "tp", 2)]}
 
 
+@functools.lru_cache(maxsize=None)
 def reference(name: str, n_units: int):
     losses, grads = [], None
     for u in range(n_units):

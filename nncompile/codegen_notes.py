@@ -1,0 +1,122 @@
+"""The comments generated code carries about communication that is not in its lines: what
+each collective's backward runs, and the gradient reduction the runtime does after backward.
+
+    # all_reduce P -> R: sum the partial results (backward: identity)
+    h0_mlp_proj_linear_all_reduce = comm.all_reduce(h0_mlp_proj_linear, group=PLAN_GROUP)
+
+    # Gradient reduction after backward (runtime/reducer.py, not a line of forward_impl):
+    #   partial-sum gradients: summed over PLAN_GROUP (the plan unit, 2 ranks): 8 tensors, ...
+
+Both are deterministic functions of the plan, so two compiles write identical files.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .collectives import of_target
+from .comm_stats import fmt_bytes
+from .ir import Graph, Op
+from .mesh import DP, PLAN, PP, Mesh, grad_reduction
+
+DEFAULT_BUCKET_CAP_MB = 25.0       # ComputeConfig.reducer_bucket_cap_mb's default
+
+# what the forward does, per kind (the backward comes from the collective table)
+FORWARD = {
+    "all_reduce": "sum the partial results",
+    "chunk": "keep this rank's slice, no communication",
+    "all_gather": "gather the slices",
+    "reduce_scatter": "sum the partial results, keep this rank's slice",
+    "all_to_all": "exchange slices",
+    "to_partial": "rank 0 keeps the value, the others zeros; no communication",
+    "sync_grad": "identity in forward",
+}
+BACKWARD = {
+    "identity": "identity",
+    "all_reduce": "all_reduce of the gradient",
+    "all_gather": "all_gather of the gradient",
+    "chunk": "chunk of the gradient, no communication",
+    "reduce_scatter": "reduce_scatter of the gradient",
+    "all_to_all": "all_to_all of the gradient",
+}
+
+
+def comm_note(op: Op) -> list[str]:
+    """One comment line above a comm op: its kind, placements, what it does and its backward
+    dual; [] for any other op."""
+    target = op.target_name
+    if not target.startswith("comm."):
+        return []
+    kind = target[len("comm."):]
+    ins, outs = op.tensor_inputs(), [v for v in op.outputs if v.is_tensor]
+    move = f" {ins[0].placement!r} -> {outs[0].placement!r}" if ins and outs else ""
+    grad = bool(outs) and outs[0].requires_grad
+    c = of_target(target)
+    if c is None:              # a local implementation that communicates (cross_entropy_rows)
+        return [f"{kind}{move}: this rank's rows, the count of targets all-reduced over "
+                f"PLAN_GROUP ({'backward: local, no communication' if grad else 'no backward'})"]
+    back = c.backward_kind(bool(op.kwargs.get("reduce_grad")))
+    what = FORWARD.get(kind, c.forward or "no forward work")
+    if not grad:
+        return [f"{kind}{move}: {what} (no backward: no gradient flows here)"]
+    return [f"{kind}{move}: {what} (backward: {BACKWARD.get(back, back)})"]
+
+
+def _group(dims: tuple[str, ...], mesh: Mesh) -> str:
+    size = math.prod(mesh.size(d) for d in dims)
+    if dims == (PLAN,):
+        return f"PLAN_GROUP ({'one stage' if PP in dict(mesh.dims) else 'the plan unit'}, " \
+               f"{size} ranks)"
+    if dims == (DP,):
+        return f"the data-parallel group ({size} ranks)"
+    return f"the plan unit's ranks across the data-parallel units ({size} ranks)"
+
+
+def reduction_header(g: Graph, params: list[tuple], runtime_ngpus: int, pipe_ranks: int = 1,
+                     zero: int = 0, indent: str = "    ") -> str:
+    """Class-body comment lines: which gradients the runtime reduces over which group, how
+    many tensors and bytes this rank sends into each, in how many buckets at the default cap.
+    `params`: the rank's PARAMS rows (local name, FQN, full shape, placement, slices,
+    partial grad)."""
+    head = f"{indent}# Gradient reduction after backward (runtime/reducer.py, not a line of " \
+           "forward_impl):"
+    if g.trace_info.inference_only:
+        return f"{head}\n{indent}#   none: inference only\n"
+    if zero == 3:
+        return (f"{head}\n{indent}#   ZeRO-3: each unit's gradient is reduce-scattered in "
+                "the backward of its gather (runtime/zero.py), no bucketed reducer\n")
+    mesh = Mesh.of(g.plan_ngpus, runtime_ngpus, pipe_ranks)
+    dtypes = {v.name: v.meta.dtype for v in g.params}
+    trainable = {v.name for v in g.params if v.requires_grad}
+    groups: dict[tuple, dict[str, Any]] = {}
+    cap = DEFAULT_BUCKET_CAP_MB * 2 ** 20
+    for name, _fqn, _shape, _place, slices, partial in reversed(params):
+        red = grad_reduction(mesh, bool(partial), name in trainable)
+        if red is None:
+            continue
+        dtype = dtypes[name]
+        nbytes = math.prod(b - a for a, b in slices) * dtype.itemsize
+        e = groups.setdefault((bool(partial), red.dims, red.scale), {
+            "tensors": 0, "bytes": 0, "buckets": {}})
+        e["tensors"] += 1
+        e["bytes"] += nbytes
+        filled = e["buckets"].setdefault(dtype, [0])      # bytes of each bucket of a dtype
+        if filled[-1] >= cap:
+            filled.append(0)
+        filled[-1] += nbytes
+    lines = [head]
+    for (partial, dims, scale), e in sorted(groups.items(), key=lambda kv: not kv[0][0]):
+        what = "partial-sum gradients" if partial else "the other trainable gradients"
+        how = "summed" if scale == 1 else f"averaged (x {scale:g})"
+        buckets = sum(len(b) for b in e["buckets"].values())
+        lines.append(f"#   {what}: {how} over {_group(dims, mesh)}: {e['tensors']} tensors, "
+                     f"{e['bytes']:,} B ({fmt_bytes(e['bytes'])}) from this rank, "
+                     f"{buckets} bucket(s) at the default cap")
+    if len(lines) == 1:
+        lines.append("#   none: one data-parallel unit and no partial-sum gradients")
+    else:
+        lines.append("#   each group's gradients go in reverse parameter order into flat "
+                     "buckets of reducer_bucket_cap_mb")
+        lines.append(f"#   ({DEFAULT_BUCKET_CAP_MB:g} MiB by default), one all_reduce per "
+                     "bucket; use_async_reducer overlaps them with backward")
+    return "\n".join(lines[:1] + [indent + ln for ln in lines[1:]]) + "\n"
