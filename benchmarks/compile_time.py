@@ -93,8 +93,8 @@ def pipeline(args) -> None:
           f"{secs['passes']:.2f} s (ILP {secs['ilp']:.2f} s) | codegen {secs['codegen']:.2f} s"
           f" | total {secs['total']:.2f} s (parallelize {wall:.2f} s wall, {cpu_compile:.2f} s "
           f"CPU of this process; {time.process_time() - cpu:.2f} s CPU since start)")
-    print("  passes: " + "; ".join(line.removeprefix("# after ").replace("'", "")
-                                   for line in passes[1:]))
+    print("  passes: " + "; ".join(line.removeprefix("# after ").split(" of a ")[0]
+                                   .replace("'", "") for line in passes[1:]))
     if not pp or not pp.get("stages"):
         print(f"  no pipeline: {pp and pp.get('chosen_by')}")
         return
