@@ -7,7 +7,8 @@ Blocks, by the info string after the opening fence:
     bash              run with `bash -euo pipefail -c` in the working directory
     output            what the python or bash block just above it prints on standard output;
                       compared line by line with what it printed (see "Shown output" below)
-    text              anything else shown to the reader; not run, not compared
+    text              anything else shown to the reader; not run, not compared (not right
+                      after a python or bash block, where it would read as its output)
 
 Any other info string (an empty one included) is an error, and so is a page without a python
 or bash block, or an output block that does not follow a python or bash block (only blank
@@ -22,13 +23,15 @@ works); bash blocks do not see changes python blocks make to os.environ.
 
 Shown output: trailing spaces and leading or trailing blank lines are ignored on both sides;
 otherwise every line must be equal, with two wildcards for what changes from run to run
-(timings, temporary paths): a line that is just `...` stands for any number of lines (none
-included), and `...` inside a line for any text on that line. Progress lines on standard error
-are not compared.
+(timings, temporary paths): a line that is just `...` (indented or not) stands for any number
+of lines (none included), and `...` inside a line for any text on that line. Standard error
+(progress lines, warnings) is not compared.
 
 The first failing block stops the page: its page line, its text and the error (for an output
-block, a diff of shown against printed lines) are printed and the exit status is 1. On success
-the last line is `doc_runner: PAGE: ok: N python, M bash, K file blocks, J outputs (T s)`.
+block, a diff of shown against printed lines) are printed and the exit status is 1
+(`--keep-going` goes on past output blocks that differ and reports them all; `--printed FILE`
+saves what each output block's block printed). On success the last line is
+`doc_runner: PAGE: ok: N python, M bash, K file blocks, J outputs (T s)`.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import argparse
 import contextlib
 import difflib
 import io
+import json
 import os
 import re
 import shutil
@@ -105,6 +109,11 @@ def parse(path: str | os.PathLike) -> list[Block]:
                 raise PageError(f"{path}:{i + 1}: an output block must follow a python or bash "
                                 "block (blank lines only between); use text for other shown text")
             blocks.append(Block("output", start + 1, code))
+        elif info == "text" and blocks and blocks[-1].kind in ("python", "bash") and \
+                all(not ln.strip() for ln in lines[last_close + 1:i]):
+            raise PageError(f"{path}:{i + 1}: a text block right after a {blocks[-1].kind} block "
+                            "reads as its output: make it an output block (compared with what "
+                            "the block prints), or put prose between")
         elif info in ("python", "bash", "text"):
             blocks.append(Block(info, start + 1, code))
         elif file_m:
@@ -150,7 +159,7 @@ def output_matches(shown: str, printed: str) -> bool:
         if (i, j) not in memo:
             if i == len(want):
                 ok = j == len(got)
-            elif want[i] == WILDCARD:
+            elif want[i].strip() == WILDCARD:
                 ok = match(i + 1, j) or (j < len(got) and match(i, j + 1))
             else:
                 ok = j < len(got) and _line_matches(want[i], got[j]) and match(i + 1, j + 1)
@@ -163,8 +172,11 @@ def output_matches(shown: str, printed: str) -> bool:
 
 def output_diff(shown: str, printed: str, where: str) -> str:
     """A unified diff, shown (the page) against printed, for a failed comparison."""
-    diff = difflib.unified_diff(_trim(shown), _trim(printed), f"shown ({where})", "printed",
-                                lineterm="", n=2)
+    want, got = _trim(shown), _trim(printed)
+    patterns = [w for w in want if WILDCARD in w and w.strip() != WILDCARD]
+    # a printed line that a wildcard line matches is shown as that line: not a difference
+    got = [next((w for w in patterns if _line_matches(w, g)), g) for g in got]
+    diff = difflib.unified_diff(want, got, f"shown ({where})", "printed", lineterm="", n=2)
     return "\n".join(diff) + f"\n(lines that are just {WILDCARD} stand for any lines, and " \
                              f"{WILDCARD} inside a line for any text)"
 
@@ -210,7 +222,8 @@ def _fail(page: str, block: Block, detail: str) -> int:
     return 1
 
 
-def run_page(page: str, workdir: Path) -> int:
+def run_page(page: str, workdir: Path, keep_going: bool = False,
+             printed_json: str | None = None) -> int:
     page_path = Path(page).resolve()
     try:
         blocks = parse(page_path)
@@ -228,16 +241,25 @@ def run_page(page: str, workdir: Path) -> int:
     shell_env = dict(os.environ)    # bash blocks do not see what python blocks set (a terminal would not)
     namespace: dict = {"__name__": "__main__"}
     printed = ""                    # standard output of the last python or bash block
+    mismatches = 0                  # output blocks that differ (--keep-going)
+    seen: dict[int, str] = {}       # output block line -> what its block printed (--printed)
     start = time.perf_counter()
     for block in blocks:
         t0 = time.perf_counter()
         if block.kind == "text":
             continue
         if block.kind == "output":
+            seen[block.line] = printed
+            if printed_json:
+                Path(printed_json).write_text(json.dumps(seen, indent=1))
             if not output_matches(block.code, printed):
-                return _fail(page, block, "the page shows other output than the block above "
-                                          "printed\n" + output_diff(block.code, printed,
-                                                                    f"{page}:{block.line}"))
+                status = _fail(page, block, "the page shows other output than the block above "
+                                            "printed\n" + output_diff(block.code, printed,
+                                                                      f"{page}:{block.line}"))
+                if not keep_going:
+                    return status
+                mismatches += 1
+                continue
         elif block.kind == "file":
             target = workdir / block.name
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -270,6 +292,10 @@ def run_page(page: str, workdir: Path) -> int:
         print(f"doc_runner: {page}:{block.line} {block.label} ok "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
     n = counts(blocks)
+    if mismatches:
+        print(f"doc_runner: {page}: {mismatches} of {n['output']} output blocks differ",
+              flush=True)
+        return 1
     print(f"doc_runner: {page}: ok: {n['python']} python, {n['bash']} bash, {n['file']} file "
           f"blocks, {n['output']} outputs ({time.perf_counter() - start:.1f} s)", flush=True)
     return 0
@@ -280,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("page", help="a Markdown page, e.g. docs/quickstart.md")
     ap.add_argument("--workdir", help="directory to copy the repository to and run in "
                                       "(default: a fresh temporary one)")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="report every output block that differs, not only the first (a "
+                         "failing python or bash block still stops the page)")
+    ap.add_argument("--printed", metavar="FILE",
+                    help="write what each output block's python or bash block printed to FILE "
+                         "(JSON: page line -> text), to update a page from")
     args = ap.parse_args(argv)
     if args.workdir:
         workdir = Path(args.workdir).resolve()
@@ -287,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         workdir = Path(tempfile.mkdtemp(prefix="nncompile-docs-"))
         print(f"doc_runner: working in {workdir}", flush=True)
-    return run_page(args.page, workdir)
+    printed = str(Path(args.printed).resolve()) if args.printed else None
+    return run_page(args.page, workdir, args.keep_going, printed)
 
 
 if __name__ == "__main__":

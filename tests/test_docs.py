@@ -157,9 +157,10 @@ def test_wrong_shown_output_fails_with_a_diff(tmp_path):
     proc = _run_fake(tmp_path, SHOWN.replace("loss 2.6474\ntook", "loss 2.6475\ntook"))
     assert proc.returncode == 1
     out = proc.stdout
-    assert "FAILED page.md:7 (output block)" in out, out
+    assert "FAILED page.md:6 (output block)" in out, out
     assert "the page shows other output than the block above printed" in out
     assert "-step 1 loss 2.6475" in out and "+step 1 loss 2.6474" in out, out
+    assert "took 3.2 s" not in out.split("FAILED")[1]       # a wildcard line is no difference
     assert "done in" not in out.split("FAILED")[1]         # nothing after the failure runs
 
 
@@ -168,6 +169,7 @@ def test_wrong_shown_output_fails_with_a_diff(tmp_path):
     ("a\n...\nd\n", "a\nb\nc\nd\n", True),
     ("a\n...\nd\n", "a\nd\n", True),             # ... may stand for no line
     ("a\n...\n", "a\n", True),
+    ("a\n    ...\nd\n", "a\n  b\n  c\nd\n", True),       # indented, too
     ("took ... s\n", "took 1.25 s\n", True),
     ("took ... s\n", "took 1.25 ms\n", False),
     ("loss 2.8192\n", "loss 2.8193\n", False),       # numbers match exactly

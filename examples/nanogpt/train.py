@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -147,6 +148,37 @@ class LitGPT(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class LossPrinter(L.Callback):
+    """Rank 0 prints the training loss at the run's first step (1, or the one after a resumed
+    checkpoint), every `interval` steps and at the last step, with the average time per step
+    since the previous line, and each validation loss."""
+
+    def __init__(self, interval: int, max_steps: int):
+        self.interval, self.max_steps = interval, max_steps
+        self.printed, self.t0, self.step0, self.first = -1, None, 0, 1
+
+    def on_train_start(self, trainer, pl_module):
+        self.t0, self.step0 = time.perf_counter(), trainer.global_step
+        self.first = trainer.global_step + 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step            # optimizer steps taken so far
+        if self.interval <= 0 or step in (0, self.printed) or not trainer.is_global_zero:
+            return
+        if step == self.first or step % self.interval == 0 or step == self.max_steps:
+            now = time.perf_counter()
+            ms = 1000 * (now - self.t0) / max(step - self.step0, 1)
+            loss = float(trainer.callback_metrics["train_loss"])
+            print(f"step {step}: train loss {loss:.4f}, {ms:.0f} ms/step", flush=True)
+            self.printed, self.t0, self.step0 = step, now, step
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if trainer.is_global_zero and not trainer.sanity_checking and \
+                "val_loss" in trainer.callback_metrics:
+            print(f"step {trainer.global_step}: val loss "
+                  f"{float(trainer.callback_metrics['val_loss']):.4f}", flush=True)
+
+
 class LossLog(L.Callback):
     """Rank 0 appends {"step", "batch", "train_loss"} / {"step", "val_loss"} JSON lines."""
 
@@ -205,6 +237,9 @@ def parse_args(argv=None):
     ap.add_argument("--out_dir", default=str(HERE / "out"))
     ap.add_argument("--data_dir", default=str(HERE / "data" / "shakespeare_char"))
     ap.add_argument("--loss_log", default=None, help="JSON lines of per-step losses")
+    ap.add_argument("--log_interval", type=int, default=10,
+                    help="print the training loss every N steps (and at the first and the "
+                         "last step; 0: never) on rank 0")
     ap.add_argument("--seed", type=int, default=1337)
     args = ap.parse_args(argv)
     cfg = dict(CONFIGS[args.config])
@@ -255,7 +290,8 @@ def build_trainer(args, cfg) -> L.Trainer:
         val_check_interval=args.eval_interval * args.accumulate,
         check_val_every_n_epoch=None, num_sanity_val_steps=0,
         deterministic=args.deterministic, use_distributed_sampler=False,
-        callbacks=[ckpt, LossLog(args.loss_log)], logger=False, enable_progress_bar=False,
+        callbacks=[ckpt, LossLog(args.loss_log), LossPrinter(args.log_interval, args.max_iters)],
+        logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=args.out_dir, **kwargs)
 
 
