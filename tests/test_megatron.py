@@ -144,3 +144,63 @@ def test_plan_1_and_non_transformer_models():
     lone = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
     g = _plan(tp, lone, {"input": torch.randn(4, 8)})
     assert all(str(v.placement) == "R" for v in g.params)
+
+
+class _CausalLM(nn.Module):
+    """A Hugging Face causal LM called the way training scripts call it: the default
+    use_cache (its key/value cache starts as an empty tensor the keys are cat onto) and
+    labels=input_ids."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, labels=input_ids).loss
+
+
+def _hf(arch: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=32)
+    cfg, cls = {
+        "mistral": (transformers.MistralConfig(num_key_value_heads=2, **common),
+                    transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config(num_key_value_heads=2, **common),
+                  transformers.Qwen2ForCausalLM),
+        "gpt_neox": (transformers.GPTNeoXConfig(**common), transformers.GPTNeoXForCausalLM),
+    }[arch]
+    return _CausalLM(cls(cfg))
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gpt_neox"])
+def test_hf_models_with_their_default_cache_get_megatrons_plan(arch, tmp_path):
+    """2 forward all-reduces per block and attention split by heads, with the cache on; the
+    plan also equals one device (verify, 2 ranks in one process)."""
+    model = _hf(arch)
+    batch = {"input_ids": torch.randint(0, 64, (2, 16))}
+    cfg = nncompile.ComputeConfig(2, 2)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)       # no "linears run replicated"
+        out = nncompile.parallelize(model, batch, cfg, pas_policy="tp",
+                                    gen_savedir=str(tmp_path), load_module=False)
+    counts = json.loads((out / "plan.json").read_text())["collectives"]
+    assert counts["comm.all_reduce"] == 2 * 2 and counts["comm.sync_grad"] == 2 * 2, counts
+    assert not {k for k in counts} - {"comm.all_reduce", "comm.sync_grad", "comm.to_partial"}
+    assert nncompile.verify(model, batch, cfg, pas_policy="tp").ok
+
+
+def test_a_split_that_cannot_go_on_says_where_it_stopped():
+    """A fused qkv weight sliced per head group (Phi-3) stays replicated; the warning names
+    the op and the source line where the split stopped."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _CausalLM(transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+        pad_token_id=0)))
+    with pytest.warns(UserWarning, match=r"split of lm\.model\.layers\.0\.self_attn\.qkv_proj "
+                                         r"stopped at aten\.slice\.Tensor .*modeling_phi3\.py"):
+        _plan(tp, model, {"input_ids": torch.randint(0, 64, (2, 8))})

@@ -133,15 +133,18 @@ def select(op: Op, n: int):
 
 @register("cat")
 def cat(op: Op, n: int):
-    tensors = [t for t in op.args[0]]
+    """Every part split alike on a dim other than the cut, or all partial. A 1-D empty part
+    (torch.cat skips it whatever the other parts' shapes: Hugging Face's key/value cache
+    starts as one) stays replicated: it holds nothing to split."""
+    tensors = [t for t in op.args[0] if t.meta.shape != (0,)]
     out = op.outputs[0]
     cut = (op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", 0)) % len(out.meta.shape)
     strategies = []
     for d in range(len(out.meta.shape)):
-        if d == cut or not all(divisible(t, d, n) for t in tensors):
+        if d == cut or not tensors or not all(divisible(t, d, n) for t in tensors):
             continue
         strategies.append(make(op, {t: Shard(d) for t in tensors}, [Shard(d)], f"split dim {d}"))
-    if out.meta.dtype.is_floating_point:
+    if out.meta.dtype.is_floating_point and tensors:
         strategies.append(make(op, {t: P for t in tensors}, [P], "keep partial"))
     return strategies
 

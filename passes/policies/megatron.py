@@ -52,6 +52,7 @@ class _Walk:
         self.prov: dict[int, frozenset] = {}        # split value -> column ops it came from
         self.choice: dict[int, Strategy] = {}
         self.failed: set[str] = set()
+        self.stopped_at: dict[str, Op] = {}         # column op -> where its split stopped
 
     # ---- placements ------------------------------------------------------------------------
     def current(self, v: Value):
@@ -141,6 +142,8 @@ class _Walk:
                 s = self.follow(op)
                 if s is None:
                     self.failed |= prov           # the split cannot close here: undo its source
+                    for name in prov:
+                        self.stopped_at.setdefault(name, op)
             else:
                 s = self.column(op)
                 if s is not None:
@@ -150,6 +153,18 @@ class _Walk:
             if isinstance(v, Value) and isinstance(self.place.get(id(v)), Shard):
                 self.failed |= self.prov.get(id(v), frozenset())
         return self.failed
+
+
+def _where(stops: dict[str, Op], vetoed: list[Op]) -> str:
+    """Where the first vetoed linear's split stopped, with the source line."""
+    for col in vetoed:
+        op = stops.get(col.name)
+        if op is not None:
+            src = f" ({op.source})" if op.source else ""
+            return (f" The split of {col.module_path or col.name} stopped at {op.target_name} in "
+                    f"{op.module_path or 'the model'}{src}: no rule takes its inputs split as "
+                    "they arrive.")
+    return ""
 
 
 def _sequence_parallel(g: Graph, n: int, walk: _Walk,
@@ -217,22 +232,28 @@ def megatron(graph: Graph, config, sequence_parallel: bool = False) -> Graph:
         for v in op.tensor_inputs():
             uses[id(v)] = uses.get(id(v), 0) + 1
     vetoed: set[str] = set()
+    stops: dict[str, Op] = {}                   # vetoed column op -> where its split stopped
     while True:
         walk = _Walk(g, n, vetoed, cands, uses)
         failed = walk.run() - vetoed
         if not failed:
             break
+        for name in failed:
+            if name in walk.stopped_at:
+                stops[name] = walk.stopped_at[name]
         vetoed |= failed
-    in_blocks = [op.module_path or op.name for op in g.ops
-                 if op.name in vetoed and layer_of(op.module_path) is not None
-                 and not walk._weight_split(op, walk.choice[id(op)])]
+    in_block_ops = [op for op in g.ops
+                    if op.name in vetoed and layer_of(op.module_path) is not None
+                    and not walk._weight_split(op, walk.choice[id(op)])]
+    in_blocks = [op.module_path or op.name for op in in_block_ops]
     if in_blocks:
         warnings.warn(f"tp at plan {n}: {len(in_blocks)} linear(s) in the layer blocks run "
                       f"replicated, because splitting them would need extra communication "
                       f"(heads or key/value heads not divisible by {n}, or a fused weight "
                       f"whose rows interleave heads): {', '.join(sorted(set(in_blocks))[:6])}"
                       f"{' ...' if len(set(in_blocks)) > 6 else ''}. Pick a plan size that "
-                      f"divides the head counts to split them.", stacklevel=2)
+                      f"divides the head counts to split them.{_where(stops, in_block_ops)}",
+                      stacklevel=2)
     if sequence_parallel:
         _sequence_parallel(g, n, walk, cands)
     for op in g.ops:
