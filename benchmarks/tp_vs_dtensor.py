@@ -5,7 +5,10 @@ The DTensor contender is the hand-written Megatron plan: `parallelize_module` wi
 ColwiseParallel on q/k/v and mlp_fc, RowwiseParallel on c_proj and mlp_proj, the attention's
 head count divided by the plan size (heads counted locally), everything else replicated.
 nncompile compiles the same model (same seed, same weights) with `tp`, `tp_sp` and
-`autodist` (the h100-less default profile of this machine, or --device). Every rank runs one
+`autodist` (the h100-less default profile of this machine, or --device), and `tp` once more
+with pas_config overlap_grad_sync=False ("tp serial": backward all-reduces each column
+region's input gradient after, not while, computing the weight gradients; serial/tp is what
+the overlap gains). Every rank runs one
 training step (forward, backward, AdamW) of each contender in turn on the same batch, the
 order rotating; a step's time is the slowest rank's; medians are compared. Losses are printed
 for every contender: they must be equal (same model, same data, same math).
@@ -39,6 +42,9 @@ import nncompile  # noqa: E402
 
 VOCAB, HEADS = 512, 8
 OURS = ("tp", "tp_sp", "autodist")
+# `tp` with pas_config overlap_grad_sync=False: the input gradient's all-reduce waits for the
+# weight gradients (passes/overlap_grad_sync.py), to measure what the overlap gains
+SERIAL = "tp serial"
 
 
 def make_model(n_embd: int, n_layer: int, seq: int) -> GPT:
@@ -87,13 +93,16 @@ def run_size(args, n_embd: int, n_layer: int, savedir: str) -> dict:
     runs = {}
     model = dtensor_tp(make_model(n_embd, n_layer, args.seq), world)
     runs["dtensor"] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
-    for policy in OURS:
-        cfg = nncompile.ComputeConfig(world, world, pas_config={"device": args.device}
-                                      if policy == "autodist" and args.device else {})
+    for label in OURS + (SERIAL,):
+        policy = label.split()[0]
+        pas = {"device": args.device} if policy == "autodist" and args.device else {}
+        if label == SERIAL:
+            pas = {"overlap_grad_sync": False}
+        cfg = nncompile.ComputeConfig(world, world, pas_config=pas)
         pm = nncompile.parallelize(make_model(n_embd, n_layer, args.seq), batches[0], cfg,
                                    pas_policy=policy, gen_savedir=savedir,
-                                   instance_name=f"{policy}_{n_embd}x{n_layer}")
-        runs[policy] = (pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3,
+                                   instance_name=f"{label.replace(' ', '_')}_{n_embd}x{n_layer}")
+        runs[label] = (pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3,
                                                       foreach=False))
     names = list(runs)
     times = {k: [] for k in names}
@@ -152,7 +161,8 @@ def report(args, results: dict, world: int, load0: float) -> None:
              f"after {args.warmup} warmup, contenders interleaved; a step = the slowest rank's "
              "forward + backward + AdamW; medians",
              f"{'model':<10}{'dtensor ms':>11}" + "".join(f"{k + ' ms':>13}" for k in OURS)
-             + "".join(f"{'DT/' + k:>12}" for k in OURS) + f"{'loss 0':>9}{'loss last':>10}"
+             + "".join(f"{'DT/' + k:>12}" for k in OURS) + f"{'serial/tp':>11}"
+             + f"{'loss 0':>9}{'loss last':>10}"
              f"{'max rel diff':>14}"]
     ok = True
     for size, every in results.items():
@@ -163,16 +173,18 @@ def report(args, results: dict, world: int, load0: float) -> None:
         losses = every[0]["losses"]
         ref = torch.tensor(losses["dtensor"], dtype=torch.float64)
         diff = max(float(((torch.tensor(losses[k], dtype=torch.float64) - ref).abs()
-                          / ref.abs()).max()) for k in OURS)
+                          / ref.abs()).max()) for k in OURS + (SERIAL,))
         ok &= diff <= args.loss_rtol
         n_embd, n_layer = size.split("x")
         lines.append(f"{f'd{n_embd} x {n_layer}':<10}{med['dtensor'] * 1e3:11.2f}"
                      + "".join(f"{med[k] * 1e3:13.2f}" for k in OURS)
                      + "".join(f"{med['dtensor'] / med[k]:12.3f}" for k in OURS)
+                     + f"{statistics.median(a / b for a, b in zip(step[SERIAL], step['tp'])):11.3f}"
                      + f"{losses['dtensor'][0]:9.4f}{losses['dtensor'][-1]:10.4f}{diff:14.1e}")
     lines.append(f"losses: {'equal' if ok else 'MISMATCH'} within {args.loss_rtol:g} over "
                  f"{args.warmup + args.steps} steps; DT/x = DTensor step time / x's (> 1: x is "
-                 f"faster); 1-minute load average {load0:.1f} before, {os.getloadavg()[0]:.1f} "
+                 f"faster); serial/tp = median over steps of `tp serial`'s step / `tp`'s "
+                 f"(> 1: the overlap helps); 1-minute load average {load0:.1f} before, {os.getloadavg()[0]:.1f} "
                  "after")
     print("\n".join(lines), flush=True)
     os.makedirs(args.results_dir, exist_ok=True)

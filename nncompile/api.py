@@ -32,7 +32,7 @@ from .ir import Graph, MemoryChoice
 from .ir.printer import print_graph_texts
 from .log import log as _log
 from .pipeline_config import microbatch_dummy
-from nncompile.passes import build_pipeline, get_policy, run_pipeline
+from nncompile.passes import build_pipeline, get_policy, plan_graph, run_pipeline
 from nncompile.passes.autodist import report_table as plan_report
 
 REUSE_MODES = ("match", "override", "moo")
@@ -145,7 +145,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         (staging / "graphs").mkdir()
         for fname, text in codegen.graph_dumps(result.history).items():
             write_text(staging / "graphs" / fname, text)
-        plan = codegen.plan_json(final)
+        plan = codegen.plan_json(plan_graph(result.history))
         write_text(staging / "plan.json", codegen.json_text(plan))
         if plan.get("autodist"):
             write_text(staging / "plan_report.txt", plan_report(plan))
@@ -167,7 +167,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     if config.check:
         from .check import refuse_if_diverges
         _log(f"checking the plan: {config.runtime_ngpus} rank(s) in one process vs eager ...")
-        report = refuse_if_diverges(module, dummy_args, config, Compiled("generated", graph, final),
+        report = refuse_if_diverges(module, dummy_args, config,
+                                    Compiled("generated", graph, plan_graph(result.history)),
                                     outdir)
         _log(f"plan check passed (largest error {report.max_error:.2e} relative to scale)")
     _log(f"generated {config.runtime_ngpus} rank file(s) in {outdir} "

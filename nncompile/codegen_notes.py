@@ -57,6 +57,11 @@ def comm_note(op: Op) -> list[str]:
                 f"PLAN_GROUP ({'backward: local, no communication' if grad else 'no backward'})"]
     back = c.backward_kind(bool(op.kwargs.get("reduce_grad")))
     what = FORWARD.get(kind, c.forward or "no forward work")
+    linears = op.kwargs.get("linears")
+    if linears:                # passes/overlap_grad_sync.py
+        move = f" {ins[0].placement!r} -> {ins[0].placement!r}"
+        what += f", then the {len(linears)} column-split linear(s) it feeds"
+        back = f"{back} of the input gradient, overlapped with the weight gradients"
     if not grad:
         return [f"{kind}{move}: {what} (no backward: no gradient flows here)"]
     return [f"{kind}{move}: {what} (backward: {BACKWARD.get(back, back)})"]

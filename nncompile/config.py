@@ -16,7 +16,8 @@ from .errors import ConfigError
 PAS_CONFIG_KEYS = frozenset({
     "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
     "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
-    "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank"})
+    "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank",
+    "overlap_grad_sync"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
                "offload_params", "check", "compile")
 ZERO_STAGES = (0, 1, 2, 3)

@@ -1,7 +1,7 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
     trace -> constant_fold -> dce -> [pipeline_stages] -> plan(policy) -> sink_gathers
-          -> insert_comm -> [recompute] -> localize -> codegen
+          -> insert_comm -> [recompute] -> localize -> overlap_grad_sync -> codegen
 
 Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
@@ -26,6 +26,7 @@ from .contract import contract, produces_of, requires_of
 from .dce import dce
 from .insert_comm import insert_comm
 from .localize import localize
+from .overlap_grad_sync import overlap_grad_sync
 from .pipeline_stages import PartitionStages
 from .plan import Plan
 from .recompute import AUTO, Recompute
@@ -52,6 +53,11 @@ def check_auto_memory(config: Any, policy: Callable) -> None:
 def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
     """The passes, in order, one per line."""
     check_auto_memory(config, policy)
+    overlap = config.pas_config.get("overlap_grad_sync", True)
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"pas_config['overlap_grad_sync']={overlap!r}: pass True (the default: "
+                          "backward all-reduces the input gradient of column-split linears "
+                          "while their weight gradients are computed) or False")
     return [p for p in [
         constant_fold if config.constant_folding else None,
         dce,
@@ -63,7 +69,18 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         Recompute(config.pas_config["recompute_modules"])
         if config.pas_config.get("recompute_modules") else None,
         localize,
+        overlap_grad_sync if overlap else None,
     ] if p is not None]
+
+
+# passes that change when communication runs, not what the plan is: plan.json describes the
+# graph before them (every op's own strategy), the generated code the graph after them
+SCHEDULE_ONLY = frozenset({"overlap_grad_sync"})
+
+
+def plan_graph(history: list[tuple[str, Graph, float]]) -> Graph:
+    """The last graph of `history` that a schedule-only pass did not produce."""
+    return next(g for name, g, _ in reversed(history) if name not in SCHEDULE_ONLY)
 
 
 def pass_name(p: Pass) -> str:
@@ -118,4 +135,4 @@ def _stages(stages) -> str:
 
 
 __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce", "Plan", "sink_gathers", "insert_comm",
-           "localize", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]
+           "localize", "overlap_grad_sync", "plan_graph", "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]

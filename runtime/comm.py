@@ -168,6 +168,52 @@ class _SyncGrad(torch.autograd.Function):
         return _reduce(g, ctx.group), None
 
 
+class _SyncGradLinears(torch.autograd.Function):
+    """sync_grad(x) feeding column-split linears, with Megatron's backward overlap: the input
+    gradient is computed first and all-reduced asynchronously while the weights' gradients are
+    computed, then waited on. The linears run as ordinary autograd ops on detached leaves (so
+    autocast, frozen weights and saved-tensor hooks behave as for unfused code); backward asks
+    that small graph for the input gradient, then for the weights'."""
+
+    @staticmethod
+    def forward(ctx, x, group, *weights_and_biases):
+        ctx.group = group
+        ctx.set_materialize_grads(False)        # an unused output's gradient stays None
+        leaf = lambda t: None if t is None else t.detach().requires_grad_(t.requires_grad)  # noqa: E731
+        xd = leaf(x)
+        wb = [leaf(t) for t in weights_and_biases]
+        with torch.enable_grad():
+            # the linears read a view of xd, as unfused code reads sync_grad's output: autocast
+            # casts a leaf once for all its uses and would sum its gradient in low precision
+            xv = xd.view_as(xd)
+            outs = [F.linear(xv, wb[i], wb[i + 1]) for i in range(0, len(wb), 2)]
+        ctx.graph = (xd, wb, outs)
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        xd, wb, outs = ctx.graph
+        del ctx.graph
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if not pairs:
+            return (None, None) + (None,) * len(wb)
+        outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        wants = [t for t in wb if t is not None and t.requires_grad]
+        gx, work = None, None
+        if xd.requires_grad:
+            (gx,) = torch.autograd.grad(outs, [xd], grads, retain_graph=bool(wants),
+                                        allow_unused=True)
+            if gx is None:
+                gx = torch.zeros_like(xd)
+            gx = gx.contiguous()
+            work = dist.all_reduce(gx, group=ctx.group, async_op=True)
+        got = iter(torch.autograd.grad(outs, wants, grads, allow_unused=True) if wants else ())
+        result = [next(got) if t is not None and t.requires_grad else None for t in wb]
+        if work is not None:
+            work.wait()
+        return (gx, None, *result)
+
+
 def all_reduce(x, *, group):
     return _AllReduce.apply(x, group)
 
@@ -194,8 +240,16 @@ def to_partial(x, *, group):
     return _ToPartial.apply(x, group)
 
 
-def sync_grad(x, *, group):
-    return _SyncGrad.apply(x, group)
+def sync_grad(x, *, group, linears=None):
+    """Identity forward, gradient summed over `group` in backward (Megatron's `f`). With
+    `linears` ((weight, bias), ...): the column-split linears x feeds, returned as a tuple,
+    their weight gradients computed while the input gradient is all-reduced."""
+    if linears is None:
+        return _SyncGrad.apply(x, group)
+    if _tracing() or not torch.is_grad_enabled():   # inductor schedules the wait itself
+        xs = _SyncGrad.apply(x, group)
+        return tuple(F.linear(xs, w, b) for w, b in linears)
+    return _SyncGradLinears.apply(x, group, *(t for wb in linears for t in wb))
 
 
 def cross_entropy_rows(input, target, weight=None, reduction=1, ignore_index=-100,

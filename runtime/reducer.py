@@ -8,9 +8,10 @@ units (one all-reduce over the world for partial gradients when both apply):
     after backward:   p.grad = scale * sum_{r in G} g_r      scale = 1 / data-parallel size
 
 Gradients are packed in reverse parameter order into buckets of about `bucket_cap_mb`, one
-flat all-reduce per bucket. Each gradient is multiplied by `scale` as it is copied into its
-bucket (one pass, as DDP divides by the world size before its all-reduce; a scale of 1 is a
-plain copy), so nothing is left to do to a bucket once its all-reduce ends.
+flat all-reduce per bucket (in async mode the first closes at 1 MiB, as DDP's does). Each
+gradient is multiplied by `scale` as it is copied into its bucket (one pass, as DDP divides
+by the world size before its all-reduce; a scale of 1 is a plain copy), so nothing is left to
+do to a bucket once its all-reduce ends.
 
 When to reduce. With `async_=True` every parameter has a post-accumulate-grad hook, and a
 bucket is launched as soon as its last gradient is accumulated, overlapping communication
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 _will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+FIRST_BUCKET_MB = 1.0
 
 
 @dataclass
@@ -91,14 +93,21 @@ class Reducer:
         self.sink = None           # ZeRO-2: takes each reduced bucket (params, views); the
                                    # bucket's buffer and the .grad are then freed
         cap = bucket_cap_mb * 2 ** 20
+        # async: the first bucket of each group closes at 1 MiB (as DDP's does), so its
+        # all-reduce starts while most of backward is still to run
+        first_cap = min(cap, FIRST_BUCKET_MB * 2 ** 20) if async_ else cap
         open_: dict[tuple, Bucket] = {}
+        firsts: set[int] = set()   # id of each key's first bucket
         self._acc_nodes = []       # sync: the parameters' AccumulateGrad nodes (kept alive)
         for param, group, size, scale in reversed(params):
             dtype = reduce_dtype or param.dtype
             key = (id(group), param.dtype, dtype, scale)
             b = open_.get(key)
-            if b is None or b.numel * dtype.itemsize >= cap:
+            if b is None or b.numel * dtype.itemsize >= (first_cap if id(b) in firsts else cap):
+                first = b is None
                 b = open_[key] = Bucket([], group, scale, dtype)
+                if first:
+                    firsts.add(id(b))
                 self.buckets.append(b)
             b.params.append(param)
             b.numel += param.numel()

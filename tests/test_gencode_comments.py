@@ -32,7 +32,7 @@ def test_every_collective_names_its_backward(name, policy, tmp_path):
     inst, _ = _compile(name, policy, 2, tmp_path)
     plan = json.loads((inst / "plan.json").read_text())
     lines = (inst / "gencode0.py").read_text().splitlines()
-    seen = []
+    seen, fused = [], 0
     for i, line in enumerate(lines):
         m = COMM.match(line)
         if not m:
@@ -40,8 +40,9 @@ def test_every_collective_names_its_backward(name, policy, tmp_path):
         kind, above = m[1], lines[i - 1].strip()
         seen.append(kind)
         assert above.startswith(f"# {kind} "), (line, above)
-        row = next(r for r in plan["collective_ops"]
-                   if r["name"] == line.split(" = ")[0].strip())
+        row = plan["collective_ops"][len(seen) - 1]         # one row per line, in order
+        assert row["kind"] == kind and (row["name"] == line.split(" = ")[0].strip()
+                                        or f"comm.{kind}({row['input']}," in line), (row, line)
         if row["backward"] == "-":
             assert "no backward" in above, above
         elif kind in ("cross_entropy_rows",):
@@ -49,9 +50,15 @@ def test_every_collective_names_its_backward(name, policy, tmp_path):
         else:
             dual = row["backward"]
             assert f"(backward: {dual}" in above, (above, dual)
-            if by_name(kind).syncs_grad:
+            if by_name(kind).syncs_grad and "linears=" in line:    # passes/overlap_grad_sync
+                assert "(backward: all_reduce of the input gradient, overlapped with the " \
+                       "weight gradients)" in above, above
+                fused += 1
+            elif by_name(kind).syncs_grad:
                 assert "(backward: all_reduce of the gradient)" in above
     assert seen == [r["kind"] for r in plan["collective_ops"]]      # one comment each
+    # tp's column regions (q/k/v, fc; 2 per block) fuse with their sync_grad
+    assert fused == (2 * 2 if (name, policy) == ("gpt", "tp") else 0), fused
 
 
 def test_inserted_collective_sits_under_the_op_it_serves(tmp_path):

@@ -37,7 +37,7 @@ def roundtrip(g):
 def test_every_stage_parses_back_equal(name):
     stages = history(name)
     assert [s for s, _, _ in stages] == ["trace", "constant_fold", "dce", "plan", "sink_gathers",
-                                         "insert_comm", "localize"]
+                                         "insert_comm", "localize", "overlap_grad_sync"]
     for stage, graph, _ in stages:
         roundtrip(graph)
 

@@ -7,10 +7,12 @@ import torch
 
 import models
 from nncompile import ComputeConfig
+from nncompile.errors import ConfigError
 from nncompile.frontend import trace
 from nncompile.ir import (Stage, assert_graph_equal, parse_graph, print_graph, run_graph,
                           verify)
 from nncompile.passes import (Plan, build_pipeline, constant_fold, dce, get_policy, insert_comm,
+                              overlap_grad_sync,
                               localize, run_pipeline)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
@@ -39,20 +41,27 @@ def test_pipeline_is_the_documented_list():
     cfg = ComputeConfig(plan_ngpus=2)
     names = [getattr(p, "name", getattr(p, "__name__", "")) for p in
              build_pipeline(cfg, get_policy("tp"))]
-    assert names == ["constant_fold", "dce", "plan", "sink_gathers", "insert_comm", "localize"]
+    assert names == ["constant_fold", "dce", "plan", "sink_gathers", "insert_comm", "localize",
+                     "overlap_grad_sync"]
     cfg = ComputeConfig(plan_ngpus=2, constant_folding=False)
     assert "constant_fold" not in [getattr(p, "__name__", "") for p in
                                    build_pipeline(cfg, get_policy("tp"))]
+    cfg = ComputeConfig(plan_ngpus=2, pas_config={"overlap_grad_sync": False})
+    assert "overlap_grad_sync" not in [getattr(p, "__name__", "") for p in
+                                       build_pipeline(cfg, get_policy("tp"))]
+    with pytest.raises(ConfigError, match="overlap_grad_sync.*True.*or False"):
+        build_pipeline(ComputeConfig(plan_ngpus=2, pas_config={"overlap_grad_sync": "yes"}),
+                       get_policy("tp"))
 
 
 @pytest.mark.parametrize("stage", ["trace", "constant_fold", "dce", "plan", "insert_comm",
-                                   "localize"])
+                                   "localize", "overlap_grad_sync"])
 def test_golden_ir(stage):
     """The printed IR of the MLP after each pass (tp on 2 ranks) matches tests/golden/.
     Regenerate with NNCOMPILE_UPDATE_GOLDEN=1 after an intended change."""
     _, _, result = stages("mlp")
     graph = dict((n, g) for n, g, _ in result.history)[stage]
-    text = print_graph(graph, local_n=2 if stage == "localize" else None)
+    text = print_graph(graph, local_n=2 if stage in ("localize", "overlap_grad_sync") else None)
     ast.parse(text)                                  # printed IR is valid Python
     path = os.path.join(GOLDEN, f"mlp_tp2_{stage}.py")
     if os.environ.get("NNCOMPILE_UPDATE_GOLDEN") == "1":
@@ -333,3 +342,42 @@ def test_localize_on_one_rank_keeps_dropout_and_makes_view_a_reshape():
     expected = before.replace("aten.view.default(x, [4, 2, -1])",
                               "aten.reshape.default(x, [4, 2, 4])").replace(COMM, LOCAL)
     check_pass(localize, before, expected)
+
+
+# overlap_grad_sync: a sync_grad whose every user is a column linear becomes one op whose
+# backward all-reduces the input gradient while the weight gradients are computed
+QKV = """x,  # f32[4, 8] of [4, 8] R requires_grad
+*,
+w0,  # param 'w0' f32[8, 8] of [8, 8] R
+wq,  # param 'wq' f32[3, 8] of [6, 8] S(0)
+bq,  # param 'bq' f32[3] of [6] S(0)
+wk,  # param 'wk' f32[3, 8] of [6, 8] S(0)"""
+OVERLAP = {
+    "column_linears_fuse": (_ir(LOCAL, QKV, """
+        h = aten.linear.default(x, w0)  # f32[4, 8] of [4, 8] R  [replicate]
+        h_sync_grad = comm.sync_grad(h, group=PLAN_GROUP)  # f32[4, 8] of [4, 8] R  [sync_grad]
+        q = aten.linear.default(h_sync_grad, wq, bq)  # f32[4, 3] of [4, 6] S(1)  [split n]
+        k = aten.linear.default(h_sync_grad, wk)  # f32[4, 3] of [4, 6] S(1)  [split n]
+        a = aten.add.Tensor(q, k)  # f32[4, 3] of [4, 6] S(1)  [split dim 1]
+        a_all_gather = comm.all_gather(a, dim=1, group=PLAN_GROUP)  # f32[4, 6] of [4, 6] R  [all_gather]
+        return (a_all_gather,)"""), _ir(LOCAL, QKV, """
+        h = aten.linear.default(x, w0)  # f32[4, 8] of [4, 8] R  [replicate]
+        q, k = comm.sync_grad(h, group=PLAN_GROUP, linears=((wq, bq), (wk, None)))  # f32[4, 3] of [4, 6] S(1); f32[4, 3] of [4, 6] S(1)  [sync_grad + column linears]
+        a = aten.add.Tensor(q, k)  # f32[4, 3] of [4, 6] S(1)  [split dim 1]
+        a_all_gather = comm.all_gather(a, dim=1, group=PLAN_GROUP)  # f32[4, 6] of [4, 6] R  [all_gather]
+        return (a_all_gather,)""")),
+    # another user of the synced value (here a mul): nothing to fuse
+    "other_user_stays": (_ir(LOCAL, QKV, """
+        h = aten.linear.default(x, w0)  # f32[4, 8] of [4, 8] R  [replicate]
+        h_sync_grad = comm.sync_grad(h, group=PLAN_GROUP)  # f32[4, 8] of [4, 8] R  [sync_grad]
+        q = aten.linear.default(h_sync_grad, wq, bq)  # f32[4, 3] of [4, 6] S(1)  [split n]
+        m = aten.mul.Tensor(h_sync_grad, h_sync_grad)  # f32[4, 8] of [4, 8] R  [replicate]
+        q_all_gather = comm.all_gather(q, dim=1, group=PLAN_GROUP)  # f32[4, 6] of [4, 6] R  [all_gather]
+        return (q_all_gather, m)"""), None),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAP))
+def test_overlap_grad_sync_before_expected(case):
+    before, expected = OVERLAP[case]
+    check_pass(overlap_grad_sync, before, expected or before)

@@ -1,0 +1,63 @@
+"""The fused sync_grad of passes/overlap_grad_sync.py: its backward gives what sync_grad
+followed by separate linears gives, on 2 ranks in one process (threaded process group), for
+the inputs real models pass: biases or none, frozen weights (LoRA), an output whose gradient
+never arrives, an input that needs no gradient, and bf16 autocast."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nncompile.runtime import comm
+from nncompile.simulate import run_ranks
+
+
+def _case(rank: int, frozen: bool, unused: bool, x_grad: bool, autocast: bool):
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, 5, 8, generator=gen)
+    weights = [torch.randn(6, 8, generator=gen) for _ in range(3)]
+    biases = [torch.randn(6, generator=gen), None, torch.randn(6, generator=gen)]
+    out = {}
+    for fused in (False, True):
+        x = (x0 + rank).requires_grad_(x_grad)          # each rank's own input gradient
+        ws = [w.clone().requires_grad_(not (frozen and i == 0)) for i, w in enumerate(weights)]
+        bs = [None if b is None else b.clone().requires_grad_() for b in biases]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if fused:
+                ys = comm.sync_grad(x, group=group, linears=tuple(zip(ws, bs)))
+            else:
+                xs = comm.sync_grad(x, group=group)
+                ys = [F.linear(xs, w, b) for w, b in zip(ws, bs)]
+        used = ys[:2] if unused else ys
+        loss = sum((y.float() * (i + 1 + rank)).sum() for i, y in enumerate(used))
+        loss.backward()
+        out[fused] = ([y.detach() for y in ys], x.grad,
+                      [w.grad for w in ws], [None if b is None else b.grad for b in bs])
+    return out
+
+
+@pytest.mark.parametrize("frozen,unused,x_grad,autocast", [
+    (False, False, True, False), (True, True, True, False), (False, False, False, False),
+    (False, True, True, True)])
+def test_fused_backward_equals_sync_grad_then_linears(frozen, unused, x_grad, autocast):
+    results = run_ranks(2, lambda r: _case(r, frozen, unused, x_grad, autocast))
+    for rank, out in enumerate(results):
+        (ys0, gx0, gw0, gb0), (ys1, gx1, gw1, gb1) = out[False], out[True]
+        for a, b in zip(ys0, ys1):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b)
+        if x_grad:           # summed over both ranks: equal on both
+            torch.testing.assert_close(gx0, gx1)
+            torch.testing.assert_close(gx1, results[1 - rank][True][1])
+        else:
+            assert gx0 is None and gx1 is None
+        for a, b in zip(gw0 + gb0, gw1 + gb1):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b)
+        if frozen:
+            assert gw1[0] is None
+        if unused:
+            assert gw1[2] is None and gb1[2] is None
