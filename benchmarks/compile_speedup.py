@@ -4,6 +4,8 @@ module run eagerly, on the GPT, forward + backward.
     torchrun --nproc_per_node=1 benchmarks/compile_speedup.py            # dp on 1 rank
     torchrun --nproc_per_node=2 benchmarks/compile_speedup.py            # tp plan 2, and dp
     [--plans tp,dp] [--steps 20] [--warmup 3] [--n-layer 4] [--n-embd 256] [--threads 1]
+    torchrun --nproc_per_node=1 benchmarks/compile_speedup.py --device cuda --dtype bfloat16 \
+        --gpt2-small                                                     # GPT-2 small on a GPU
 
 Every rank builds the same GPT (examples/gpt.py, seed 0, vocab 512, 8 heads) twice per plan and
 parallelizes both copies with the same plan: one eager, one with compile=True (inductor; its
@@ -13,7 +15,13 @@ alike. The timed part is forward + backward (what compile changes; AdamW runs un
 step's time the slowest rank's; medians after --warmup. The first compiled step (tracing and
 inductor's code generation, with an empty inductor cache unless --warm-cache) is reported
 separately. Both start from the same weights, so their
-losses agree to float32 reordering; a difference beyond --loss-rtol fails the run.
+losses agree to float32 reordering; a difference beyond --loss-rtol fails the run. On one rank
+the eager model itself runs too ("model"), so the table also gives the generated module's
+overhead over it (eager/model).
+
+--device cuda runs on the GPUs with NCCL (one per rank); --dtype bfloat16 casts the model's
+weights (and so the whole step) to bf16; --gpt2-small is GPT-2 small's shape (12 layers,
+d 768, 12 heads, vocab 50257) at batch 8 x 1024.
 
 Plans: `dp` (plan_ngpus 1, data parallel over the ranks) and `tp` (plan_ngpus = world size,
 Megatron-style). The table is printed and appended to benchmarks/results/compile_cpu.txt
@@ -44,17 +52,26 @@ RESULTS = os.path.join(HERE, "results")
 CONTENDERS = ("eager", "compiled")
 
 
+def contenders(world: int) -> tuple[str, ...]:
+    """The generated module eager and compiled; on one rank the plain model as well."""
+    return ("model",) + CONTENDERS if world == 1 else CONTENDERS
+
+
 def make_model(args) -> GPT:
     torch.manual_seed(0)
-    return GPT(vocab_size=512, block_size=args.block, n_layer=args.n_layer, n_head=8,
-               n_embd=args.n_embd)
+    model = GPT(vocab_size=args.vocab, block_size=args.block, n_layer=args.n_layer,
+                n_head=args.n_head, n_embd=args.n_embd)
+    return model.to(device=args.device, dtype=getattr(torch, args.dtype))
 
 
 def fwd_bwd(pm, batch) -> tuple[float, float]:
     """(seconds of forward + backward, loss)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     start = time.perf_counter()
     loss = pm(**batch)
     loss.backward()
+    sync()
     return time.perf_counter() - start, loss.item()
 
 
@@ -65,21 +82,27 @@ def run_plan(args, policy: str, savedir: str) -> dict:
     plan = 1 if policy == "dp" else world
     unit = rank // plan
     g = torch.Generator().manual_seed(1000 + unit)
-    batches = [{k: torch.randint(0, 512, (args.batch, args.block), generator=g)
-                for k in ("idx", "targets")} for _ in range(4)]
+    batches = [{k: torch.randint(0, args.vocab, (args.batch, args.block), generator=g)
+                .to(args.device) for k in ("idx", "targets")} for _ in range(4)]
     runs = {}
-    for label in CONTENDERS:
+    labels = contenders(world)
+    for label in labels:
+        if label == "model":                        # the eager model itself, one rank
+            model = make_model(args)
+            runs[label] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+            continue
         cfg = nncompile.ComputeConfig(plan, world, compile=label == "compiled")
         pm = nncompile.parallelize(make_model(args), batches[0], cfg, pas_policy=policy,
-                                   gen_savedir=savedir, instance_name=f"{policy}_{label}")
+                                   gen_savedir=savedir, instance_name=f"{policy}_{label}",
+                                   device=args.device)
         runs[label] = (pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3))
     counters.clear()
-    times = {k: [] for k in CONTENDERS}
-    losses = {k: [] for k in CONTENDERS}
+    times = {k: [] for k in labels}
+    losses = {k: [] for k in labels}
     first = {}
     load = os.getloadavg()[0]
     for i in range(args.warmup + args.steps):
-        for label in CONTENDERS[::-1] if i % 2 else CONTENDERS:
+        for label in labels[::-1] if i % 2 else labels:
             pm, opt = runs[label]
             dist.barrier()
             t, loss = fwd_bwd(pm, batches[i % len(batches)])
@@ -102,32 +125,37 @@ def summarize(args, results: dict) -> tuple[list[str], bool]:
     n_params = sum(p.numel() for p in make_model(args).parameters())
     lines = [f"nncompile compile=True vs eager generated code -- {stamp} on "
              f"{socket.gethostname()} ({os.cpu_count()} cores)",
-             f"GPT {args.n_layer}L d{args.n_embd} h8 vocab 512 ({n_params / 1e6:.2f}M params), "
-             f"batch {args.batch}x{args.block} per plan unit, {world} rank(s) (gloo, cpu), torch "
+             f"GPT {args.n_layer}L d{args.n_embd} h{args.n_head} vocab {args.vocab} "
+             f"({n_params / 1e6:.2f}M params, {args.dtype}), batch {args.batch}x{args.block} per "
+             f"plan unit, {world} rank(s) ({dist.get_backend()}, {args.device}), torch "
              f"{torch.__version__}, {args.threads} thread(s)/rank, backend inductor",
              f"{args.steps} timed steps after {args.warmup} warmup, alternating; a step = the "
              "slowest rank's forward + backward (AdamW untimed); medians",
              f"{'plan':<10}{'eager ms':>10}{'compiled ms':>13}{'speedup':>9}{'1st step s':>12}"
              f"{'graphs':>8}{'breaks':>8}   {'loss first':>10}{'loss last':>10}"
-             f"{'max rel diff':>14}"]
+             f"{'max rel diff':>14}" + (f"{'model ms':>10}{'eager/model':>13}"
+                                        if world == 1 else "")]
     same = True
     for policy, every in results.items():
         step = {k: [max(r["times"][k][i] for r in every) for i in range(args.steps)]
-                for k in CONTENDERS}
+                for k in contenders(world)}
         med = {k: statistics.median(v) for k, v in step.items()}
         losses = every[0]["losses"]
         ref = torch.tensor(losses["eager"], dtype=torch.float64)
-        diff = float(((torch.tensor(losses["compiled"], dtype=torch.float64) - ref).abs()
-                      / ref.abs()).max())
+        diff = max(float(((torch.tensor(losses[k], dtype=torch.float64) - ref).abs()
+                          / ref.abs()).max()) for k in contenders(world) if k != "eager")
         same &= diff <= args.loss_rtol
         plan = "dp 1x" if policy == "dp" else f"tp {world}x"
         first = max(r["first"]["compiled"] for r in every)
         lines.append(f"{plan + str(world):<10}{med['eager'] * 1e3:10.2f}"
                      f"{med['compiled'] * 1e3:13.2f}{med['eager'] / med['compiled']:9.3f}"
                      f"{first:12.1f}{every[0]['graphs']:8d}{every[0]['breaks']:8d}   "
-                     f"{losses['eager'][0]:10.5f}{losses['eager'][-1]:10.5f}{diff:14.1e}")
+                     f"{losses['eager'][0]:10.5f}{losses['eager'][-1]:10.5f}{diff:14.1e}"
+                     + (f"{med['model'] * 1e3:10.2f}{med['eager'] / med['model']:13.3f}"
+                        if world == 1 else ""))
     loads = [r[0]["load"] for r in results.values()]
-    lines.append(f"speedup = eager / compiled median; losses of eager and compiled: "
+    lines.append(f"speedup = eager / compiled median; eager/model = the generated module's "
+                 f"median over the plain model's (one rank); losses of all contenders: "
                  f"{'equal' if same else 'MISMATCH'} within {args.loss_rtol:g} (rank 0, "
                  f"{args.warmup + args.steps} AdamW steps each); 1-minute load average "
                  f"{loads[0][0]:.1f} before, {loads[-1][1]:.1f} after")
@@ -145,6 +173,13 @@ def main() -> None:
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--n-head", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--gpt2-small", action="store_true",
+                    help="GPT-2 small's shape: 12 layers, d 768, 12 heads, vocab 50257, "
+                         "batch 8 x 1024")
     ap.add_argument("--loss-rtol", type=float, default=1e-4)
     ap.add_argument("--results-dir", default=RESULTS)
     ap.add_argument("--no-save", action="store_true", help="do not write a results file")
@@ -152,9 +187,16 @@ def main() -> None:
                     help="use inductor's usual cache (default: an empty one, so the first step "
                          "shows a cold compile)")
     args = ap.parse_args()
+    if args.gpt2_small:
+        args.n_layer, args.n_embd, args.n_head, args.vocab = 12, 768, 12, 50257
+        args.batch, args.block = 8, 1024
+    if args.dtype != "float32" and args.loss_rtol == 1e-4:
+        args.loss_rtol = 2e-2                       # bf16 rounds differently when fused
     os.environ.setdefault("NNCOMPILE_QUIET", "1")
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     world = dist.get_world_size()
     plans = (args.plans or ("dp" if world == 1 else "tp,dp")).split(",")
     if set(plans) - {"tp", "dp"}:
@@ -176,10 +218,10 @@ def main() -> None:
         print("\n".join(lines), flush=True)
         if not args.no_save:
             os.makedirs(args.results_dir, exist_ok=True)
-            path = os.path.join(args.results_dir, "compile_cpu.txt")
+            path = os.path.join(args.results_dir, f"compile_{args.device}.txt")
             old = open(path).read() if os.path.exists(path) else ""
-            block = [f"# {command('benchmarks/compile_speedup.py', world)}   (gloo, {world} "
-                     f"rank(s))"] + lines
+            block = [f"# {command('benchmarks/compile_speedup.py', world)}   "
+                     f"({dist.get_backend()}, {world} rank(s))"] + lines
             write_atomic(path, old + "\n".join(block) + "\n")
             print(f"appended to {os.path.relpath(path)}")
         if not same:

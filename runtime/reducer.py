@@ -38,7 +38,8 @@ the parameter applies it.
 `reduce_now()` reduces every bucket from the current `.grad` at once (a pipeline schedule
 runs its backwards under no_sync, then calls it); `reset()` forgets a backward that raised;
 `sink` (ZeRO-2) takes each reduced bucket instead of `.grad`; `overlapped` counts the buckets
-the last backward launched before it ended (0 in sync mode).
+the last backward launched before it ended (0 in sync mode). With a single bucket there is
+nothing to overlap, and async mode runs the sync trigger.
 """
 from __future__ import annotations
 
@@ -112,6 +113,10 @@ class Reducer:
             b.params.append(param)
             b.numel += param.numel()
             self._where[id(param)] = b
+        # one bucket overlaps nothing (it is ready when backward ends): the sync trigger then
+        # does the same without a Python hook per parameter
+        self.async_ = async_ = async_ and len(self.buckets) > 1
+        for param, group, size, scale in reversed(params):
             if async_:
                 param.register_post_accumulate_grad_hook(self._on_grad)
             elif _will_execute is not None:
