@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from nncompile.collectives import lookup
 
@@ -171,47 +172,48 @@ class _SyncGrad(torch.autograd.Function):
 class _SyncGradLinears(torch.autograd.Function):
     """sync_grad(x) feeding column-split linears, with Megatron's backward overlap: the input
     gradient is computed first and all-reduced asynchronously while the weights' gradients are
-    computed, then waited on. The linears run as ordinary autograd ops on detached leaves (so
-    autocast, frozen weights and saved-tensor hooks behave as for unfused code); backward asks
-    that small graph for the input gradient, then for the weights'."""
+    computed, then waited on. Backward does what the unfused linears' backward does, in the
+    dtype their forward computed in (autocast's, when it is on), and saves what they save
+    (x and the weights, through save_for_backward: saved-tensor hooks such as ZeRO-3's see
+    them)."""
 
     @staticmethod
     def forward(ctx, x, group, *weights_and_biases):
         ctx.group = group
         ctx.set_materialize_grads(False)        # an unused output's gradient stays None
-        leaf = lambda t: None if t is None else t.detach().requires_grad_(t.requires_grad)  # noqa: E731
-        xd = leaf(x)
-        wb = [leaf(t) for t in weights_and_biases]
-        with torch.enable_grad():
-            # the linears read a view of xd, as unfused code reads sync_grad's output: autocast
-            # casts a leaf once for all its uses and would sum its gradient in low precision
-            xv = xd.view_as(xd)
-            outs = [F.linear(xv, wb[i], wb[i + 1]) for i in range(0, len(wb), 2)]
-        ctx.graph = (xd, wb, outs)
-        return tuple(o.detach() for o in outs)
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in weights_and_biases[1::2]]
+        weights = weights_and_biases[0::2]
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, weights_and_biases[1::2]))
 
     @staticmethod
+    @once_differentiable            # a second derivative through it is an error, never wrong
     def backward(ctx, *grads):
-        xd, wb, outs = ctx.graph
-        del ctx.graph
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        if not pairs:
-            return (None, None) + (None,) * len(wb)
-        outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
-        wants = [t for t in wb if t is not None and t.requires_grad]
+        x, *weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad
         gx, work = None, None
-        if xd.requires_grad:
-            (gx,) = torch.autograd.grad(outs, [xd], grads, retain_graph=bool(wants),
-                                        allow_unused=True)
+        if needs[0]:
+            for g, w in zip(grads, weights):
+                if g is not None:
+                    part = g.matmul(w.to(g.dtype)).to(x.dtype)
+                    gx = part if gx is None else gx.add_(part)
             if gx is None:
-                gx = torch.zeros_like(xd)
+                gx = torch.zeros_like(x)
             gx = gx.contiguous()
             work = dist.all_reduce(gx, group=ctx.group, async_op=True)
-        got = iter(torch.autograd.grad(outs, wants, grads, allow_unused=True) if wants else ())
-        result = [next(got) if t is not None and t.requires_grad else None for t in wb]
+        out = []
+        for i, (g, w, bias_dtype) in enumerate(zip(grads, weights, ctx.bias_dtypes)):
+            gw = gb = None
+            if g is not None:
+                g2 = g.reshape(-1, g.shape[-1])
+                if needs[2 + 2 * i]:
+                    gw = g2.t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(w.dtype)
+                if bias_dtype is not None and needs[3 + 2 * i]:
+                    gb = g2.sum(0).to(bias_dtype)
+            out += [gw, gb]
         if work is not None:
             work.wait()
-        return (gx, None, *result)
+        return (gx, None, *out)
 
 
 def all_reduce(x, *, group):
