@@ -59,7 +59,7 @@ def comm_note(op: Op) -> list[str]:
     what = FORWARD.get(kind, c.forward or "no forward work")
     linears = op.kwargs.get("linears")
     if linears:                # passes/overlap_grad_sync.py
-        move = f" {ins[0].placement!r} -> {ins[0].placement!r}"
+        move = f" {ins[0].placement!r} -> R"
         what += f", then the {len(linears)} column-split linear(s) it feeds"
         back = f"{back} of the input gradient, overlapped with the weight gradients"
     if not grad:

@@ -37,9 +37,10 @@ def collective_rows(g: Graph) -> list[dict[str, Any]]:
             bwd = 0 if back == "-" else by_name(back).payload(full, local, n)
         if not (training and out.requires_grad):
             back, bwd = "-", 0
-        to = x.placement if c is not None and c.syncs_grad else out.placement   # fused
-        rows.append({"name": out.name, "kind": kind, "input": x.name,            # linears'
-                     "from": repr(x.placement), "to": repr(to),
+        # a collective fused with the linears it feeds (overlap_grad_sync) ends replicated
+        to = "R" if op.kwargs.get("linears") else repr(out.placement)
+        rows.append({"name": out.name, "kind": kind, "input": x.name,
+                     "from": repr(x.placement), "to": to,
                      "shape": list(x.meta.shape), "dtype": str(x.meta.dtype).replace("torch.", ""),
                      "forward_bytes": fwd, "backward": back, "backward_bytes": bwd,
                      "module": op.module_path,

@@ -169,51 +169,62 @@ class _SyncGrad(torch.autograd.Function):
         return _reduce(g, ctx.group), None
 
 
-class _SyncGradLinears(torch.autograd.Function):
-    """sync_grad(x) feeding column-split linears, with Megatron's backward overlap: the input
-    gradient is computed first and all-reduced asynchronously while the weights' gradients are
-    computed, then waited on. Backward does what the unfused linears' backward does, in the
-    dtype their forward computed in (autocast's, when it is on), and saves what they save
-    (x and the weights, through save_for_backward: saved-tensor hooks such as ZeRO-3's see
-    them)."""
+class _GradSyncLinears(torch.autograd.Function):
+    """sync_grad(x), or all_gather(x, reduce_grad=True), feeding column-split linears, with
+    Megatron's backward overlap: the input gradient is computed first and all-reduced (or
+    reduce-scattered) asynchronously while the weights' gradients are computed, then waited
+    on. Backward does what the unfused linears' backward does, in the dtype their forward
+    computed in (autocast's, when it is on), and saves what they save (the full input and the
+    weights, through save_for_backward: saved-tensor hooks such as ZeRO-3's see them).
+    gather_dim None: sync_grad; else the all_gather's dim."""
 
     @staticmethod
-    def forward(ctx, x, group, *weights_and_biases):
-        ctx.group = group
+    def forward(ctx, x, group, gather_dim, *weights_and_biases):
+        ctx.group, ctx.gather_dim = group, gather_dim
         ctx.set_materialize_grads(False)        # an unused output's gradient stays None
         ctx.bias_dtypes = [None if b is None else b.dtype for b in weights_and_biases[1::2]]
         weights = weights_and_biases[0::2]
-        ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, weights_and_biases[1::2]))
+        full = x if gather_dim is None else _gather(x, gather_dim, group)
+        ctx.save_for_backward(full, *weights)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, weights_and_biases[1::2]))
 
     @staticmethod
     @once_differentiable            # a second derivative through it is an error, never wrong
     def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        gx, work = None, None
+        full, *weights = ctx.saved_tensors
+        needs, group = ctx.needs_input_grad, ctx.group
+        gx, work, chunk_after = None, None, False
         if needs[0]:
             for g, w in zip(grads, weights):
                 if g is not None:
-                    part = g.matmul(w.to(g.dtype)).to(x.dtype)
+                    part = g.matmul(w.to(g.dtype)).to(full.dtype)
                     gx = part if gx is None else gx.add_(part)
             if gx is None:
-                gx = torch.zeros_like(x)
+                gx = torch.zeros_like(full)
             gx = gx.contiguous()
-            work = dist.all_reduce(gx, group=ctx.group, async_op=True)
+            if ctx.gather_dim is not None and dist.get_backend(group) != "gloo":
+                parts = [p.contiguous() for p in gx.chunk(_size(group), dim=ctx.gather_dim)]
+                summed = torch.empty_like(parts[0])
+                work = dist.reduce_scatter(summed, parts, group=group, async_op=True)
+                gx = summed
+            else:                       # gloo has no reduce_scatter: all-reduce, then chunk
+                work = dist.all_reduce(gx, group=group, async_op=True)
+                chunk_after = ctx.gather_dim is not None
         out = []
         for i, (g, w, bias_dtype) in enumerate(zip(grads, weights, ctx.bias_dtypes)):
             gw = gb = None
             if g is not None:
                 g2 = g.reshape(-1, g.shape[-1])
-                if needs[2 + 2 * i]:
-                    gw = g2.t().mm(x.reshape(-1, x.shape[-1]).to(g.dtype)).to(w.dtype)
-                if bias_dtype is not None and needs[3 + 2 * i]:
+                if needs[3 + 2 * i]:
+                    gw = g2.t().mm(full.reshape(-1, full.shape[-1]).to(g.dtype)).to(w.dtype)
+                if bias_dtype is not None and needs[4 + 2 * i]:
                     gb = g2.sum(0).to(bias_dtype)
             out += [gw, gb]
         if work is not None:
             work.wait()
-        return (gx, None, *out)
+            if chunk_after:
+                gx = _chunk(gx, ctx.gather_dim, group)
+        return (gx, None, None, *out)
 
 
 def all_reduce(x, *, group):
@@ -224,10 +235,17 @@ def chunk(x, *, dim, group):
     return _Chunk.apply(x, dim, group)
 
 
-def all_gather(x, *, dim, group, reduce_grad=False):
+def all_gather(x, *, dim, group, reduce_grad=False, linears=None):
     """S(dim) -> R. With reduce_grad the users' gradients are partial sums: reduce-scatter them
-    (all_gather + sync_grad in one step)."""
-    return _AllGather.apply(x, dim, group, reduce_grad)
+    (all_gather + sync_grad in one step). With `linears` ((weight, bias), ...; reduce_grad
+    only): the column-split linears the gathered value feeds, returned as a tuple, their
+    weight gradients computed while the input gradient is reduce-scattered."""
+    if linears is None:
+        return _AllGather.apply(x, dim, group, reduce_grad)
+    if _tracing() or not torch.is_grad_enabled():   # inductor schedules the wait itself
+        full = _AllGather.apply(x, dim, group, reduce_grad)
+        return tuple(F.linear(full, w, b) for w, b in linears)
+    return _GradSyncLinears.apply(x, group, dim, *(t for wb in linears for t in wb))
 
 
 def reduce_scatter(x, *, dim, group):
@@ -251,7 +269,7 @@ def sync_grad(x, *, group, linears=None):
     if _tracing() or not torch.is_grad_enabled():   # inductor schedules the wait itself
         xs = _SyncGrad.apply(x, group)
         return tuple(F.linear(xs, w, b) for w, b in linears)
-    return _SyncGradLinears.apply(x, group, *(t for wb in linears for t in wb))
+    return _GradSyncLinears.apply(x, group, None, *(t for wb in linears for t in wb))
 
 
 def cross_entropy_rows(input, target, weight=None, reduction=1, ignore_index=-100,

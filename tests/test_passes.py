@@ -366,6 +366,19 @@ OVERLAP = {
         a = aten.add.Tensor(q, k)  # f32[4, 3] of [4, 6] S(1)  [split dim 1]
         a_all_gather = comm.all_gather(a, dim=1, group=PLAN_GROUP)  # f32[4, 6] of [4, 6] R  [all_gather]
         return (a_all_gather,)""")),
+    # tp_sp: an all_gather whose backward reduce-scatters fuses the same way
+    "reduce_grad_gather_fuses": (_ir(LOCAL, QKV.replace("f32[4, 8] of [4, 8] R requires_grad",
+                                                       "f32[2, 8] of [4, 8] S(0) requires_grad"), """
+        h = aten.linear.default(x, w0)  # f32[2, 8] of [4, 8] S(0)  [split dim 0]
+        h_all_gather = comm.all_gather(h, dim=0, reduce_grad=True, group=PLAN_GROUP)  # f32[4, 8] of [4, 8] R  [all_gather]
+        q = aten.linear.default(h_all_gather, wq, bq)  # f32[4, 3] of [4, 6] S(1)  [split n]
+        q_all_gather = comm.all_gather(q, dim=1, group=PLAN_GROUP)  # f32[4, 6] of [4, 6] R  [all_gather]
+        return (q_all_gather,)"""), _ir(LOCAL, QKV.replace("f32[4, 8] of [4, 8] R requires_grad",
+                                                          "f32[2, 8] of [4, 8] S(0) requires_grad"), """
+        h = aten.linear.default(x, w0)  # f32[2, 8] of [4, 8] S(0)  [split dim 0]
+        q, = comm.all_gather(h, dim=0, reduce_grad=True, group=PLAN_GROUP, linears=((wq, bq),))  # f32[4, 3] of [4, 6] S(1)  [all_gather + column linears]
+        q_all_gather = comm.all_gather(q, dim=1, group=PLAN_GROUP)  # f32[4, 6] of [4, 6] R  [all_gather]
+        return (q_all_gather,)""")),
     # another user of the synced value (here a mul): nothing to fuse
     "other_user_stays": (_ir(LOCAL, QKV, """
         h = aten.linear.default(x, w0)  # f32[4, 8] of [4, 8] R  [replicate]
