@@ -5,10 +5,10 @@ The DTensor contender is the hand-written Megatron plan: `parallelize_module` wi
 ColwiseParallel on q/k/v and mlp_fc, RowwiseParallel on c_proj and mlp_proj, the attention's
 head count divided by the plan size (heads counted locally), everything else replicated.
 nncompile compiles the same model (same seed, same weights) with `tp`, `tp_sp` and
-`autodist` (the h100-less default profile of this machine, or --device), and `tp` once more
-with pas_config overlap_grad_sync=False ("tp serial": backward all-reduces each column
-region's input gradient after, not while, computing the weight gradients; serial/tp is what
-the overlap gains). Every rank runs one
+`autodist` (the h100-less default profile of this machine, or --device), and `tp` and `tp_sp`
+once more with pas_config overlap_grad_sync=False ("tp serial", "tp_sp serial": backward
+reduces each column region's input gradient after, not while, computing the weight
+gradients; serial/tp and serial/tp_sp are what the overlap gains). Every rank runs one
 training step (forward, backward, AdamW) of each contender in turn on the same batch, the
 order rotating; a step's time is the slowest rank's; medians are compared. Losses are printed
 for every contender: they must be equal (same model, same data, same math).
@@ -42,9 +42,10 @@ import nncompile  # noqa: E402
 
 VOCAB, HEADS = 512, 8
 OURS = ("tp", "tp_sp", "autodist")
-# `tp` with pas_config overlap_grad_sync=False: the input gradient's all-reduce waits for the
-# weight gradients (passes/overlap_grad_sync.py), to measure what the overlap gains
-SERIAL = "tp serial"
+# `tp` and `tp_sp` with pas_config overlap_grad_sync=False: the input gradient's all-reduce
+# (reduce-scatter) waits for the weight gradients (passes/overlap_grad_sync.py), to measure
+# what the overlap gains
+SERIAL = ("tp serial", "tp_sp serial")
 
 
 def make_model(n_embd: int, n_layer: int, seq: int) -> GPT:
@@ -93,10 +94,10 @@ def run_size(args, n_embd: int, n_layer: int, savedir: str) -> dict:
     runs = {}
     model = dtensor_tp(make_model(n_embd, n_layer, args.seq), world)
     runs["dtensor"] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
-    for label in OURS + (SERIAL,):
+    for label in OURS + SERIAL:
         policy = label.split()[0]
         pas = {"device": args.device} if policy == "autodist" and args.device else {}
-        if label == SERIAL:
+        if label in SERIAL:
             pas = {"overlap_grad_sync": False}
         cfg = nncompile.ComputeConfig(world, world, pas_config=pas)
         pm = nncompile.parallelize(make_model(n_embd, n_layer, args.seq), batches[0], cfg,
@@ -161,7 +162,8 @@ def report(args, results: dict, world: int, load0: float) -> None:
              f"after {args.warmup} warmup, contenders interleaved; a step = the slowest rank's "
              "forward + backward + AdamW; medians",
              f"{'model':<10}{'dtensor ms':>11}" + "".join(f"{k + ' ms':>13}" for k in OURS)
-             + "".join(f"{'DT/' + k:>12}" for k in OURS) + f"{'serial/tp':>11}"
+             + "".join(f"{'DT/' + k:>12}" for k in OURS)
+             + "".join(f"{'serial/' + k.split()[0]:>15}" for k in SERIAL)
              + f"{'loss 0':>9}{'loss last':>10}"
              f"{'max rel diff':>14}"]
     ok = True
@@ -173,17 +175,19 @@ def report(args, results: dict, world: int, load0: float) -> None:
         losses = every[0]["losses"]
         ref = torch.tensor(losses["dtensor"], dtype=torch.float64)
         diff = max(float(((torch.tensor(losses[k], dtype=torch.float64) - ref).abs()
-                          / ref.abs()).max()) for k in OURS + (SERIAL,))
+                          / ref.abs()).max()) for k in OURS + SERIAL)
         ok &= diff <= args.loss_rtol
         n_embd, n_layer = size.split("x")
+        gain = [statistics.median(a / b for a, b in zip(step[k], step[k.split()[0]]))
+                for k in SERIAL]         # serial over overlapped, step by step
         lines.append(f"{f'd{n_embd} x {n_layer}':<10}{med['dtensor'] * 1e3:11.2f}"
                      + "".join(f"{med[k] * 1e3:13.2f}" for k in OURS)
                      + "".join(f"{med['dtensor'] / med[k]:12.3f}" for k in OURS)
-                     + f"{statistics.median(a / b for a, b in zip(step[SERIAL], step['tp'])):11.3f}"
+                     + "".join(f"{g:15.3f}" for g in gain)
                      + f"{losses['dtensor'][0]:9.4f}{losses['dtensor'][-1]:10.4f}{diff:14.1e}")
     lines.append(f"losses: {'equal' if ok else 'MISMATCH'} within {args.loss_rtol:g} over "
                  f"{args.warmup + args.steps} steps; DT/x = DTensor step time / x's (> 1: x is "
-                 f"faster); serial/tp = median over steps of `tp serial`'s step / `tp`'s "
+                 f"faster); serial/x = median over steps of `x serial`'s step / x's "
                  f"(> 1: the overlap helps); 1-minute load average {load0:.1f} before, {os.getloadavg()[0]:.1f} "
                  "after")
     print("\n".join(lines), flush=True)
