@@ -153,6 +153,10 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
     if g.trace_info.sizes:
         text += (f"    SIZES = {g.trace_info.sizes!r}  # dynamic_dims: allowed (min, max, "
                  f"multiple of); checked on every call\n")
+    grad_inputs = [v.name for v in g.inputs if v.requires_grad]
+    if grad_inputs:
+        text += (f"    GRAD_INPUTS = {grad_inputs!r}  # inputs traced requiring grad: their "
+                 f"gradient is summed over the plan unit\n")
     text += reduction_header(tg, t["params"], runtime_ngpus, pp.ranks if pp else 1,
                              memory.zero if memory is not None else 0)
     if g.trace_info.microbatches > 1:

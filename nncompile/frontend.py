@@ -207,7 +207,11 @@ class _Lowering:
                 self.env[node] = spec.arg.value    # None/bool/int/float/str: compiled in
                 continue
             elif spec.kind == InputKind.USER_INPUT:
-                v = Value(self.fresh(node.name), meta, USER_INPUT)
+                # a dummy input that requires grad (an embedding computed outside the module,
+                # a gradient penalty's input): the plan must sum its gradient over the unit
+                val = node.meta.get("val")
+                v = Value(self.fresh(node.name), meta, USER_INPUT,
+                          requires_grad=bool(getattr(val, "requires_grad", False)))
                 inputs.append(v)
             else:
                 raise TraceError(f"unsupported input kind {spec.kind} for {node.name}")

@@ -109,6 +109,7 @@ class _Chunk(torch.autograd.Function):
         return _chunk(x, dim, group)
 
     @staticmethod
+    @once_differentiable            # its backward's collective is not differentiable
     def backward(ctx, g):
         return _gather(g, ctx.dim, ctx.group), None, None
 
@@ -120,6 +121,7 @@ class _AllGather(torch.autograd.Function):
         return _gather(x, dim, group)
 
     @staticmethod
+    @once_differentiable            # its backward's collective is not differentiable
     def backward(ctx, g):
         if ctx.reduce_grad:
             return _reduce_scatter(g, ctx.dim, ctx.group), None, None, None
@@ -133,6 +135,7 @@ class _ReduceScatter(torch.autograd.Function):
         return _reduce_scatter(x, dim, group)
 
     @staticmethod
+    @once_differentiable            # its backward's collective is not differentiable
     def backward(ctx, g):
         return _gather(g, ctx.dim, ctx.group), None, None
 
@@ -144,6 +147,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(x, src_dim, dst_dim, group)
 
     @staticmethod
+    @once_differentiable            # its backward's collective is not differentiable
     def backward(ctx, g):
         return _all_to_all(g, ctx.dst_dim, ctx.src_dim, ctx.group), None, None, None
 
@@ -165,6 +169,7 @@ class _SyncGrad(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable            # its backward's collective is not differentiable
     def backward(ctx, g):
         return _reduce(g, ctx.group), None
 

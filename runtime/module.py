@@ -46,6 +46,7 @@ class ParallelModule(torch.nn.Module):
     INFERENCE_ONLY = False
     INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
     SIZES: dict[str, tuple[int, int, int]] = {}        # dynamic_dims: name -> (min, max, mult)
+    GRAD_INPUTS: list[str] = []     # inputs traced requiring grad (the plan sums their grads)
     ARGS: list[tuple] | None = None    # forward's arguments as traced (runtime/arguments.py)
     SIGNATURE: list[str] = []          # forward's positional parameters
     DEFAULTS: dict = {}                # untraced arguments' constant defaults
@@ -203,7 +204,10 @@ class ParallelModule(torch.nn.Module):
         if self.SIZES:                    # dynamic_dims: each size within its range
             check_sizes([(name, x, shape) for x, (name, shape, _) in zip(inputs, self.INPUTS)],
                         self.SIZES)
-        reducer = self._reducer if torch.is_grad_enabled() else None
+        grad = torch.is_grad_enabled()
+        if grad and self.PLAN_NGPUS > 1 and any(x.requires_grad for x in inputs):
+            self._check_grad_inputs(inputs)
+        reducer = self._reducer if grad else None
         if reducer is not None:
             reducer.reset()               # a backward that raised must not leave state behind
         if self.zero is not None:
@@ -219,6 +223,18 @@ class ParallelModule(torch.nn.Module):
             return out
         return out[0] if spec.is_leaf() and len(out) == 1 else \
             pytree.tree_unflatten(list(out), spec)
+
+    def _check_grad_inputs(self, inputs: list[torch.Tensor]) -> None:
+        """An input that needs a gradient here but was traced without one: the plan holds no
+        sum of its gradient over the plan unit, so each rank would see only its part."""
+        for x, (name, _, _) in zip(inputs, self.INPUTS):
+            if x.requires_grad and name not in self.GRAD_INPUTS:
+                raise InputMismatchError(
+                    f"input {name!r} requires grad, but the module was traced with a dummy "
+                    f"{name!r} that does not, so the plan does not sum its gradient over the "
+                    f"{self.PLAN_NGPUS} ranks of the plan unit and {name}.grad would be wrong; "
+                    f"pass dummy_args with {name}.requires_grad_() to parallelize (or detach "
+                    f"the input if its gradient is not needed)")
 
     def _check_input(self, name: str, x: Any, shape, dtype: str) -> torch.Tensor:
         """The traced input `name` must come as a tensor of its traced shape, dtype, device."""

@@ -211,3 +211,76 @@ def test_hf_cache_output_says_use_cache_false(tmp_path):
     report = nncompile.verify(model, {**b, "use_cache": False}, nncompile.ComputeConfig(2), "tp",
                               gen_savedir=str(tmp_path))
     assert report.ok, str(report)
+
+
+class _Trunk(torch.nn.Module):
+    """A trunk fed an activation computed outside it (an embedding the user keeps, a
+    gradient penalty's input): its gradient is what the caller trains with."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, h):
+        return self.down(torch.tanh(self.up(h))).pow(2).mean()
+
+
+@pytest.mark.parametrize("policy,overlap", [("tp", True), ("tp", False), ("autodist", True)])
+def test_an_input_that_needs_a_gradient(tmp_path, policy, overlap):
+    """Traced with a dummy that requires grad, the input's gradient is summed over the plan
+    unit and equals one device's; traced without, a call with such an input is refused (each
+    rank would hold only its part of the gradient); a second derivative through the plan is
+    an error, never a wrong number."""
+    torch.manual_seed(0)
+    model = _Trunk()
+    h = torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    h_ref = h.clone().requires_grad_()
+    ref(h_ref).backward()
+    cfg = nncompile.ComputeConfig(2, pas_config={"overlap_grad_sync": overlap})
+
+    def rank_fn(rank):
+        out = {}
+        for traced_grad in (True, False):
+            dummy = h.clone().requires_grad_(traced_grad)
+            pm = nncompile.parallelize(model, (dummy,), cfg, pas_policy=policy,
+                                       gen_savedir=tmp_path, instance_name=f"grad_{traced_grad}")
+            x = h.clone().requires_grad_()
+            try:
+                pm(x).backward()
+                out[traced_grad] = (x.grad, pm.gather_grads())
+            except nncompile.InputMismatchError as e:
+                out[traced_grad] = str(e)
+        x = h.clone().requires_grad_()
+        pm = nncompile.parallelize(model, (h.clone().requires_grad_(),), cfg,
+                                   pas_policy=policy, gen_savedir=tmp_path,
+                                   instance_name="grad_True")
+        pm.zero_grad()
+        (g,) = torch.autograd.grad(pm(x), [x], create_graph=True)
+        try:
+            g.pow(2).sum().backward()
+            out["double"] = pm.gather_grads()
+        except RuntimeError as e:
+            out["double"] = str(e)
+        return out
+
+    penalized = copy.deepcopy(model)            # the gradient penalty on one device
+    x = h.clone().requires_grad_()
+    (g,) = torch.autograd.grad(penalized(x), [x], create_graph=True)
+    g.pow(2).sum().backward()
+
+    for out in run_ranks(2, rank_fn):
+        x_grad, grads = out[True]
+        torch.testing.assert_close(x_grad, h_ref.grad)
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad)
+        if isinstance(out[False], str):
+            assert "input 'h' requires grad, but the module was traced with a dummy 'h' " \
+                   "that does not" in out[False] and "h.requires_grad_()" in out[False]
+        else:           # a plan whose ranks all see the whole input gradient needs no sum
+            torch.testing.assert_close(out[False][0], h_ref.grad)
+        if isinstance(out["double"], str):
+            assert "differentiate twice" in out["double"], out["double"]
+        else:           # no collective on the way (a replicated plan): it must be right
+            for n, p in penalized.named_parameters():
+                torch.testing.assert_close(out["double"][n], p.grad)
