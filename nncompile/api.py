@@ -133,6 +133,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
     final = result.graph
+    planned = plan_graph(result.history)     # before schedule-only passes: what plan.json shows
     symbolic.warn_if_unsplit(final)
     memory = memory_choice(final, config)
     _log(f"writing {config.runtime_ngpus} rank file(s) ...")
@@ -145,7 +146,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         (staging / "graphs").mkdir()
         for fname, text in codegen.graph_dumps(result.history).items():
             write_text(staging / "graphs" / fname, text)
-        plan = codegen.plan_json(plan_graph(result.history))
+        plan = codegen.plan_json(planned)
         write_text(staging / "plan.json", codegen.json_text(plan))
         if plan.get("autodist"):
             write_text(staging / "plan_report.txt", plan_report(plan))
@@ -168,8 +169,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         from .check import refuse_if_diverges
         _log(f"checking the plan: {config.runtime_ngpus} rank(s) in one process vs eager ...")
         report = refuse_if_diverges(module, dummy_args, config,
-                                    Compiled("generated", graph, plan_graph(result.history)),
-                                    outdir)
+                                    Compiled("generated", graph, planned), outdir)
         _log(f"plan check passed (largest error {report.max_error:.2e} relative to scale)")
     _log(f"generated {config.runtime_ngpus} rank file(s) in {outdir} "
          f"({time.perf_counter() - start:.1f}s total)"

@@ -43,13 +43,18 @@ def _syncs_grad(op: Op) -> bool:
         op.target_name == "comm.all_gather" and op.kwargs.get("reduce_grad", False))
 
 
+def _weight_bias(u: Op) -> tuple:
+    """A linear's weight and bias (None when absent)."""
+    return (u.args[1] if len(u.args) > 1 else None,
+            u.args[2] if len(u.args) > 2 else u.kwargs.get("bias"))
+
+
 def _fusable(sync: Op, users: list[Op], outputs: set[int]) -> bool:
     out = sync.outputs[0]
     if not users or id(out) in outputs or sync.recompute is not None or "linears" in sync.kwargs:
         return False
     for u in users:
-        w = u.args[1] if len(u.args) > 1 else None
-        b = u.args[2] if len(u.args) > 2 else u.kwargs.get("bias")
+        w, b = _weight_bias(u)
         if u.target is not _LINEAR or u.args[0] is not out or set(u.kwargs) - {"bias"} \
                 or not (isinstance(w, Value) and w.kind == PARAM) \
                 or not (b is None or (isinstance(b, Value) and b.kind == PARAM)) \
@@ -77,8 +82,7 @@ def overlap_grad_sync(graph: Graph) -> Graph:
         lins = users.get(id(op.outputs[0]), [])
         if not _fusable(op, lins, outputs):
             continue
-        pairs = tuple((u.args[1], u.args[2] if len(u.args) > 2 else u.kwargs.get("bias"))
-                      for u in lins)
+        pairs = tuple(_weight_bias(u) for u in lins)
         first = lins[0]
         new = Op(op.target, op.args, {**op.kwargs, "linears": pairs},
                  [u.outputs[0] for u in lins], source=first.source,

@@ -232,6 +232,15 @@ class _GradSyncLinears(torch.autograd.Function):
         return (gx, None, None, *out)
 
 
+def _with_linears(x, group, gather_dim, linears, unfused):
+    """The collective fused with the linears it feeds (_GradSyncLinears); while torch.compile
+    traces (inductor places the wait itself) or without grad, `unfused()` then the linears."""
+    if _tracing() or not torch.is_grad_enabled():
+        full = unfused()
+        return tuple(F.linear(full, w, b) for w, b in linears)
+    return _GradSyncLinears.apply(x, group, gather_dim, *(t for wb in linears for t in wb))
+
+
 def all_reduce(x, *, group):
     return _AllReduce.apply(x, group)
 
@@ -247,10 +256,8 @@ def all_gather(x, *, dim, group, reduce_grad=False, linears=None):
     weight gradients computed while the input gradient is reduce-scattered."""
     if linears is None:
         return _AllGather.apply(x, dim, group, reduce_grad)
-    if _tracing() or not torch.is_grad_enabled():   # inductor schedules the wait itself
-        full = _AllGather.apply(x, dim, group, reduce_grad)
-        return tuple(F.linear(full, w, b) for w, b in linears)
-    return _GradSyncLinears.apply(x, group, dim, *(t for wb in linears for t in wb))
+    return _with_linears(x, group, dim, linears,
+                         lambda: _AllGather.apply(x, dim, group, reduce_grad))
 
 
 def reduce_scatter(x, *, dim, group):
@@ -271,10 +278,7 @@ def sync_grad(x, *, group, linears=None):
     their weight gradients computed while the input gradient is all-reduced."""
     if linears is None:
         return _SyncGrad.apply(x, group)
-    if _tracing() or not torch.is_grad_enabled():   # inductor schedules the wait itself
-        xs = _SyncGrad.apply(x, group)
-        return tuple(F.linear(xs, w, b) for w, b in linears)
-    return _GradSyncLinears.apply(x, group, None, *(t for wb in linears for t in wb))
+    return _with_linears(x, group, None, linears, lambda: _SyncGrad.apply(x, group))
 
 
 def cross_entropy_rows(input, target, weight=None, reduction=1, ignore_index=-100,

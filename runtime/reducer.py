@@ -98,17 +98,15 @@ class Reducer:
         # all-reduce starts while most of backward is still to run
         first_cap = min(cap, FIRST_BUCKET_MB * 2 ** 20) if async_ else cap
         open_: dict[tuple, Bucket] = {}
-        firsts: set[int] = set()   # id of each key's first bucket
+        limit: dict[tuple, float] = {}     # the open bucket's size limit, per key
         self._acc_nodes = []       # sync: the parameters' AccumulateGrad nodes (kept alive)
         for param, group, size, scale in reversed(params):
             dtype = reduce_dtype or param.dtype
             key = (id(group), param.dtype, dtype, scale)
             b = open_.get(key)
-            if b is None or b.numel * dtype.itemsize >= (first_cap if id(b) in firsts else cap):
-                first = b is None
+            if b is None or b.numel * dtype.itemsize >= limit[key]:
+                limit[key] = first_cap if b is None else cap
                 b = open_[key] = Bucket([], group, scale, dtype)
-                if first:
-                    firsts.add(id(b))
                 self.buckets.append(b)
             b.params.append(param)
             b.numel += param.numel()
