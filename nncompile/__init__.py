@@ -21,7 +21,7 @@ from nncompile.passes.autodist import explain, report_table as plan_report  # no
 from nncompile.passes.autodist import PlanInfeasibleError  # noqa: E402
 from nncompile.runtime.clip import clip_grad_norm_  # noqa: E402
 from nncompile.runtime.distributed import init_distributed  # noqa: E402
-from nncompile.runtime.optimizer import build_optimizer  # noqa: E402
+from nncompile.runtime.optimizer import build_optimizer, declare_elementwise  # noqa: E402
 from nncompile.runtime.dedup import deduped_state_dict, load_deduped_state_dict  # noqa: E402
 from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  # noqa: E402
 from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # noqa: E402
@@ -29,7 +29,7 @@ from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # 
 from . import memory  # noqa: E402,F401  (nncompile.memory.profile: measured vs predicted memory)
 
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
-           "init_distributed", "build_optimizer", "clip_grad_norm_",
+           "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint",
            "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",
            "load_merged_state_dict", "CheckpointError", "EditedCodeWarning",

@@ -20,14 +20,18 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from . import codegen, layer_replay, symbolic
+from .batched import batched_inputs
 from .config import ComputeConfig
 from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
 from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, staged_dir, write_text
 from .fingerprint import compute_fingerprint
 from .frontend import trace
+from .modes import eval_program
+from .user_checkpoint import with_recompute
 from .ir import Graph, MemoryChoice
 from .ir.printer import print_graph_texts
 from .log import log as _log
@@ -87,17 +91,33 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         raise ConfigError("dynamic_dims cannot be combined with micro-batches or pipeline "
                           "stages yet (their schedules exchange fixed-size activations); "
                           "compile one instance per shape, or drop pipeline_stages/microbatches")
-    dummy_args, batch = microbatch_dummy(dummy_args, m)
-    graph = trace(module, dummy_args, dynamic_dims)
+    batched = batched_inputs(module, dummy_args, m, config.pas_config.get("batched_inputs"))
+    leaves = pytree.tree_leaves(dummy_args)
+    dummy_args, batch = microbatch_dummy(dummy_args, m, batched)
+    # training and eval modes both (nncompile/modes.py); inference: the module's mode only
+    graph = trace(module, dummy_args, dynamic_dims, modes=not config.inference_only)
     graph.trace_info.inference_only = config.inference_only
+    if config.inference_only:
+        graph.trace_info.training = module.training
     if m > 1:       # the code runs one micro-batch; train_step splits the batch
         graph.trace_info.microbatches = m
         graph.trace_info.batched = [v.name for v in graph.inputs
                                     if v.meta.shape and v.meta.shape[0] == batch // m]
+        split = [b for x, b in zip(leaves, batched or []) if isinstance(x, torch.Tensor)]
+        if batched is not None and len(split) == len(graph.inputs):   # the model's say
+            graph.trace_info.batched = [v.name for v, b in zip(graph.inputs, split) if b]
     if config.inference_only:
         for v in graph.values():
             v.requires_grad = False
     traced_text, plain_text = print_graph_texts(graph)
+    if graph.meta.get("checkpointed"):  # modules the model checkpoints: recomputed
+        config = with_recompute(config, graph.meta["checkpointed"])
+        traced_text += f"# checkpointed in the model: {graph.meta['checkpointed']}\n"
+        plain_text += f"# checkpointed in the model: {graph.meta['checkpointed']}\n"
+    if "eval_graph" in graph.meta:      # the forward differs in eval mode: a second program
+        texts = print_graph_texts(graph.meta["eval_graph"])
+        traced_text += "\n# ---- eval mode ----\n" + texts[0]
+        plain_text += "\n# ---- eval mode ----\n" + texts[1]
     fingerprint, fp_parts = compute_fingerprint(graph, config, pas_policy, plain_text)
     manifest_path = outdir / "manifest.json"
     try:
@@ -132,7 +152,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     seconds["ilp"] = (result.graph.plan_state.autodist or {}).get("solve_s", 0.0)
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
-    final = result.graph
+    final = eval_program(result.graph, build_pipeline(config, policy), check)
     planned = plan_graph(result.history)     # before schedule-only passes: what plan.json shows
     symbolic.warn_if_unsplit(final)
     memory = memory_choice(final, config)

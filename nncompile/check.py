@@ -156,7 +156,9 @@ def check_compiled(module: torch.nn.Module, batch: Any, config: ComputeConfig, c
 
     def rank_fn(rank: int):
         # uncompiled: the check is about the plan, and compiling every simulated rank costs time
-        pm = load_rank_module(outdir, rank, module, None, replace(config, compile=False))
+        # each rank its own copy: a rank's module takes over (or frees) what it shards
+        pm = load_rank_module(outdir, rank, copy.deepcopy(module), None,
+                              replace(config, compile=False))
         with Capture(pm.gencode_path) as cap, rank_generator(seed_state):
             out = pm(*args, **kwargs)
         cap.watch_grads()

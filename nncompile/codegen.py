@@ -153,6 +153,11 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
     if g.trace_info.sizes:
         text += (f"    SIZES = {g.trace_info.sizes!r}  # dynamic_dims: allowed (min, max, "
                  f"multiple of); checked on every call\n")
+    if g.trace_info.buffer_updates:
+        text += buffer_updates_line(g)
+    if not g.trace_info.training:
+        text += ("    TRAINING = False  # the module was in eval mode when traced: it starts so "
+                 "(pm.train() switches)\n")
     grad_inputs = [v.name for v in g.inputs if v.requires_grad]
     if grad_inputs:
         text += (f"    GRAD_INPUTS = {grad_inputs!r}  # inputs traced requiring grad: their "
@@ -195,12 +200,27 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         with op_notes(comm_note):
             lines += pc.stage_methods(g, rank, stages, units)
         return "\n".join(lines) + "\n"
-    # in the forward, parameters, buffers and constants are attributes of the module
+    lines += forward_method(g, "forward_impl", units, n)
+    ev = g.meta.get("eval_graph")
+    if ev is not None:      # the forward differs in eval mode beyond mode flags (modes.py)
+        lines += forward_method(ev, "forward_eval_impl", eval_units(g, ev, units), n,
+                                "the forward in eval mode (model.eval()): the module runs it "
+                                "instead of forward_impl while not self.training")
+    out = "\n".join(lines) + "\n"
+    shared["tail"] = out[head:]
+    return out
+
+
+def forward_method(g: Graph, name: str, units: list, n: int, doc: str = "") -> list[str]:
+    """`def forward_impl(self, inputs...)`: the program's ops; parameters, buffers and
+    constants are attributes of the module (ZeRO-3: parameters gathered per unit)."""
+    lines = [""]
     attrs = g.buffers + g.consts + ([] if units else g.params)
     with value_names({v: f"self.{v.name}" for v in attrs}):
-        lines.append("")
         args = ", ".join(v.name for v in g.inputs)
-        lines.append(f"    def forward_impl(self{', ' + args if args else ''}):")
+        lines.append(f"    def {name}(self{', ' + args if args else ''}):")
+        if doc:
+            lines.append(f'        """{doc[0].upper() + doc[1:]}."""')
         if units:
             lines.append("        DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, "
                          "self.zero")
@@ -212,9 +232,26 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
             lines += size_lines(g, "        ")
             lines += forward_body(g, indent="        ", local_n=n)
         lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
-    out = "\n".join(lines) + "\n"
-    shared["tail"] = out[head:]
-    return out
+    return lines
+
+
+def eval_units(g: Graph, ev: Graph, units: list) -> list:
+    """ZeRO-3 units of the eval program: the training program's (the same flat
+    parameters), each with the eval program's Values."""
+    if not units:
+        return []
+    by_fqn = {v.fqn: v for v in ev.params}
+    return [(attr, path, [by_fqn[v.fqn] for v in values]) for attr, path, values in units]
+
+
+def buffer_updates_line(g: Graph) -> str:
+    """BUFFER_UPDATES: the buffers whose new values forward returns after its outputs (in
+    training mode the runtime copies them into the buffers, as BatchNorm updates its running
+    statistics)."""
+    names = {v.fqn: v.name for v in g.buffers}
+    local = [names[fqn] for fqn in g.trace_info.buffer_updates]
+    return (f"    BUFFER_UPDATES = {local!r}  # buffers forward updates: their new values follow "
+            f"the outputs; written back in training mode\n")
 
 
 def size_lines(g: Graph, indent: str) -> list[str]:

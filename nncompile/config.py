@@ -17,9 +17,9 @@ PAS_CONFIG_KEYS = frozenset({
     "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
     "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
     "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank",
-    "overlap_grad_sync"})
+    "overlap_grad_sync", "batched_inputs"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
-               "offload_params", "check", "compile")
+               "offload_params", "check", "compile", "init_sync")
 ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"
 
@@ -68,6 +68,10 @@ class ComputeConfig:
                                          # refuse a plan whose loss or gradients differ
     compile: bool = False                # torch.compile each rank's generated forward (inductor,
                                          # collectives included): ParallelModule.compile
+    init_sync: bool = True               # at load, every rank takes global rank 0's parameters
+                                         # and buffers, as DDP does (runtime/consistency.py)
+    check_inputs: int = 3                # the first N calls compare inputs (and random
+                                         # generators) across each plan unit; 0 turns it off
 
     def __post_init__(self):
         if not _is_int(self.plan_ngpus) or self.plan_ngpus < 1:
@@ -109,6 +113,10 @@ class ComputeConfig:
         if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
             raise ConfigError(f"reducer_bucket_cap_mb must be a positive number (megabytes), "
                               f"got {cap!r}")
+        if not _is_int(self.check_inputs) or self.check_inputs < 0:
+            raise ConfigError(f"check_inputs={self.check_inputs!r}; check_inputs is how many "
+                              f"first calls compare inputs across each plan unit: an int >= 0 "
+                              f"(0 turns the check off)")
         if not _is_int(self.zero_ngroups) or self.zero_ngroups < 1:
             raise ConfigError(f"zero_ngroups must be a positive int, got {self.zero_ngroups!r}")
         if self.runtime_ngpus is not None and self.dp_size % self.zero_ngroups:
@@ -184,7 +192,8 @@ class ComputeConfig:
 
 
 RUNTIME_FIELDS = ("use_async_reducer", "reducer_bucket_cap_mb", "reduce_in_fp32", "use_zero",
-                  "zero_ngroups", "offload_optimizer", "offload_params", "check", "compile")
+                  "zero_ngroups", "offload_optimizer", "offload_params", "check", "compile",
+                  "init_sync", "check_inputs")
 
 
 def _plan_view(saved: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from . import layer_replay, symbolic
+from . import layer_replay, symbolic, user_checkpoint
 from .errors import ConfigError, TraceError
 from .runtime import arguments
 from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, TraceInfo, Value
@@ -218,14 +218,32 @@ class _Lowering:
             self.env[node] = v
         self.ops.extend(const_literal_ops)
         for spec in sig.output_specs:
-            if spec.kind != OutputKind.USER_OUTPUT:
+            if spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION):
+                what = "an input" if spec.kind == OutputKind.USER_INPUT_MUTATION else \
+                    "a parameter" if spec.kind == OutputKind.PARAMETER_MUTATION else "a tensor"
                 raise TraceError(
-                    f"forward mutates {spec.target!r} ({spec.kind.name}); in-place updates of "
-                    "buffers or inputs are not supported yet (e.g. BatchNorm in training mode)")
+                    f"forward writes in place into {what} ({spec.target!r}, "
+                    f"{spec.kind.name}); only buffers may be updated in forward (BatchNorm's "
+                    "running statistics): compute a new tensor out of place and return it")
         outputs = self._run_graph(self.ep.graph_module, no_grad=False)
         spec = pytree.treespec_dumps(self.ep.call_spec.out_spec) if self.ep.call_spec.out_spec \
             else ""
-        return Graph(inputs, params, buffers, self.ops, list(outputs), out_spec=spec)
+        # buffer updates (BatchNorm's running statistics): torch.export returns each buffer's
+        # new value; they follow the user's outputs, and trace_info names their buffers
+        user, updates, renamed = [], {}, set()
+        for out_spec, v in zip(sig.output_specs, outputs):
+            if out_spec.kind == OutputKind.BUFFER_MUTATION:
+                fqn = self.canonical_fqn(out_spec.target)
+                updates[fqn] = v
+                if isinstance(v, Value) and v.kind == "op" and id(v) not in renamed:
+                    renamed.add(id(v))          # bn1_running_mean_new, not ..._functional_3
+                    v.name = self.fresh(_sanitize(fqn) + "_new")
+            else:
+                user.append(v)
+        graph = Graph(inputs, params, buffers, self.ops, user + list(updates.values()),
+                      out_spec=spec)
+        graph.trace_info.buffer_updates = list(updates)
+        return graph
 
     def _bind_sizes(self, sig, placeholders: list[torch.fx.Node]) -> None:
         """Name torch.export's size symbols after dynamic_dims, with the ranges it proved."""
@@ -541,7 +559,7 @@ def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
     args, kwargs = _meta_args(module, args, kwargs)
     watch = _WatchFunctions()
     try:
-        with watch, layer_replay.installed(runs):
+        with watch, user_checkpoint.traced(), layer_replay.installed(runs):
             ep = torch.export.export(module, args, kwargs, strict=False)
         if watch.found:
             return None
@@ -563,7 +581,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
     args, kwargs = _meta_args(module, args, kwargs)
     watch = _WatchFunctions()
     try:
-        with watch:
+        with watch, user_checkpoint.traced():
             ep = torch.export.export(module, args, kwargs, strict=False,
                                      dynamic_shapes=dynamic_shapes)
     except Exception as e:  # noqa: BLE001 - translated below
@@ -578,6 +596,12 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
         where = _user_frame_from_text(text)
         data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(e).__name__
         at = f" at {where.file}:{where.line}: `{where.code}`" if where else ""
+        if data_dependent and "float(self.num_batches_tracked)" in text:
+            raise TraceError(
+                f"a BatchNorm layer of {type(module).__name__}{at} has momentum=None (a "
+                "cumulative average), which divides by num_batches_tracked read as a Python "
+                "number, a value nncompile cannot trace; give it a number (momentum=0.1 is "
+                "PyTorch's default)") from e
         if data_dependent:
             raise TraceError(
                 f"forward branches on a tensor's value{at}. nncompile traces one program for "
@@ -604,10 +628,17 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
     return functionalize(ep)
 
 
-def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None) -> Graph:
+def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
+          modes: bool = False) -> Graph:
     """Trace `module.forward` on `dummy_args` into an IR Graph (the module is not modified).
-    dynamic_dims: sizes that vary between calls (nncompile/symbolic.py)."""
+    dynamic_dims: sizes that vary between calls (nncompile/symbolic.py). modes: trace the
+    training and eval modes (nncompile/modes.py, what parallelize does); False: the module's
+    current mode only."""
+    if modes:
+        from .modes import trace_modes
+        return trace_modes(module, dummy_args, dynamic_dims)
     args, kwargs = normalize_args(module, dummy_args)
+    user_checkpoint.start()
     arguments.register_dataclasses((args, kwargs))
     positional, defaults = arguments.literal_defaults(module.forward)
     items = arguments.entries(positional, args, kwargs)
@@ -659,6 +690,7 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None) ->
         model=f"{type(module).__module__}.{type(module).__qualname__}",
         input_names=input_names, args=arguments.record(items, input_names),
         signature=positional,
+        buffer_updates=graph.trace_info.buffer_updates,
         defaults={k: v for k, v in defaults.items() if k not in dict(items)},
         param_order=[name for name, _ in module.named_parameters()],
         state_keys=[(key, canonical.get(id(t), key))
@@ -666,4 +698,7 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None) ->
     if dynamic:
         graph.trace_info.sizes = {s.var: (s.min, s.max, s.multiple_of)
                                   for s in lowering.sizes.specs.values()}
+    checkpointed = user_checkpoint.checkpointed_modules(module)
+    if checkpointed:        # torch.utils.checkpoint in the model: recomputed by the plan
+        graph.meta["checkpointed"] = checkpointed
     return graph

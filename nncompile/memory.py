@@ -183,6 +183,13 @@ def _slots(opt: torch.optim.Optimizer, group: dict) -> tuple[int, int] | None:
     return None
 
 
+def _stored(pm):
+    """The parameters holding storage (ZeRO-3: the flat pieces, not the per-parameter
+    handles pm.parameters() shows)."""
+    stored = getattr(pm, "stored_parameters", None)
+    return iter(stored()) if stored is not None else pm.parameters()
+
+
 def predicted_persistent(pm: torch.nn.Module, optimizer: Any = None) -> dict[str, int]:
     """Bytes per rank of parameters, gradients and optimizer state from the live tensors' shapes:
     every parameter of `pm` once, a gradient of each one that requires grad, and for a known
@@ -190,7 +197,7 @@ def predicted_persistent(pm: torch.nn.Module, optimizer: Any = None) -> dict[str
     its 4-byte step counters; an optimizer of another type counts its current state. Copies of
     parameters the optimizer steps instead of pm's own (ZeRO's flat shards) are optimizer
     state."""
-    params = {_ptr(p): p for p in pm.parameters()}
+    params = {_ptr(p): p for p in _stored(pm)}
     out = {"parameters": sum(_tensor_bytes(p) for p in params.values()),
            "gradients": sum(_tensor_bytes(p) for p in params.values() if p.requires_grad)}
     if optimizer is None:
@@ -200,9 +207,9 @@ def predicted_persistent(pm: torch.nn.Module, optimizer: Any = None) -> dict[str
     for group in opt.param_groups:
         slots = _slots(opt, group)
         for p in group["params"]:
-            if _ptr(p) not in seen:                    # a copy the optimizer owns
-                seen.add(_ptr(p))
-                state += _tensor_bytes(p)
+            if _ptr(p) not in seen:                    # a copy the optimizer owns (whole:
+                seen.add(_ptr(p))                      # ZeRO steps segments viewing it)
+                state += p.untyped_storage().nbytes()
             if slots is not None:
                 state += slots[0] * _tensor_bytes(p) + slots[1] * 4
     if all(_slots(opt, g) is None for g in opt.param_groups):
@@ -297,7 +304,7 @@ def profile(pm: torch.nn.Module, step_fn: Callable[[], Any], steps: int = 3,
 
     if steps < 1:
         raise ConfigError(f"steps={steps}: profile at least one step")
-    device = torch.device(getattr(pm, "device", None) or next(pm.parameters()).device)
+    device = torch.device(getattr(pm, "device", None) or next(_stored(pm)).device)
     cuda = device.type == "cuda" and torch.cuda.is_available()
     if cuda and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -308,7 +315,7 @@ def profile(pm: torch.nn.Module, step_fn: Callable[[], Any], steps: int = 3,
         if p.grad is not None:
             grad_max[id(p)] = max(grad_max.get(id(p), 0), _tensor_bytes(p.grad))
     hooks = [p.register_post_accumulate_grad_hook(on_grad)
-             for p in pm.parameters() if p.requires_grad]
+             for p in _stored(pm) if p.requires_grad]
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -332,7 +339,7 @@ def profile(pm: torch.nn.Module, step_fn: Callable[[], Any], steps: int = 3,
         if cuda_snapshot is not None:
             torch.cuda.memory._dump_snapshot(str(cuda_snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
-    for p in pm.parameters():          # gradients kept after the step (zero_grad to zeros)
+    for p in _stored(pm):              # gradients kept after the step (zero_grad to zeros)
         on_grad(p)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
         int(getattr(pm, "RANK", 0))
@@ -367,7 +374,7 @@ def _forward_files(pm) -> list[str]:
 
 
 def _count_tensors(pm, optimizer, grad_max: dict[int, int]) -> dict[str, int | None]:
-    params = {_ptr(p): p for p in pm.parameters()}
+    params = {_ptr(p): p for p in _stored(pm)}
     out: dict[str, int | None] = {
         "parameters": sum(_tensor_bytes(p) for p in params.values()),
         "gradients": sum(grad_max.get(id(p), 0) for p in params.values()),
@@ -376,7 +383,7 @@ def _count_tensors(pm, optimizer, grad_max: dict[int, int]) -> dict[str, int | N
         opt = getattr(optimizer, "inner", optimizer)
         copies = {_ptr(p): p for g in opt.param_groups for p in g["params"]
                   if _ptr(p) not in params}
-        out["optimizer_state"] = sum(_tensor_bytes(p) for p in copies.values()) + \
+        out["optimizer_state"] = sum(p.untyped_storage().nbytes() for p in copies.values()) + \
             _state_bytes(opt, set(params) | set(copies))
     return out
 
@@ -393,7 +400,7 @@ def _live_storages(pm, optimizer) -> dict[int, str]:
             for v in (st.values() if isinstance(st, dict) else ()):
                 if isinstance(v, torch.Tensor):
                     live[_ptr(v)] = "optimizer_state"
-    for p in pm.parameters():
+    for p in _stored(pm):
         live[_ptr(p)] = "parameters"
     return live
 

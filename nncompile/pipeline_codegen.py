@@ -16,6 +16,8 @@ A rank's file holds, besides the usual tables (only the parameters its stages us
 """
 from __future__ import annotations
 
+import torch
+
 from nncompile.errors import ConfigError, GraphError
 from nncompile.ir import Graph, Value, fmt_literal
 from nncompile.pipeline_config import PipelineConfig
@@ -138,6 +140,60 @@ def tied_params(g: Graph, stages: list[Graph]) -> dict[str, list[int]]:
     return {fqn: ss for fqn, ss in where.items() if len(ss) > 1}
 
 
+_DROPOUT = ("aten.dropout.default", "aten.native_dropout.default")
+_SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def _meta(v) -> tuple[list[int], str]:
+    return list(v.meta.shape), str(v.meta.dtype).replace("torch.", "")
+
+
+def _arg(op, i: int, name: str, default):
+    """An argument's value in training mode (a mode argument, modes.ModeArg, read as such)."""
+    x = op.args[i] if len(op.args) > i else op.kwargs.get(name, default)
+    return x.train if isinstance(x, str) and hasattr(x, "train") else x
+
+
+def stage_draws(sg: Graph) -> list[tuple]:
+    """The random draws one micro-batch's forward of this stage makes in training mode, in
+    order, each as runtime/rng.py's `replay` takes it: (kind, full noise shape, dtype, p)
+    and, for an unsplit attention, its operands' shapes. Shapes are static, so every
+    micro-batch draws the same. Random ops of other kinds are not replayed (a warning)."""
+    import warnings
+    out = []
+    for op in sg.ops:
+        name = op.target_name
+        if name in _DROPOUT or name in ("rng.dropout", "rng.native_dropout"):
+            p, train = _arg(op, 1, "p", 0.5), _arg(op, 2, "train", True)
+            if train is False or not p or not op.args[0].is_tensor:
+                continue
+            if name.startswith("rng.") and p >= 1:
+                continue                        # rng.py returns zeros without drawing
+            shape, dtype = _meta(op.args[0])
+            out.append((name.split(".")[1] if name.startswith("aten.") else "noise",
+                        shape, dtype, float(p)))
+        elif name in (_SDPA, "rng.scaled_dot_product_attention"):
+            p = _arg(op, 4, "dropout_p", 0.0)
+            if not p:
+                continue
+            q, k, v = op.args[:3]
+            shape, dtype = list(q.meta.shape[:-1]) + [k.meta.shape[-2]], _meta(q)[1]
+            if name.startswith("rng."):
+                out.append(("noise", shape, dtype, float(p)))
+                continue
+            mask = _arg(op, 3, "attn_mask", None)
+            out.append(("sdpa", shape, dtype, float(p), _meta(q)[0], _meta(k)[0], _meta(v)[0],
+                        _meta(mask) if getattr(mask, "is_tensor", False) else None,
+                        bool(_arg(op, 5, "is_causal", False)), _arg(op, 6, "scale", None),
+                        bool(_arg(op, 7, "enable_gqa", False))))
+        elif torch.Tag.nondeterministic_seeded in getattr(op.target, "tags", ()):
+            warnings.warn(f"pipeline stage runs {name} ({op.module_path or 'top level'}), a "
+                          "random op whose draws the pipeline does not replay: its random "
+                          "numbers will differ from one device's (dropout and attention "
+                          "dropout are exact)", stacklevel=2)
+    return out
+
+
 def pipeline_tables(g: Graph, rank: int, stages: list[Graph], units=()
                     ) -> tuple[dict, list[tuple]]:
     """This rank's PIPELINE dict and STAGES rows (`units`: ZeRO-3's flat parameters, which
@@ -152,6 +208,11 @@ def pipeline_tables(g: Graph, rank: int, stages: list[Graph], units=()
         "batched": list(g.trace_info.batched),
         "tied": tied_params(g, stages),      # FQN: the stages using it (every rank's file)
     }
+    draws = {s: stage_draws(sg) for s, sg in enumerate(stages)}
+    if any(draws.values()):                  # every stage's, so each rank can replay them
+        info["draws"] = draws
+    if g.meta.get("eval_differs"):           # the stages hold the training-mode forward only
+        info["eval_differs"] = True             # (modes.eval_program keeps no eval program)
     def params(sg: Graph) -> tuple[str, ...]:
         if not units:
             return tuple(v.name for v in sg.params)

@@ -90,10 +90,10 @@ def pipeline_config(pas_config: dict, plan_ngpus: int) -> PipelineConfig:
     return PipelineConfig(stages, schedule, m, v)
 
 
-def microbatch_dummy(dummy_args, microbatches: int):
+def microbatch_dummy(dummy_args, microbatches: int, batched: list[bool] | None = None):
     """dummy_args with every tensor whose dim 0 is the batch size (that of the first tensor
     with a dim) cut to one micro-batch, and the batch size: the compiled code runs one
-    micro-batch at a time."""
+    micro-batch at a time. `batched` (per leaf, nncompile/batched.py) narrows which are."""
     import torch
     from torch.utils import _pytree as pytree
     leaves = [x for x in pytree.tree_leaves(dummy_args)
@@ -107,6 +107,8 @@ def microbatch_dummy(dummy_args, microbatches: int):
                           f"argument); every micro-batch needs the same size: use a batch that "
                           f"is a multiple of {microbatches}, or another microbatches")
     size = batch // microbatches
-    return pytree.tree_map(
-        lambda x: x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 and
-        x.shape[0] == batch else x, dummy_args), batch
+    flat, spec = pytree.tree_flatten(dummy_args)
+    keep = batched if batched is not None and len(batched) == len(flat) else [True] * len(flat)
+    return pytree.tree_unflatten(
+        [x[:size] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch
+         and cut else x for x, cut in zip(flat, keep)], spec), batch

@@ -299,6 +299,34 @@ def warn_if_unsplit(graph) -> None:
         stacklevel=3)
 
 
+def warn_unsplit_sequence(graph, n: int, sizes: list) -> None:
+    """tp_sp found no op to split on the sequence dim, and that dim is a dynamic size that is
+    not a declared multiple of the plan size `n` (`sizes`: the layer blocks' sequence sizes):
+    say that sequence parallelism is off and which multiple_of to declare."""
+    odd = [s for s in sizes if isinstance(s, Sym) and not divides(s.expr, n)]
+    if not odd:
+        return
+    import warnings
+    size = odd[0]
+    names = sorted(str(v) for v in size.expr.free_symbols)
+    var = next((v for v in names if v in graph.trace_info.sizes and
+                graph.trace_info.sizes[v][2] % n), names[0] if names else size.code())
+    lo, hi, m = graph.trace_info.sizes.get(var, (2, INT_MAX, 1))
+    where = next(((v.name, d) for v in graph.inputs for d, dim in enumerate(v.meta.shape)
+                  if isinstance(dim, Sym) and dim.code() == var), None)
+    example = (f"dynamic_dims={{{where[0]!r}: {{{where[1]}: {{'name': {var[2:]!r}, "
+               f"'multiple_of': {n}}}}}}}" if where else
+               f"'multiple_of': {n} for the size {var[2:]!r} in dynamic_dims")
+    warnings.warn(
+        f"tp_sp at plan {n} runs without sequence parallelism (as tp): the layer blocks' "
+        f"sequence dim is the dynamic size {var[2:]!r}"
+        f"{f' (dim {where[1]} of input {where[0]!r})' if where else ''}, "
+        f"{'a multiple of ' + str(m) if m > 1 else 'any value'} in [{lo}, "
+        f"{'any' if hi >= INT_MAX else hi}], and a dim can only be split if it is divisible by "
+        f"{n} for every size dynamic_dims allows. Declare it a multiple of the plan size, e.g. "
+        f"{example}, and pad batches to it", stacklevel=4)
+
+
 # ---- runtime guards --------------------------------------------------------------------------
 def check_sizes(inputs: list[tuple[str, Any, tuple]], sizes: dict[str, tuple]) -> None:
     """Each input's dims match its traced shape: a static int, or a named size within its

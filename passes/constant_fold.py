@@ -7,7 +7,8 @@ Before:                                        After:
                                                        # ---- forward ----
                                                        pos = aten.embedding(wpe_weight, arange)
 
-Constants are literals, buffers (the frontend rejects buffer mutation) and results of
+Constants are literals, buffers that forward does not update (BatchNorm's running statistics
+are read fresh on every call) and results of
 deterministic ops on constants: `arange`, causal masks, rotary tables. Shape arithmetic is
 already folded to literals by tracing with static shapes; ops whose arguments are dynamic sizes
 (nncompile/symbolic.py) stay in the forward. The constant section is computed in
@@ -33,7 +34,8 @@ _RANDOM = {"rand", "randn", "randint", "rand_like", "randn_like", "randint_like"
 def constant_fold(graph: Graph) -> Graph:
     g = graph.clone()
     g.stages = g.stages | {Stage.FOLDED}
-    const: set[int] = {id(v) for v in g.buffers}
+    updated = set(g.trace_info.buffer_updates)
+    const: set[int] = {id(v) for v in g.buffers if v.fqn not in updated}
     const |= {id(v) for op in g.const_ops for v in op.outputs}
     moved, kept = [], []
     for op in g.ops:

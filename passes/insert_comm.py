@@ -97,8 +97,13 @@ def insert_comm(graph: Graph) -> Graph:
         op.map_values(lambda v: repl.get(id(v), v))
         ops += ins.new_ops + [op]
     ins.new_ops = []
-    g.outputs = [ins.convert(v, Replicate()) if isinstance(v, Value) and v.is_tensor else v
-                 for v in g.outputs]
+    # a buffer's new value (the last outputs) is written back into its shard: placed as it is
+    nupd = len(g.trace_info.buffer_updates)
+    buffers = {v.fqn: v for v in g.buffers}
+    wants = [Replicate()] * (len(g.outputs) - nupd) + \
+        [buffers[f].placement for f in g.trace_info.buffer_updates]
+    g.outputs = [ins.convert(v, want) if isinstance(v, Value) and v.is_tensor else v
+                 for v, want in zip(g.outputs, wants)]
     g.ops = ops + ins.new_ops
     g.stages = g.stages | {Stage.COMM_INSERTED}
     g.plan_state.partial_grad_params = sorted(partial_grad

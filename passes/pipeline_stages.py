@@ -186,6 +186,19 @@ def _ms(x: float) -> float | None:
     return None if x == _INF else x * 1e3
 
 
+def check_no_buffer_updates(g: Graph) -> None:
+    """Stages do not return buffer updates yet: a ConfigError where forward makes some."""
+    updates = g.trace_info.buffer_updates
+    if not updates:
+        return
+    more = f" and {len(updates) - 3} more" if len(updates) > 3 else ""
+    raise ConfigError(
+        f"{g.trace_info.model}.forward updates buffers in place ({', '.join(updates[:3])}"
+        f"{more}: BatchNorm's running statistics in training mode), which a pipelined plan "
+        "does not support yet; train without pipeline_stages, or call model.eval() before "
+        "parallelize if the statistics are to stay fixed")
+
+
 @dataclass
 class PartitionStages:
     """The pass (see the module docstring)."""
@@ -200,6 +213,7 @@ class PartitionStages:
         if pc.stages == AUTO and not self.autodist:
             raise ConfigError("pas_config['pipeline_stages']='auto' is chosen by autodist; use "
                               "pas_policy='autodist' or give the number of stages")
+        check_no_buffer_updates(graph)
         g = graph.clone()
         layers, head, tail = layers_of(g)
         if not layers:

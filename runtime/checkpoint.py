@@ -52,16 +52,17 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_torch(obj: Any, path: Path) -> None:
-    """torch.save to a temporary name in the same directory, then rename."""
+    """torch.save to a temporary name in the same directory, then rename (the temporary file
+    is removed if either fails)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def load_torch(path: str | os.PathLike, map_location=None) -> Any:
@@ -143,27 +144,88 @@ def check_extra(extra: Any, where: str = "extra") -> None:
         "string or a tensor")
 
 
+def agree(error: str | None, what: str) -> None:
+    """A barrier that carries each rank's outcome: every rank learns every rank's `error`
+    (None: fine) and, if any has one, every rank raises the same CheckpointError naming
+    `what` and each failed rank, so no rank is left waiting for the others."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CheckpointError(f"{what}: " + ("; ".join(f"rank {r}: {e}" for r, e in failed)
+                                             if len(errors) > 1 else failed[0][1]))
+
+
+def _os_error(e: OSError) -> str:
+    return f"{e.strerror or type(e).__name__}: {e.filename}" if e.filename else str(e)
+
+
+def _make_staging(target: Path, staging: Path) -> str | None:
+    """Rank 0 creates the empty staging directory next to `target`; what went wrong, in words
+    with the fix, or None."""
+    if target.exists() and not target.is_dir():
+        return (f"{target} exists and is not a directory; pass a new path or a checkpoint "
+                "directory to replace")
+    blocker = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return (f"{blocker} is a file, not a directory, so no directory can be created under "
+                "it; pass a path whose parents are directories")
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        with open(staging / ".probe", "wb"):
+            pass
+        (staging / ".probe").unlink()
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        return (f"cannot create and write the directory {staging} ({_os_error(e)}); pass a "
+                "path in a directory you can write to")
+    return None
+
+
 @contextlib.contextmanager
 def staged_directory(directory: str | os.PathLike, pm, meta: dict):
     """Every rank writes into the yielded `.<name>.partial/`; once all have, rank 0 adds
-    checkpoint.json (`meta` plus the world size and the plan) and renames it to `directory`."""
+    checkpoint.json (`meta` plus the world size and the plan) and renames it to `directory`.
+
+    Each step ends with `agree` instead of a barrier: a directory rank 0 cannot create, a
+    rank's write that fails, or a failed rename is the same CheckpointError on every rank at
+    once (not a raw OSError on one rank while the others wait out the timeout), and the
+    staging directory is removed, so `directory` and any checkpoint there stay untouched."""
     rank, world = _rank_world()
     target = Path(directory).absolute()
     staging = target.with_name(f".{target.name}.partial")
+    what = f"cannot save a checkpoint to {target}"
+    agree(_make_staging(target, staging) if rank == 0 else None, what)
+    error, cause = None, None
+    try:
+        yield staging
+    except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
+        error, cause = f"{type(e).__name__}: {e}", e
+    try:
+        agree(error, f"saving the checkpoint {target} failed")
+    except CheckpointError as e:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        if cause is not None and not isinstance(cause, OSError):
+            raise cause             # this rank's own error as it was; the others name it
+        raise e from cause
+    error = None
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    _barrier()
-    yield staging
-    _barrier()
-    if rank == 0:
-        info = plan_info(pm)
-        write_json(staging / META, {
-            **meta, "world_size": world,
-            "plan": {k: info[k] for k in ("policy", "plan_ngpus", "runtime_ngpus",
-                                          "pipe_ranks", "fingerprint")}})
-        replace_dir(staging, target)
-    _barrier()
+        try:
+            info = plan_info(pm)
+            write_json(staging / META, {
+                **meta, "world_size": world,
+                "plan": {k: info[k] for k in ("policy", "plan_ngpus", "runtime_ngpus",
+                                              "pipe_ranks", "fingerprint")}})
+            replace_dir(staging, target)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            error = (f"moving the finished checkpoint into place failed ({_os_error(e)}); "
+                     "the previous contents of the path are unchanged")
+    agree(error, what)
 
 
 def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format: str = "sharded",
@@ -174,7 +236,8 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
         raise CheckpointError(f"format={format!r}; choose one of {FORMATS}")
     check_extra(extra)
     rank, _ = _rank_world()
-    meta = {"format": format, "has_optimizer": optimizer is not None}
+    meta = {"format": format, "has_optimizer": optimizer is not None,
+            **(_optimizer_layout(pm, optimizer) if optimizer is not None else {})}
     with staged_directory(directory, pm, meta) as staging:
         if format == "sharded":
             save_torch({"model": pm.state_dict(),
@@ -237,7 +300,10 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     if meta["world_size"] != world:
         _refuse(path, meta, pm, f"it was saved by {meta['world_size']} ranks")
     blob = load_on_every_rank(path / f"rank{rank}.pt", map_location=pm.device)
-    check_shards(path, meta, pm, blob["model"].get("_extra_state") or {})
+    saved_info = blob["model"].get("_extra_state") or {}
+    check_shards(path, meta, pm, saved_info)
+    if meta["format"] == "sharded" and optimizer is not None:
+        _check_optimizer_layout(path, meta, saved_info, blob["optimizer"], pm, optimizer)
     if meta["format"] == "sharded":
         pm.load_state_dict(blob["model"])                # checks the plan first
         if optimizer is not None:
@@ -259,6 +325,51 @@ def check_shards(path: Path, meta: dict, pm, saved: dict) -> None:
     bad = next(((r, w) for r, w in enumerate(whys) if w is not None), None)
     if bad is not None:
         _refuse(path, meta, pm, f"rank {bad[0]}'s shards differ: {bad[1]}")
+
+
+def _optimizer_layout(pm, optimizer) -> dict[str, Any]:
+    """How the optimizer state of a sharded checkpoint is cut: the ZeRO stage and whether a
+    ZeroOptimizer (pieces of flattened tensors) or a plain optimizer holds it."""
+    from .optimizer import ZeroOptimizer
+    memory = getattr(pm, "memory", None)
+    return {"zero": getattr(memory, "zero", 0) if pm.zero is None else 3,
+            "zero_optimizer": isinstance(optimizer, ZeroOptimizer)}
+
+
+def _check_optimizer_layout(path: Path, meta: dict, saved_info: dict, saved_opt: Any, pm,
+                            optimizer) -> None:
+    """A sharded checkpoint's optimizer state is each rank's own, cut for the ZeRO layout it
+    was saved under; under another layout it cannot load (torch's own load_state_dict would
+    fail with a ValueError about parameter groups, or load state into the wrong tensors).
+    Refused before any tensor changes, on every rank alike (the layout is the job's)."""
+    if "zero" in meta:
+        saved = {"zero": meta["zero"], "zero_optimizer": meta["zero_optimizer"]}
+    else:                           # saved before checkpoint.json recorded it
+        saved = {"zero": 3 if "zero3" in saved_info else None,
+                 "zero_optimizer": isinstance(saved_opt, dict) and "nncompile_zero" in saved_opt}
+    mine = _optimizer_layout(pm, optimizer)
+    if (saved["zero"] == 3) == (mine["zero"] == 3) and \
+            saved["zero_optimizer"] == mine["zero_optimizer"]:
+        return
+    raise CheckpointError(
+        f"{path} is a sharded checkpoint whose optimizer state was saved under "
+        f"{_describe_layout(saved)}, but this module and optimizer run "
+        f"{_describe_layout(mine)}. The sharded format is tied to its ZeRO layout: each "
+        f"rank's file holds the optimizer state as that rank held it, so it only loads under "
+        f"the same ZeRO layout. To change ZeRO stage, save in "
+        f"a format that reshards: format='deduped' or format='dcp', or a merged file "
+        f"(python -m nncompile merge {path} -o merged.pt, then load merged.pt); or load only "
+        f"the model weights: load_checkpoint(path, pm) without the optimizer")
+
+
+def _describe_layout(layout: dict) -> str:
+    z = layout["zero"]
+    if z == 3:
+        return "ZeRO-3 (state of flat pieces of the parameters)"
+    if layout["zero_optimizer"]:
+        name = f"ZeRO-{z}" if z else ("offload_optimizer" if z == 0 else "ZeRO-1/2")
+        return f"{name} (each rank's piece of the flattened parameters)"
+    return "no ZeRO (state of whole parameters)"
 
 
 def _refuse(path: Path, meta: dict, pm, why: str) -> None:
@@ -309,9 +420,21 @@ def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) 
             model, opt = merge_state_dicts([b["model"] for b in blobs],
                                            opts if all(o is not None for o in opts) else None)
             merged = {"model": model, "optimizer": opt, "extra": blobs[0].get("extra")}
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    save_torch(merged, out)
+    out = Path(output).absolute()
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise CheckpointError(f"cannot write the merged checkpoint {out}: {blocker} is a file, "
+                              "not a directory; pass an output path whose parents are "
+                              "directories")
+    if out.is_dir():
+        raise CheckpointError(f"cannot write the merged checkpoint {out}: it is a directory; "
+                              "pass a file path (e.g. merged.pt)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_torch(merged, out)
+    except OSError as e:
+        raise CheckpointError(f"cannot write the merged checkpoint {out} ({_os_error(e)}); "
+                              "pass a path in a directory you can write to") from e
     return out
 
 

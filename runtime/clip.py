@@ -6,13 +6,26 @@ unit (counted once, locally), and every data-parallel unit holds the same reduce
 (nothing to sum across units). Under a pipeline each stage's total is summed over the
 pipeline ranks, a tied weight counted on the lowest stage holding it only (its copies are
 equal). So the norm equals the single-device norm of the same model.
+
+torch's own `torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm)` would take the norm of
+this rank's local gradients only (under tp each rank's shards: a smaller norm, a different clip
+on every rank). Importing nncompile routes that function through `torch_clip_grad_norm_`: the
+parameters of a ParallelModule whose gradients are split across ranks count by the global norm
+above (all of that module's trainable parameters must be given), anything else is torch's:
+
+    before: torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)   # tp 2: |local shard grads|
+    after:  the same call                                          # |all gradients|, as 1 GPU
 """
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
+
+from nncompile.errors import ConfigError
 
 from .groups import pipe_group
 from .rows import param_rows
@@ -67,13 +80,9 @@ def _grads(pm):
     return pieces, group, regular, scale
 
 
-def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Scale `pm`'s gradients in place so their global `norm_type` norm is at most `max_norm`;
-    returns the norm before clipping (like torch.nn.utils.clip_grad_norm_). Every rank calls it.
-    Under ZeRO-2/3 the pieces of each flat gradient are summed over the ZeRO group first, under
-    a pipeline the stages' totals over the pipeline ranks."""
-    norm_type = float(norm_type)
+def _partial_norm(pm, norm_type: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(sum of |g|^p over pm's gradients, or their max for the inf norm, taken over the whole
+    model: the plan unit, the ZeRO group and the pipeline; the gradients to scale)."""
     pieces, zero_group, regular, scale = _grads(pm)
     device = pm.device
     inf = math.isinf(norm_type)
@@ -87,24 +96,30 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0,
                    torch.zeros((), device=device))
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-
-    def combine(a, b):
-        return torch.maximum(a, b) if inf else a + b
-
     totals = []
     for sharded in (True, False):
         local = part([g for g, s in pieces if s == sharded])
         if zero_group is not None:
             dist.all_reduce(local, op=op, group=zero_group)
-        local = combine(local, part([g for g, s in regular if s == sharded]))
+        local = _combine(local, part([g for g, s in regular if s == sharded]), inf)
         if sharded and pm.plan_group is not None:
             dist.all_reduce(local, op=op, group=pm.plan_group)
         totals.append(local)
-    total = combine(*totals)
+    total = _combine(*totals, inf)
     if pm.PIPE_RANKS > 1 and dist.is_initialized():
         dist.all_reduce(total, op=op,
                         group=pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)[0])
-    if not inf:
+    return total, scale
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor, inf: bool) -> torch.Tensor:
+    return torch.maximum(a, b.to(a.device)) if inf else a + b.to(a.device)
+
+
+def _finish(total: torch.Tensor, scale: list[torch.Tensor], max_norm: float, norm_type: float,
+            error_if_nonfinite: bool) -> torch.Tensor:
+    """The p-th root of the combined parts, the nonfinite check, and the scaling."""
+    if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
@@ -113,3 +128,130 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0,
     for g in scale:
         g.detach().mul_(coef.to(g.device, g.dtype))
     return total
+
+
+def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale `pm`'s gradients in place so their global `norm_type` norm is at most `max_norm`;
+    returns the norm before clipping (like torch.nn.utils.clip_grad_norm_). Every rank calls it.
+    Under ZeRO-2/3 the pieces of each flat gradient are summed over the ZeRO group first, under
+    a pipeline the stages' totals over the pipeline ranks."""
+    norm_type = float(norm_type)
+    total, scale = _partial_norm(pm, norm_type)
+    return _finish(total, scale, max_norm, norm_type, error_if_nonfinite)
+
+
+# ---- torch.nn.utils.clip_grad_norm_ over a ParallelModule's parameters ------------------------
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()     # ParallelModules built in this process
+_TORCH_CLIP = None                                # torch's own clip_grad_norm_
+
+
+def track(pm) -> None:
+    """Let torch.nn.utils.clip_grad_norm_ recognize pm's parameters (called at load)."""
+    _LIVE.add(pm)
+
+
+def _needs_global(pm) -> bool:
+    """Whether pm's local gradients are not the whole model's: split over the plan unit, kept
+    as ZeRO-2/3 pieces, or one pipeline stage's."""
+    if not dist.is_initialized():
+        return False
+    return pm.zero is not None or pm._grad_shards is not None or pm.PIPE_RANKS > 1 or \
+        (pm.plan_group is not None and any(row.sharded for row in param_rows(pm)))
+
+
+def _owned_by(params: list) -> tuple[dict, list]:
+    """{pm: its parameters among `params`} for ParallelModules whose gradients need the global
+    norm, and the other parameters."""
+    owner_of = {}
+    for pm in list(_LIVE):
+        if _needs_global(pm):
+            for p in pm.parameters():
+                owner_of[id(p)] = pm
+    owned: dict = {}
+    rest = []
+    for p in params:
+        pm = owner_of.get(id(p)) or _tagged_owner(p)
+        if pm is not None and pm in _LIVE and _needs_global(pm):
+            owned.setdefault(pm, []).append(p)
+        else:
+            rest.append(p)
+    return owned, rest
+
+
+def _tagged_owner(p):
+    """The ParallelModule a per-parameter ZeRO-3 handle or segment, or a released parameter
+    of the original module, was made for (runtime/param_handles.py tags them), else None."""
+    for attr in ("_nnc_handle", "_nnc_origin"):
+        tag = getattr(p, attr, None)
+        if tag is not None:
+            return tag[0]()
+    ref = getattr(p, "_nnc_pm", None)
+    return ref() if ref is not None else None
+
+
+def _check_all_given(pm, given: list) -> None:
+    ids = {id(p) for p in given}
+    names = {n for n in (_local_name(pm, p) for p in given) if n is not None}
+    missing = [n for n, p in pm.named_parameters() if p.requires_grad and id(p) not in ids
+               and n not in names
+               and (p.grad is not None or pm.zero is not None or pm._grad_shards is not None)]
+    if missing:
+        raise ConfigError(
+            f"torch.nn.utils.clip_grad_norm_ got {len(given)} parameters of a ParallelModule "
+            f"whose gradients are split across ranks, without {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''}: its global norm is taken over all of its "
+            f"parameters; pass pm.parameters() (or call nncompile.clip_grad_norm_(pm, "
+            f"max_norm)), or clip a subset before parallelizing")
+
+
+def _local_name(pm, p):
+    try:
+        from .param_handles import local_name
+    except ImportError:
+        return None
+    return local_name(pm, p)
+
+
+def torch_clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                          error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, exact for a ParallelModule's parameters: those of a
+    module whose gradients are split across ranks count by the global norm
+    (nncompile.clip_grad_norm_), any others by their local gradients as torch counts them;
+    everything else is torch's own function, untouched."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owned, rest = _owned_by(params) if _LIVE else ({}, params)
+    if not owned:
+        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    total, scale = None, []
+    for pm, given in owned.items():
+        _check_all_given(pm, given)
+        part, grads = _partial_norm(pm, norm_type)
+        total = part if total is None else _combine(total, part, inf)
+        scale += grads
+    grads = [p.grad.detach() for p in rest if p.grad is not None]
+    for g in grads:
+        part = g.abs().max().float() if inf else g.float().norm(norm_type) ** norm_type
+        total = _combine(total, part, inf)
+    with torch.no_grad():
+        return _finish(total, scale + grads, max_norm, norm_type, error_if_nonfinite)
+
+
+def install() -> None:
+    """Route torch.nn.utils.clip_grad_norm_ through torch_clip_grad_norm_ (once)."""
+    global _TORCH_CLIP
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+    current = clip_grad.clip_grad_norm_
+    if getattr(current, "_nncompile", False):
+        return
+    _TORCH_CLIP = current
+    wrapper = functools.wraps(current)(torch_clip_grad_norm_)
+    wrapper._nncompile = True
+    clip_grad.clip_grad_norm_ = wrapper
+    utils.clip_grad_norm_ = wrapper
+
+
+install()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -170,7 +170,10 @@ def save_dcp(directory: str, pm, optimizer=None) -> None:
                               and v.dim() else v
                               for k, v in local.get(row.name, {}).items()}
         state["optim"] = optim
-    dcp.save(state, checkpoint_id=directory)
+    # a tensor several ranks hold alike is stored from the lowest of them: data-parallel units'
+    # buffers (BatchNorm statistics) may differ, and the checkpoint keeps the first unit's
+    dcp.save(state, checkpoint_id=directory,
+             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
 
 
 def load_dcp(directory: str, pm, optimizer=None) -> None:

@@ -113,11 +113,9 @@ def load_deduped_model_state(pm, model_sd: dict) -> None:
 
 
 def _local_dtypes(pm) -> dict[str, torch.dtype]:
-    """Each parameter's and buffer's dtype by local name (ZeRO-3: its flat piece's)."""
-    out = {n: t.dtype for n, t in [*pm.named_parameters(), *pm.named_buffers()]}
-    for unit in pm.zero.units if pm.zero is not None else []:
-        out.update(dict.fromkeys(unit.layout.names, out[unit.attr]))
-    return out
+    """Each parameter's and buffer's dtype by local name (ZeRO-3: its handle's, the flat
+    piece's)."""
+    return {n: t.dtype for n, t in [*pm.named_parameters(), *pm.named_buffers()]}
 
 
 def load_deduped_optimizer_state(pm, optimizer, optimizer_sd: dict | None) -> None:

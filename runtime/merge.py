@@ -35,11 +35,17 @@ class _Assembler:
         self.covered: dict[str, torch.Tensor] = {}
 
     def put(self, key: str, shape, slices, piece: torch.Tensor) -> None:
+        """The first rank given that holds a slice wins: ranks agree on parameters, but each
+        data-parallel unit keeps its own buffers (BatchNorm statistics), and the merged state
+        keeps the first unit's, as a DDP checkpoint saved by rank 0 does."""
         if key not in self.full:
             self.full[key] = piece.new_zeros(tuple(shape))
             self.covered[key] = torch.zeros(tuple(shape), dtype=torch.bool)
-        self.full[key][_index(slices)] = piece.detach().cpu()
-        self.covered[key][_index(slices)] = True
+        index = _index(slices)
+        if bool(self.covered[key][index].all()) and self.covered[key][index].numel():
+            return
+        self.full[key][index] = piece.detach().cpu()
+        self.covered[key][index] = True
 
     def result(self, what: str) -> dict[str, torch.Tensor]:
         missing = [k for k, c in self.covered.items() if not bool(c.all())]
@@ -133,7 +139,7 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
                         tuple(v.shape) == row.local_shape:
                     tensors.put(f"{row.fqn}\0{key}", row.shape, row.slices, v)
                 else:
-                    scalars.setdefault(row.fqn, {})[key] = v
+                    scalars.setdefault(row.fqn, {})[key] = _own(v)
     full = tensors.result("the optimizer state")
     order = infos[0]["param_order"]
     state: dict[int, dict[str, Any]] = {}
@@ -144,6 +150,12 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
             state[i] = st
     hyper = (groups or [{}])[0]
     return {"state": state, "param_groups": [{**hyper, "params": list(range(len(order)))}]}
+
+
+def _own(v: Any) -> Any:
+    """A tensor of its own: torch.save keeps aliasing, and an optimizer loading one tensor as
+    many parameters' `step` would advance it once per parameter and step."""
+    return v.detach().clone() if torch.is_tensor(v) else v
 
 
 def _unzero(infos: list[dict], opt_sds: list[dict]) -> list[dict | None]:
@@ -173,9 +185,9 @@ def _unzero(infos: list[dict], opt_sds: list[dict]) -> list[dict | None]:
                     for name, piece in zip(shard["names"],
                                            flat[:sum(shard["numels"])].split(shard["numels"])):
                         local.setdefault(name, {})[key] = piece
-                else:
+                else:             # a per-piece scalar (AdamW's step): one copy per parameter
                     for name in shard["names"]:
-                        local.setdefault(name, {})[key] = vals[0]
+                        local.setdefault(name, {})[key] = _own(vals[0])
         hyper = [{k: v for k, v in g.items() if k != "params"}
                  for g in ordered[0].get("param_groups", [])]
         for i in members:

@@ -24,10 +24,11 @@ from nncompile.ir import MemoryChoice
 from nncompile.ir.placement import Shard
 from nncompile.mesh import Mesh, grad_reduction
 
-from . import arguments
+from . import arguments, consistency
 from .groups import get_groups, group_along
 from .reducer import Reducer
 from .zero import ZeroRuntime
+from .param_handles import make_handles, release_original, take_original
 from .rows import buffer_rows, const_rows, param_rows
 from .state import check_same_plan, plan_info, share_over_pipeline
 
@@ -44,9 +45,11 @@ class ParallelModule(torch.nn.Module):
     PLAN_NGPUS = 1
     RUNTIME_NGPUS = 1
     INFERENCE_ONLY = False
+    TRAINING = True            # the traced module's mode (the one this module starts in)
     INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
     SIZES: dict[str, tuple[int, int, int]] = {}        # dynamic_dims: name -> (min, max, mult)
     GRAD_INPUTS: list[str] = []     # inputs traced requiring grad (the plan sums their grads)
+    BUFFER_UPDATES: list[str] = []  # buffers forward updates: new values follow its outputs
     ARGS: list[tuple] | None = None    # forward's arguments as traced (runtime/arguments.py)
     SIGNATURE: list[str] = []          # forward's positional parameters
     DEFAULTS: dict = {}                # untraced arguments' constant defaults
@@ -81,6 +84,7 @@ class ParallelModule(torch.nn.Module):
         self.zero: ZeroRuntime | None = None
         self._grad_shards = None       # a ZeRO-2 optimizer keeps the gradients (optimizer.py)
         state = _full_state(module)
+        consistency.sync_at_load(self, module, state)     # rank 0's weights, as DDP
         if self.memory.zero == 3:
             self.zero = ZeroRuntime(self, self.ZERO_UNITS, self.memory.offload_params,
                                     self.compute_config.zero_ngroups)
@@ -91,12 +95,18 @@ class ParallelModule(torch.nn.Module):
                 flat = torch.nn.Parameter(self.zero.shard_of(unit, pieces),
                                           requires_grad=unit.trainable)
                 flat._zero_attr = unit.attr
-                self.register_parameter(unit.attr, flat)
+                self.__dict__[unit.attr] = flat     # stored_parameters(), not parameters()
+            make_handles(self)      # named_parameters(): local names and shard shapes
+            shared = {}
         else:
+            shared = take_original(self, module, state, param_rows(self))
             for row in param_rows(self):
-                self.register_parameter(row.name, torch.nn.Parameter(
-                    self._local_shard(state.get(row.fqn), row.slices),
-                    requires_grad=not self.INFERENCE_ONLY and row.name not in self.FROZEN))
+                p = shared.get(row.name)
+                if p is None:
+                    p = torch.nn.Parameter(
+                        self._local_shard(state.get(row.fqn), row.slices),
+                        requires_grad=not self.INFERENCE_ONLY and row.name not in self.FROZEN)
+                self.register_parameter(row.name, p)
         full_buffers = {}
         for row in buffer_rows(self):
             full = state[row.fqn].detach().to(self.device)
@@ -108,6 +118,10 @@ class ParallelModule(torch.nn.Module):
                 self.register_buffer(row.name, _slice(consts[row.name], row.slices).contiguous(),
                                      persistent=False)
         self._reducer = self._build_reducer()
+        release_original(self, module, param_rows(self), shared)
+        # the mode of the module it was built from (as a copy of it would be): pm.train() and
+        # pm.eval() then switch, as they do on the model
+        self.train(module.training if module is not None else self.TRAINING)
         self.pipeline = None
         if self.PIPELINE is not None and dist.is_initialized():
             from .pipeline import PipelineRuntime
@@ -130,6 +144,8 @@ class ParallelModule(torch.nn.Module):
     def forward_impl(self, *inputs):
         raise NotImplementedError
 
+    forward_eval_impl = None    # the forward in eval mode, where it differs (nncompile/modes.py)
+
     # ---- torch.compile ----------------------------------------------------------------------
     def compile(self, **kwargs) -> "ParallelModule":
         """torch.compile this rank's generated forward (`forward_impl`, its collectives
@@ -148,6 +164,9 @@ class ParallelModule(torch.nn.Module):
         kwargs.setdefault("backend", "inductor")
         compiled = torch.compile(type(self).forward_impl, **kwargs)
         self.forward_impl = functools.partial(compiled, self)   # an instance attribute wins
+        if type(self).forward_eval_impl is not None:            # eval mode's program too
+            self.forward_eval_impl = functools.partial(
+                torch.compile(type(self).forward_eval_impl, **kwargs), self)
         self.compile_options = dict(kwargs)
         return self
 
@@ -155,11 +174,8 @@ class ParallelModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         """Called like the original module's forward (runtime/arguments.py)."""
         if self.PIPELINE is not None:
-            raise PipelineError(
-                f"this plan is pipelined ({self.PIPELINE['ranks']} pipeline ranks, schedule "
-                f"{self.PIPELINE['schedule']!r}): a forward alone cannot run, since the stages "
-                "run forward and backward together over micro-batches; call "
-                "`loss = pm.train_step(*args, **kwargs)` instead of `pm(...)` + backward")
+            from .pipeline import pipelined_forward
+            return pipelined_forward(self, args, kwargs)
         try:
             specs = self._input_specs
         except AttributeError:
@@ -201,6 +217,8 @@ class ParallelModule(torch.nn.Module):
 
     def _run(self, inputs: list[torch.Tensor]):
         """The generated forward on checked inputs."""
+        if self._calls_to_check:          # the first calls: same inputs across the unit
+            consistency.check_call(self, inputs)
         if self.SIZES:                    # dynamic_dims: each size within its range
             check_sizes([(name, x, shape) for x, (name, shape, _) in zip(inputs, self.INPUTS)],
                         self.SIZES)
@@ -210,12 +228,18 @@ class ParallelModule(torch.nn.Module):
         reducer = self._reducer if grad else None
         if reducer is not None:
             reducer.reset()               # a backward that raised must not leave state behind
+        # eval mode runs the eval program where the forward differs beyond mode flags (those
+        # read self.training in either program: nncompile/modes.py)
+        evaluating = not self.training and self.forward_eval_impl is not None
+        impl = self.forward_eval_impl if evaluating else self.forward_impl
         if self.zero is not None:
             self.zero.reset()
             with torch.autograd.graph.saved_tensors_hooks(self.zero.pack, self.zero.unpack):
-                out = self.forward_impl(*inputs)
+                out = impl(*inputs)
         else:
-            out = self.forward_impl(*inputs)
+            out = impl(*inputs)
+        if self.BUFFER_UPDATES and not evaluating:
+            out = self._write_back(out)
         if reducer is not None:
             reducer.watch(out)            # sync mode: reduce when a backward through out ends
         spec = self._out_spec
@@ -223,6 +247,18 @@ class ParallelModule(torch.nn.Module):
             return out
         return out[0] if spec.is_leaf() and len(out) == 1 else \
             pytree.tree_unflatten(list(out), spec)
+
+    def _write_back(self, out: tuple) -> tuple:
+        """The outputs without the buffers' new values that follow them; in training mode
+        (as BatchNorm does) each is copied into its buffer. `.data` keeps the buffer's version
+        counter, so the backward of this forward, which saved the old buffer, still runs."""
+        k = len(self.BUFFER_UPDATES)
+        out, new = tuple(out[:-k]), out[-k:]
+        if self.training:
+            with torch.no_grad():
+                for name, t in zip(self.BUFFER_UPDATES, new):
+                    getattr(self, name).data.copy_(t.detach())
+        return out
 
     def _check_grad_inputs(self, inputs: list[torch.Tensor]) -> None:
         """An input that needs a gradient here but was traced without one: the plan holds no
@@ -261,6 +297,29 @@ class ParallelModule(torch.nn.Module):
             raise InputMismatchError(f"input {name!r} is on {x.device} but this rank's module "
                                      f"is on {self.device}; move it with .to({str(self.device)!r})")
         return x
+
+    # ---- the job around the module -----------------------------------------------------------
+    _calls_to_check = 0     # first calls left whose inputs are compared across the plan unit
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        """The original module this one was built from (DDP's `model.module`), the object
+        given to parallelize. Under a plan that shards parameters (tp, ZeRO-3, pipelines) its
+        own weights are not pm's and its state_dict() is not a checkpoint of pm: save with
+        nncompile.save_checkpoint, or take full weights with pm.gather_params()."""
+        return self.__dict__.get("_original_module")
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel units run the plan (runtime_ngpus // ranks per unit)."""
+        return Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS).size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel unit, 0..dp_size-1 (rank // plan_ngpus without a
+        pipeline): seed or shard the data by it, so a unit's ranks get the same batch."""
+        rank = dist.get_rank() if dist.is_initialized() else self.RANK
+        return Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS).coords(rank)["dp"]
 
     # ---- gradients ----------------------------------------------------------------------
     def _build_reducer(self) -> Reducer | None:
@@ -377,25 +436,54 @@ class ParallelModule(torch.nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.zero is None:
             return
-        rest = {k: destination.pop(k) for k in list(destination) if k.startswith(prefix)}
-        for name, t in self.zero.local_tensors().items():
+        for name, t in self.zero.local_tensors().items():    # in place of the handles
             destination[prefix + name] = t
-        for unit in self.zero.units:
-            rest.pop(prefix + unit.attr, None)
-        destination.update(rest)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         if self.zero is not None:
             names = [row.name for row in param_rows(self)]
-            given = {n: state_dict.pop(prefix + n) for n in names if prefix + n in state_dict}
-            missing_keys.extend(prefix + n for n in names if n not in given)
+            given = {n: state_dict[prefix + n] for n in names if prefix + n in state_dict}
             if given:
                 self.zero.load_local_tensors(given)
-            for unit in self.zero.units:      # the flat pieces are loaded by now
-                state_dict[prefix + unit.attr] = getattr(self, unit.attr).detach()
+            for n in given:                   # loaded: the handles stand in (meta, no copy)
+                state_dict[prefix + n] = self._parameters[n]
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+    # ---- parameters as stored -------------------------------------------------------------
+    def stored_parameters(self):
+        """The Parameters holding this rank's weights: parameters(), except under ZeRO-3, where
+        parameters() are storage-less handles (runtime/param_handles.py) and these are the
+        flat pieces."""
+        if self.zero is None:
+            return iter(list(self.parameters()))
+        return iter([self.zero.flat(u) for u in self.zero.units])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if self.zero is None:
+            return
+        for flat in self.stored_parameters():
+            if flat.grad is not None:
+                if set_to_none:
+                    flat.grad = None
+                else:
+                    flat.grad.zero_()
+        for seg in self.__dict__.get("_nnc_segments", {}).values():
+            seg.grad = None if set_to_none or seg.grad is None else seg.grad
+
+    def _apply(self, fn, recurse: bool = True):
+        """ZeRO-3's handles have no storage to move or convert; the flat pieces stay where
+        offload_params put them."""
+        if self.zero is None:
+            return super()._apply(fn, recurse)
+        handles = dict(self._parameters)
+        self._parameters.clear()
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters.update(handles)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Like nn.Module's, but checks the plan before touching any tensor."""

@@ -1,6 +1,6 @@
 """build_optimizer: ZeRO stages 1-3 and optimizer offload.
 
-Without ZeRO or offload this is just `optimizer_cls(pm.parameters(), **kwargs)`: the reducer
+Without ZeRO or offload this is just `optimizer_cls(params, **kwargs)`: the reducer
 has already averaged the gradients, so every replica takes the same step.
 
 With ZeRO, the ranks holding the same parameter shard (the data-parallel group, or one of
@@ -12,19 +12,29 @@ rank keeps optimizer state for its piece only and steps it:
     stage 2: as 1, and the reduced gradient is kept only as that piece (the reducer hands each
              bucket over and frees it): .grad of the parameters is None after backward
     stage 3: the parameters themselves are the pieces (runtime/zero.py): the optimizer steps
-             pm.parameters() in place, nothing is gathered after the step
+             them in place, nothing is gathered after the step
 
 With offload_optimizer the pieces, their gradients and the optimizer state live in host memory
 (pinned on CUDA): gradients are copied to the host, the step runs there, the updated piece is
 copied back. Without a GPU the host is the CPU the model runs on and the same code runs.
 
-Slicing elements across tensor boundaries is exact for element-wise optimizers (SGD, Adam,
-AdamW, Adagrad, RMSprop, ...); the step reads `.grad` of the module's parameters, so gradient
-clipping and loading weights into `pm` between steps need no extra call.
+The inner optimizer steps one segment per local parameter: the run of the piece holding that
+parameter's elements (runtime/param_handles.py), in the group the user put the parameter in,
+so groups keep their own hyper-parameters at every stage:
+
+    before: AdamW([piece of every parameter], weight_decay=?)     one group, hyper-parameters lost
+    after:  AdamW([{"params": [h0_attn_q_proj_weight's run, ...], "weight_decay": 0.1},
+                   {"params": [h0_ln_1_bias's run, ...], "weight_decay": 0.0}])
+
+Slicing elements is exact only for element-wise optimizers: the known ones and those declared
+with `declare_elementwise`; others are refused (param_handles.check_elementwise). A parameter
+whose gradient no rank computed has no segment gradient and is not stepped. The step reads
+`.grad` of the module's parameters, so gradient clipping and loading weights into `pm` between
+steps need no extra call.
 """
 from __future__ import annotations
 
-import warnings
+import inspect
 from typing import Any
 
 import torch
@@ -34,46 +44,86 @@ from nncompile.errors import CheckpointError, ConfigError
 
 from .groups import get_zero_group
 from .rows import param_rows
+from .param_handles import (check_elementwise, cut, declare_elementwise, groups_by_name,
+                            segment_layout, segment_params, zero3_segments, zero_stage)
 from .zero import FlatLayout, gather_piece
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam",
-               "ASGD", "Rprop", "Adadelta")
+               "ASGD", "Rprop", "Adadelta")        # declared in param_handles._ELEMENTWISE
 
 
-def build_optimizer(pm, optimizer_cls: type, **kwargs: Any) -> torch.optim.Optimizer:
+def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None = None,
+                    **kwargs: Any) -> torch.optim.Optimizer:
     """The optimizer for a ParallelModule as its ZeRO stage and offload say (pm.memory): a
-    plain one without either, else a ZeroOptimizer."""
+    plain one without either, else a ZeroOptimizer.
+
+    Takes the optimizer's own arguments: `params` is None (every trainable parameter) or what
+    the optimizer accepts, an iterable of parameters or of group dicts with their own
+    hyper-parameters, taken from pm.named_parameters() or from the module pm was built from.
+    `optimizer_cls` may also be an optimizer instance: its class, groups and defaults are
+    rebuilt on pm. `elementwise=True` declares an optimizer outside the known list
+    element-wise, which ZeRO and offload need (they step pieces of tensors)."""
+    if isinstance(optimizer_cls, torch.optim.Optimizer):
+        if isinstance(optimizer_cls, ZeroOptimizer):
+            raise ConfigError("build_optimizer got a ZeroOptimizer; it is built already")
+        inst = optimizer_cls
+        optimizer_cls = type(inst)
+        if params is None:
+            params = [dict(g) for g in inst.param_groups]
+        kwargs = {**_constructor_args(optimizer_cls, inst.defaults), **kwargs}
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise ConfigError(f"build_optimizer needs a torch.optim.Optimizer class such as "
-                          f"torch.optim.AdamW, got {optimizer_cls!r}")
-    params = [p for p in pm.parameters() if p.requires_grad]
+                          f"torch.optim.AdamW (or an optimizer to convert), got "
+                          f"{optimizer_cls!r}")
+    if elementwise:
+        declare_elementwise(optimizer_cls)
     memory = pm.memory
-    if memory.zero == 0 and not memory.offload_optimizer:
-        return optimizer_cls(params, **kwargs)
-    if memory.zero == 3 and not memory.offload_optimizer:
-        return ZeroOptimizer(pm, optimizer_cls, **kwargs)
-    if optimizer_cls.__name__ not in ELEMENTWISE:
-        warnings.warn(f"ZeRO and offload slice parameters element-wise; "
-                      f"{optimizer_cls.__name__} must update each element independently of the "
-                      f"others for this to be exact (known to be: {', '.join(ELEMENTWISE)})",
-                      stacklevel=2)
-    return ZeroOptimizer(pm, optimizer_cls, **kwargs)
+    groups = _named_groups(pm, params)
+    stage = zero_stage(pm)
+    if stage is None:
+        by_name = dict(pm.named_parameters())
+        return optimizer_cls([{**g, "params": [by_name[n] for n in g["params"]]}
+                              for g in groups], **kwargs)
+    check_elementwise(optimizer_cls, stage, elementwise)
+    return ZeroOptimizer(pm, optimizer_cls, params=groups, **kwargs)
+
+
+def _constructor_args(cls: type, defaults: dict) -> dict:
+    """The defaults the class's constructor takes (AdamW's defaults name keys of Adam's that
+    AdamW's __init__ does not accept)."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
+
+
+def _named_groups(pm, params) -> list[dict]:
+    """Group dicts of local names; None: one group of every trainable parameter."""
+    if params is None:
+        return [{"params": [n for n, p in pm.named_parameters() if p.requires_grad]}]
+    return groups_by_name(pm, params)
 
 
 class _Shard:
-    """The optimizer's view of one flat piece: its layout, the parameters it is cut from
-    (stages 0-2) or the flat parameter it is (stage 3), and the tensor the optimizer steps."""
+    """One flat piece the optimizer steps: its layout, the parameters it is cut from
+    (stages 0-2) or the ZeRO-3 flat parameter it is, `param` (the piece the segments view: a
+    copy for stages 1-2 and offload, the flat itself for ZeRO-3) and `segs`, a Parameter per
+    tensor of the layout viewing its run of `param` (what the inner optimizer steps)."""
 
-    def __init__(self, layout: FlatLayout, params: list, sharded: bool, flat=None, host=None):
+    def __init__(self, layout: FlatLayout, params: list, sharded: bool, flat=None, host=None,
+                 segs=None):
         self.layout, self.params, self.sharded, self.flat = layout, params, sharded, flat
         if flat is not None:          # ZeRO-3: step the module's own piece (or a host copy)
             self.param = flat if host is None or flat.device == host else \
-                torch.nn.Parameter(_to_host(flat.detach(), host))
+                _to_host(flat.detach(), host)
         else:
             piece = layout.owned([p.detach() for p in params])
-            self.param = torch.nn.Parameter(_to_host(piece, host) if host is not None
-                                            else piece.clone())
+            self.param = _to_host(piece, host) if host is not None else piece.clone()
+        self.segs = segs if segs is not None and self.param is flat else \
+            segment_params(self.param, layout)
+        self.cuts = cut(layout, self.param)
         self.grad: torch.Tensor | None = None       # ZeRO-2: the reduced gradient's piece
+        self.got: set[int] = set()                  # ZeRO-2: tensors the reducer handed over
 
     @property
     def names(self):
@@ -89,9 +139,11 @@ def _to_host(t: torch.Tensor, host: torch.device) -> torch.Tensor:
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1-3 and/or offload around `optimizer_cls`; use it like the optimizer it
-    wraps (param_groups is the inner optimizer's, so LR schedulers work)."""
+    wraps (param_groups is the inner optimizer's, one per group given, so LR schedulers
+    work). The inner optimizer steps one segment per parameter: the run of this rank's piece
+    holding its elements, in the group the parameter was given in."""
 
-    def __init__(self, pm, optimizer_cls: type, **kwargs: Any):
+    def __init__(self, pm, optimizer_cls: type, params=None, **kwargs: Any):
         cfg, memory = pm.compute_config, pm.memory
         self.pm, self.stage = pm, memory.zero
         if memory.zero == 0:
@@ -104,8 +156,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.host = torch.device("cpu") if memory.offload_optimizer else None
         if pm.zero is not None:
             rows = {row.name: row for row in param_rows(pm)}
+            segs = zero3_segments(pm)
             self.shards = [_Shard(u.layout, [], rows[u.layout.names[0]].sharded,
-                                  flat=getattr(pm, u.attr), host=self.host)
+                                  flat=getattr(pm, u.attr), host=self.host,
+                                  segs=[segs[n] for n in u.layout.names])
                            for u in pm.zero.units if u.trainable]
         else:
             groups: dict[tuple, tuple[list, list]] = {}
@@ -118,8 +172,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.shards = [_Shard(FlatLayout(names, [p.shape for p in ps], self.zero_rank,
                                              self.zero_size), ps, sharded, host=self.host)
                            for (_, sharded), (names, ps) in groups.items()]
-        self.inner = optimizer_cls([s.param for s in self.shards], **kwargs)
-        super().__init__([s.param for s in self.shards], self.inner.defaults)
+        seg_of = {n: seg for s in self.shards for n, seg in zip(s.names, s.segs)}
+        named = _named_groups(pm, params)
+        for g in named:
+            frozen = [n for n in g["params"] if n not in seg_of]
+            if frozen:
+                raise ConfigError(f"parameter {frozen[0]!r} does not require grad (it is "
+                                  f"frozen), so {stage_name(pm)} keeps no piece of it to step; "
+                                  f"leave it out of the optimizer's parameters")
+        self.inner = optimizer_cls([{**g, "params": [seg_of[n] for n in g["params"]]}
+                                    for g in named], **kwargs)
+        super().__init__([seg for g in self.inner.param_groups for seg in g["params"]],
+                         self.inner.defaults)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self._where = {id(p): (s, i) for s in self.shards for i, p in enumerate(s.params)}
@@ -133,6 +197,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Add this rank's piece of each reduced gradient to the shards' gradient pieces."""
         for p, view in zip(params, views):
             s, i = self._where[id(p)]
+            s.got.add(i)
             if s.grad is None:
                 s.grad = torch.zeros(s.layout.hi - s.layout.lo, dtype=s.param.dtype,
                                      device=view.device)
@@ -171,25 +236,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for s in self.shards:
             if s.flat is not None:                     # ZeRO-3: the piece is the parameter
+                g = s.flat.grad
                 if s.param is not s.flat:
                     s.param.copy_(s.flat.detach())
-                    s.param.grad = None if s.flat.grad is None else \
-                        s.flat.grad.to(s.param.device, s.param.dtype)
+                    g = None if g is None else g.to(s.param.device, s.param.dtype)
+                for seg, (a, b, _, _) in zip(s.segs, s.cuts):
+                    seg.grad = None if g is None else g.detach()[a:b]
                 continue
             s.param.copy_(s.layout.owned([p.detach() for p in s.params]))  # pm's weights rule
             grad = s.layout.owned([p.grad if p.grad is not None else torch.zeros_like(p)
                                    for p in s.params])
             if s.grad is not None:               # ZeRO-2: what the reducer handed over
                 grad = grad + s.grad.to(grad.device)
-            s.param.grad = grad.to(s.param.device, s.param.dtype)
+            grad = grad.to(s.param.device, s.param.dtype)
+            for i, (seg, (a, b, _, _)) in enumerate(zip(s.segs, s.cuts)):
+                # a parameter no rank computed a gradient for is skipped, as on one device
+                seg.grad = grad[a:b] if (s.params[i].grad is not None or i in s.got) else None
         self.inner.step()
         for s in self.shards:
+            for seg in s.segs:
+                seg.grad = None
             if s.flat is not None:
                 if s.param is not s.flat:
                     s.flat.copy_(s.param.detach().to(s.flat.device, non_blocking=True))
-                    s.param.grad = None
                 continue
-            s.param.grad = None
             local = s.param.detach().to(s.params[0].device, non_blocking=True)
             full = self._gather_layout(s.layout, local)
             for p, value in zip(s.params, s.layout.unflatten(full)):
@@ -199,14 +269,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.pm.zero_grad(set_to_none=set_to_none)
         for s in self.shards:
-            s.param.grad = None
+            for seg in s.segs:
+                seg.grad = None
             s.grad = None
+            s.got = set()
 
     # ---- state --------------------------------------------------------------------------
+    def _segments(self) -> list:
+        return [p for g in self.inner.param_groups for p in g["params"]]
+
     def layout(self) -> dict:
-        return {"zero_rank": self.zero_rank, "zero_size": self.zero_size, "ranks": self.ranks,
-                "shards": [{"names": s.names, "numels": s.layout.numels, "lo": s.layout.lo,
-                            "hi": s.layout.hi} for s in self.shards]}
+        """How the inner optimizer's parameters (one segment per local tensor, in its index
+        order) cut the local tensors: the form merge.py reads."""
+        return segment_layout(self._segments(), self.ranks, self.zero_rank)
 
     def state_dict(self) -> dict:
         """This rank's piece of the optimizer state, with the layout it was cut by."""
@@ -218,8 +293,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise CheckpointError(
                 "this ZeRO optimizer state was cut for another layout "
                 f"(zero rank/size {saved and (saved['zero_rank'], saved['zero_size'])} vs "
-                f"{(self.zero_rank, self.zero_size)}, or other parameters); load a deduped, "
-                "merged or dcp checkpoint instead (nncompile.load_checkpoint)")
+                f"{(self.zero_rank, self.zero_size)}, or other parameters or groups); load a "
+                "deduped, merged or dcp checkpoint instead (nncompile.load_checkpoint)")
         self.inner.load_state_dict({k: v for k, v in state_dict.items()
                                     if k != "nncompile_zero"})
         self.param_groups = self.inner.param_groups    # torch replaced both: keep LR
@@ -228,54 +303,62 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def local_state(self) -> dict[str, dict[str, Any]]:
         """Full optimizer state of this rank's local parameters, by local name (gathered over
         the ZeRO group: a collective)."""
-        return flat_state_by_name(self.inner.state, [(s.param, s.layout) for s in self.shards],
-                                  self._gather_layout)
+        return segment_state_by_name(self.inner.state,
+                                     [(s.layout, s.segs, s.param) for s in self.shards],
+                                     self._gather_layout)
 
     def _gather_layout(self, layout: FlatLayout, v: torch.Tensor) -> torch.Tensor:
         return gather_piece(layout, v, self.zero_size, self.group, self.pm.device)
 
     def load_local_state(self, state: dict[str, dict[str, Any]]) -> None:
         """Inverse of local_state: keep this rank's slice of each full local state tensor."""
-        for s in self.shards:
-            new = flat_state_piece(state, s.layout, s.param)
-            if new:
-                self.inner.state[s.param] = new
+        load_segment_state(self.inner.state, [(s.layout, s.segs, s.param) for s in self.shards],
+                           state)
 
 
-def flat_state_by_name(opt_state: dict, flats: list, gather) -> dict[str, dict[str, Any]]:
-    """Optimizer state of flat pieces -> {local name: {key: full local tensor or scalar}};
-    `flats` is [(the stepped tensor, its FlatLayout)], `gather(layout, piece)` the full flat
-    vector of a state piece (a collective)."""
+def stage_name(pm) -> str:
+    return zero_stage(pm) or "this plan"
+
+
+def segment_state_by_name(opt_state: dict, shards: list, gather) -> dict[str, dict[str, Any]]:
+    """Optimizer state of segments -> {local name: {key: full local tensor or value}};
+    `shards` is [(FlatLayout, its segments, the piece they view)], `gather(layout, piece)` the
+    full flat vector of a state piece (a collective over the ZeRO group)."""
     out: dict[str, dict[str, Any]] = {}
-    for param, layout in flats:
-        st = opt_state.get(param, {})
-        for key in sorted(st):
-            v = st[key]
-            if isinstance(v, torch.Tensor) and v.numel() == param.numel() and v.dim() == 1:
-                for name, piece in zip(layout.names, layout.unflatten(gather(layout, v))):
-                    out.setdefault(name, {})[key] = piece.clone()
-            else:
-                for name in layout.names:
-                    out.setdefault(name, {})[key] = v.clone() if torch.is_tensor(v) else v
+    for layout, segs, piece in shards:
+        states = [opt_state.get(seg, {}) for seg in segs]
+        keys = sorted({k for st, seg in zip(states, segs) for k, v in st.items()
+                       if torch.is_tensor(v) and v.dim() == 1 and v.numel() == seg.numel()})
+        for key in keys:
+            parts = []
+            for st, seg in zip(states, segs):
+                v = st.get(key)
+                parts.append(v.detach().to(piece.device, piece.dtype) if v is not None else
+                             torch.zeros(seg.numel(), dtype=piece.dtype, device=piece.device))
+            flat = torch.cat(parts) if parts else piece.new_zeros(0)
+            full = gather(layout, flat)
+            for name, st, t in zip(layout.names, states, layout.unflatten(full)):
+                if st:
+                    out.setdefault(name, {})[key] = t.clone()
+        for name, st in zip(layout.names, states):
+            for k, v in st.items():
+                if k not in keys:
+                    out.setdefault(name, {})[k] = v.clone() if torch.is_tensor(v) else v
     return out
 
 
-def flat_state_piece(state: dict[str, dict[str, Any]], layout: FlatLayout,
-                     param: torch.Tensor) -> dict[str, Any]:
-    """This rank's piece of full local optimizer state tensors (inverse of
-    flat_state_by_name for one flat), shaped like `param`."""
-    per_param = [state.get(n, {}) for n in layout.names]
-    keys = set().union(*[set(st) for st in per_param]) if per_param else set()
-    new = {}
-    for key in sorted(keys):
-        vals = [st.get(key) for st in per_param]
-        if all(torch.is_tensor(v) and tuple(v.shape) == shape
-               for v, shape in zip(vals, layout.shapes)):
-            piece = layout.owned([v.to(param.device) for v in vals])
-            if piece.numel() != param.numel():
-                piece = layout.padded(piece)
-            new[key] = piece.clone()
-        else:
-            v = vals[0]
-            new[key] = v.clone() if torch.is_tensor(v) else v
-    return new
+def load_segment_state(opt_state: dict, shards: list, state: dict[str, dict[str, Any]]) -> None:
+    """This rank's runs of full local state tensors into the segments' optimizer state."""
+    for layout, segs, piece in shards:
+        for name, seg, shape in zip(layout.names, segs, layout.shapes):
+            saved = state.get(name)
+            if not saved:
+                continue
+            _, s, e, _ = seg._nnc_span
+            new = {}
+            for k, v in saved.items():
+                if torch.is_tensor(v) and tuple(v.shape) == tuple(shape) and v.dim():
+                    new[k] = v.reshape(-1)[s:e].to(seg.device, seg.dtype).clone()
+                else:
+                    new[k] = v.clone() if torch.is_tensor(v) else v
+            opt_state[seg] = new

@@ -18,6 +18,28 @@ divided by M before its backward, so the gradients are those of one device accum
 
 Plans without stages accumulate over `microbatches` micro-batches (no_sync on all but the
 last), so a loop written with train_step runs under every plan.
+
+Random ops (dropout, attention dropout) draw what one device draws. One device running the
+micro-batches in order draws stage 0's noise of micro-batch 0, then stage 1's, ..., then
+micro-batch 1's; each stage here runs on its own rank with its own generator, in the
+schedule's order. Shapes are static, so the generated file lists every stage's draws
+(PIPELINE["draws"]); at the start of a training-mode step each rank replays them all
+(rng.replay: draw and discard) and keeps the generator state at which each of its
+(micro-batch, stage) forwards starts, sets it before that forward, and ends in the state one
+device ends in, so later steps and evaluation agree:
+
+    before: stage 1's forward of micro-batch 0 starts where rank 1's generator happens to be
+    after:  it starts where one device is after micro-batch 0's stage-0 draws
+
+Tensor-parallel ranks of a stage replay alike and draw the same full masks (rng.py). Cost per
+step, only when the plan draws and the module is in training mode: every rank generates the
+noise of the whole model's dropouts for all M micro-batches once more (what one device
+generates in its forwards), and keeps one generator state per (micro-batch, own stage).
+
+Inference: `pm(...)` under torch.no_grad() or after pm.eval() runs the stages forward only
+(`evaluate`: GPipe's forward phase, activations sent on between neighbouring stages), in the
+mode pm is in, and returns the mean loss over the micro-batches on every rank, as train_step
+does.
 """
 from __future__ import annotations
 
@@ -29,7 +51,7 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError, InputMismatchError
 from nncompile.pipeline_config import PipelineConfig
 
-from . import arguments
+from . import arguments, rng
 from .groups import pipe_group, tie_group
 from .rows import param_rows
 
@@ -60,6 +82,20 @@ class StageModule(torch.nn.Module):
             return self.fn(*inputs)
 
 
+def _stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        """A PipelineStage that tells the runtime which micro-batch's forward starts."""
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            hook = getattr(self, "before_forward", None)
+            if hook is not None:
+                hook(fwd_chunk_id, self.stage_index)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+    return Stage
+
+
 def _example(meta, device) -> torch.Tensor:
     shape, dtype, grad = meta
     return torch.empty(shape, dtype=getattr(torch, dtype), device="meta",
@@ -88,7 +124,10 @@ class PipelineRuntime:
             if group is not None and fqn in rows:
                 self.ties.append((rows[fqn], group))
         self.modules = [StageModule(pm, s, params) for s, _, _, _, _, params in pm.STAGES]
-        stages = [pipelining.PipelineStage(
+        stage_cls = _stage_class()
+        self.draws = {int(s): d for s, d in info.get("draws", {}).items()}
+        self.rng_states: dict | None = None
+        stages = [stage_cls(
             mod, s, info["stages"], pm.device,
             input_args=tuple(_example(x, pm.device) for x in ins),
             output_args=tuple(_example(x, pm.device) for x in outs), group=self.group)
@@ -110,12 +149,52 @@ class PipelineRuntime:
             raise ConfigError(f"torch.distributed.pipelining.{cls.__name__} refused this "
                               f"layout ({info['stages']} stages on {info['ranks']} pipeline "
                               f"ranks, {m} micro-batches): {e}") from e
+        self.stages = stages
+        for st in stages:
+            st.before_forward = self._before_forward
 
     def _pipe_of(self, stage: int) -> int:
         info = self.info
         cfg = PipelineConfig(info["ranks"], info["schedule"], info["microbatches"],
                              info["stages_per_rank"])
         return next(p for p in range(info["ranks"]) if stage in cfg.stage_ids(p, info["ranks"]))
+
+    # ---- random draws: each (micro-batch, stage) starts where one device starts it ---------
+    @contextlib.contextmanager
+    def _one_device_rng(self):
+        """Around one schedule run: in training mode with dropout, every forward starts from
+        one device's generator state and the run ends in one device's final state; in eval
+        mode (one device draws nothing) the generator is left as it was."""
+        gen = rng.generator_of(self.pm.device)
+        if not self.pm.training:
+            start = gen.get_state()
+            try:
+                yield
+            finally:
+                gen.set_state(start)
+            return
+        if not self.draws:               # nothing to replay (other random ops: see the warning
+            yield                        # pipeline_codegen.stage_draws gives at compile time)
+            return
+        mine = {s for s, *_ in self.pm.STAGES}
+        states = {}
+        for mb in range(self.m):          # one device's order: micro-batch by micro-batch
+            for s in range(self.info["stages"]):
+                if s in mine:
+                    states[mb, s] = gen.get_state()
+                rng.replay(self.draws.get(s, []), self.pm.device)
+        end = gen.get_state()
+        self.rng_states = (gen, states)
+        try:
+            yield
+        finally:
+            self.rng_states = None
+        gen.set_state(end)
+
+    def _before_forward(self, mb: int, stage: int) -> None:
+        if self.rng_states is not None:
+            gen, states = self.rng_states
+            gen.set_state(states[mb, stage])
 
     def step(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         pm = self.pm
@@ -127,11 +206,72 @@ class PipelineRuntime:
         with (pm.no_sync() if reducer is not None else contextlib.nullcontext()):
             if reducer is not None:
                 reducer.reset()
-            self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+            with self._one_device_rng():
+                self.schedule.step(*inputs, target=target, losses=losses,
+                                   return_outputs=False)
         for name, group in self.ties:
             self._sum_tied(name, group)
         if reducer is not None:
             reducer.reduce_now()
+        return self._mean_loss(losses)
+
+    def evaluate(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Forward only: the mean loss over the micro-batches, on every rank (no gradients;
+        the stages run in the mode pm is in).
+
+        Each rank runs its stages in stage order, each over the micro-batches in order,
+        receiving a stage's inputs from the rank of the stage before and sending its outputs
+        on without waiting (GPipe's forward phase). Every input of stage s comes from a lower
+        stage, which its rank runs first, so this order cannot deadlock under any placement
+        (loop or V-shaped). Torch's `Schedule*.eval` is not used: the zero-bubble schedules'
+        eval fails in torch.distributed.pipelining ("can't steal_bwd_input")."""
+        pm = self.pm
+        info = self.info
+        last = info["stages"] - 1
+        batched = set(info["batched"])
+        mbs = [[x.chunk(self.m)[i] if name in batched else x
+                for x, (name, _, _) in zip(inputs, pm.INPUTS)] for i in range(self.m)]
+        mine = {row[0]: (mod, row[3]) for mod, row in zip(self.modules, pm.STAGES)}
+        me = info["pipe_rank"]
+        kept: dict[tuple[int, int], tuple] = {}      # outputs for a later stage on this rank
+        sends, total = [], torch.zeros((), device=pm.device)
+        if pm.zero is not None:
+            pm.zero.reset()
+        with torch.no_grad(), self._one_device_rng():
+            for s in sorted(mine):
+                mod, metas = mine[s]
+                src = self._pipe_of(s - 1) if s > 0 else me
+                dst = self._pipe_of(s + 1) if s < last else me
+                for i in range(self.m):
+                    if s == 0:
+                        args = mbs[i]
+                    elif src == me:
+                        args = kept.pop((s, i))
+                    else:
+                        args = [torch.empty(shape, dtype=getattr(torch, dt), device=pm.device)
+                                for shape, dt, _ in metas]
+                        for t in args:
+                            dist.recv(t, src=self.ranks[src], group=self.group,
+                                      tag=(s - 1) * self.m + i)
+                    self._before_forward(i, s)
+                    out = mod(*args)
+                    out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+                    if s == last:
+                        total += out[0].detach().float() / self.m
+                    elif dst == me:
+                        kept[s + 1, i] = out
+                    else:
+                        sends += [dist.isend(t.contiguous(), dst=self.ranks[dst],
+                                             group=self.group, tag=s * self.m + i)
+                                  for t in out]
+            for work in sends:
+                work.wait()
+        if self.group is not None:
+            dist.broadcast(total, src=self.last_rank, group=self.group)
+        return total
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        pm = self.pm
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else \
             torch.zeros((), device=pm.device)
         if self.group is not None:
@@ -193,3 +333,32 @@ def accumulate(pm, inputs: list[torch.Tensor]) -> torch.Tensor:
             (loss / m).backward()
         total += loss.detach().float() / m
     return total
+
+
+def pipelined_forward(pm, args: tuple, kwargs: dict) -> torch.Tensor:
+    """`pm(...)` on a pipelined plan: inference (under torch.no_grad() or after pm.eval()) runs
+    the stages forward only on the unit's whole batch and returns the mean loss over the
+    micro-batches on every rank; a training forward is refused (the stages run forward and
+    backward together: train_step)."""
+    from nncompile.errors import PipelineError
+    info = pm.PIPELINE
+    if torch.is_grad_enabled() and pm.training:
+        raise PipelineError(
+            f"this plan is pipelined ({info['ranks']} pipeline ranks, schedule "
+            f"{info['schedule']!r}): a forward alone cannot train, since the stages run "
+            "forward and backward together over micro-batches; call "
+            "`loss = pm.train_step(*args, **kwargs)` instead of `pm(...)` + backward (for "
+            "inference, call pm(...) under torch.no_grad() or after pm.eval())")
+    if not pm.training and info.get("eval_differs"):
+        raise PipelineError(
+            "this model's forward differs in eval mode beyond its dropout (a branch on "
+            "self.training, batch statistics), and a pipelined plan's stages hold the "
+            "training-mode forward only; evaluate under a plan without pipeline_stages "
+            "(a dcp checkpoint of this plan loads there) or in training mode under "
+            "torch.no_grad()")
+    pm._legacy_args()
+    inputs = split_check(pm, args, kwargs)
+    if pm.pipeline is None:
+        raise ConfigError("a pipelined plan runs its stages in the process group it was loaded "
+                          "in (torch.distributed.init_process_group first)")
+    return pm.pipeline.evaluate(inputs)

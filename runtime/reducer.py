@@ -28,6 +28,10 @@ gradient_as_bucket_view), so the reduced values are not copied back, and a gradi
 accumulated in place into its view is not copied in either (only scaled). The buffer is
 reused by the next backward: clone a `.grad` you want to keep across steps.
 
+A gradient no rank of the group computed (a parameter unused in this step) stays None, as in
+DDP: each bucket carries one flag per parameter after its gradients, summed with them, and a
+rank that lacked a gradient reads the flags (the only case that reads them back).
+
 `no_sync()` turns reduction off: gradients accumulate locally and the next synced backward
 reduces the accumulated sum. Accumulating *without* no_sync also matches DDP: the already
 reduced part A is identical across G, so it is pre-scaled by c = 1 / (|G| * scale) just
@@ -65,8 +69,13 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)   # one per param, into buffer
     launched: bool = False
 
+    missing: list[int] | None = None    # params with no local gradient in this backward
+
     def allocate(self) -> None:
-        self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.params[0].device)
+        # one flag per parameter after the gradients: summed, it says whether any rank of
+        # the group computed that gradient
+        self.buffer = torch.empty(self.numel + len(self.params), dtype=self.dtype,
+                                  device=self.params[0].device)
         self.views, offset = [], 0
         for p in self.params:
             n = p.numel()
@@ -178,14 +187,16 @@ class Reducer:
     # ---- reduction -----------------------------------------------------------------------
     def _launch(self, b: Bucket) -> None:
         grads = [p.grad for p in b.params]
-        if all(g is None for g in grads):       # nothing flowed here on any rank of G
-            return
         if b.buffer is None:
             b.allocate()
+        flags = b.buffer[b.numel:]
+        flags.fill_(1)
+        b.missing = [i for i, g in enumerate(grads) if g is None] or None
         s = b.scale
-        for g, view in zip(grads, b.views):
+        for i, (g, view) in enumerate(zip(grads, b.views)):
             if g is None:
                 view.zero_()
+                flags[i] = 0
             elif g is view or (g.data_ptr() == view.data_ptr() and g.dtype == view.dtype
                                and g.stride() == view.stride()):
                 if s != 1.0:                    # accumulated in place: scale it there
@@ -206,17 +217,25 @@ class Reducer:
         for b in self.buckets:
             if b.launched:
                 b.work.wait()
+                # a gradient no rank of the group computed stays None, as in DDP (an optimizer
+                # then skips the parameter instead of stepping it with zeros)
+                used = list(range(len(b.params)))
+                if b.missing:                   # read the flags only where one is missing
+                    counts = b.buffer[b.numel:].tolist()
+                    used = [i for i in used if i not in b.missing or counts[i] > 0]
                 if self.sink is not None:
-                    self.sink(list(b.params), list(b.views))
+                    self.sink([b.params[i] for i in used], [b.views[i] for i in used])
                     for p in b.params:
                         p.grad = None
                     b.free()
                 else:
-                    for p, view in zip(b.params, b.views):
+                    for i in used:
+                        p, view = b.params[i], b.views[i]
                         p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
                     if self._prescaled:
-                        self._reduced.update(id(p) for p in b.params
-                                             if id(p) in self._prescaled)
+                        self._reduced.update(id(b.params[i]) for i in used
+                                             if id(b.params[i]) in self._prescaled)
+                b.missing = None
             b.ready.clear()
             b.work, b.launched = None, False
         self._next = 0

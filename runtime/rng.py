@@ -110,3 +110,45 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     size = None if dim is None else probs.shape[dim]
     noise = _noise(_full_shape(probs, dim, group), dropout_p, probs)
     return (probs * _mine(noise, dim, size, group)) @ value
+
+
+def generator_of(device: torch.device) -> torch.Generator:
+    """The generator the generated code draws from on `device`: this thread's (simulated
+    ranks) on CPU, else the device's default generator."""
+    device = torch.device(device)
+    g = getattr(_thread, "generator", None)
+    if device.type == "cpu":
+        return g if g is not None else torch.default_generator
+    mod = torch.get_device_module(device.type)
+    return mod.default_generators[device.index if device.index is not None
+                                  else mod.current_device()]
+
+
+def replay(draws: list[tuple], device: torch.device) -> None:
+    """Draw and discard what a forward making `draws` (pipeline_codegen.stage_draws) draws,
+    with the same calls, so the generator ends where that forward leaves it.
+
+    CPU (mt19937) has no skip-ahead, so the numbers are drawn; CUDA (Philox) could advance its
+    offset directly, but the offset a kernel consumes depends on its launch configuration, so
+    the same kernels run here too. Cost: generating the noise (one tensor of each draw's shape,
+    freed at once); an unsplit attention with dropout on an accelerator runs the attention
+    kernel on zeros, since its fused kernel draws inside."""
+    for kind, shape, dtype, p, *extra in draws:
+        dt = getattr(torch, dtype)
+        if kind == "dropout":
+            torch.ops.aten.dropout.default(torch.empty(shape, dtype=dt, device=device), p, True)
+        elif kind == "native_dropout":
+            torch.ops.aten.native_dropout.default(torch.empty(shape, dtype=dt, device=device),
+                                                  p, True)
+        elif kind == "noise" or (kind == "sdpa" and torch.device(device).type == "cpu"):
+            # CPU attention with dropout runs the math kernel: aten.dropout of the probabilities
+            _noise(shape, p, torch.empty(0, dtype=dt, device=device))
+        elif kind == "sdpa":
+            q, k, v, mask, causal, scale, gqa = extra
+            zeros = [torch.zeros(s, dtype=dt, device=device) for s in (q, k, v)]
+            m = None if mask is None else torch.zeros(mask[0], dtype=getattr(torch, mask[1]),
+                                                      device=device)
+            torch.ops.aten.scaled_dot_product_attention.default(
+                *zeros, m, p, causal, scale=scale, enable_gqa=gqa)
+        else:
+            raise ValueError(f"unknown random draw {kind!r}")

@@ -24,7 +24,8 @@ from nncompile.ir.placement import Shard
 from nncompile.pipeline_config import PipelineConfig
 
 from .groups import pipe_group
-from .optimizer import ZeroOptimizer, flat_state_by_name, flat_state_piece
+from .optimizer import ZeroOptimizer, load_segment_state, segment_state_by_name
+from .param_handles import adopt, zero3_segments
 from .rows import buffer_rows, param_rows
 
 
@@ -228,6 +229,13 @@ def is_owner(pm, row) -> bool:
     return owner_rank(pm, row) == pm.RANK
 
 
+def _zero3_shards(pm) -> list[tuple]:
+    """(layout, segments, flat piece) of every ZeRO-3 unit (runtime/param_handles.py)."""
+    segs = zero3_segments(pm)
+    return [(u.layout, [segs[n] for n in u.layout.names], pm.zero.flat(u))
+            for u in pm.zero.units]
+
+
 def _trainable(pm) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
 
@@ -238,9 +246,10 @@ def local_optimizer_state(pm, opt) -> dict[str, Any]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     if isinstance(opt, ZeroOptimizer):
         return {"state": opt.local_state(), "param_groups": groups}
-    if pm.zero is not None:                     # a plain optimizer over the ZeRO-3 pieces
-        flats = [(getattr(pm, u.attr), u.layout) for u in pm.zero.units]
-        return {"state": flat_state_by_name(opt.state, flats, pm.zero.gather_state),
+    adopt(opt)                  # handles or released originals: what the next step steps
+    if pm.zero is not None:                     # a plain optimizer over the ZeRO-3 segments
+        return {"state": segment_state_by_name(opt.state, _zero3_shards(pm),
+                                               pm.zero.gather_state),
                 "param_groups": groups}
     names = {id(p): n for n, p in _trainable(pm)}
     state = {}
@@ -263,12 +272,9 @@ def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
     if isinstance(opt, ZeroOptimizer):
         opt.load_local_state(local["state"])
         return
+    adopt(opt)
     if pm.zero is not None:
-        for u in pm.zero.units:
-            flat = getattr(pm, u.attr)
-            new = flat_state_piece(local["state"], u.layout, flat)
-            if new:
-                opt.state[flat] = new
+        load_segment_state(opt.state, _zero3_shards(pm), local["state"])
         return
     params = dict(_trainable(pm))
     for name, st in local["state"].items():

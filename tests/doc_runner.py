@@ -9,6 +9,8 @@ Blocks, by the info string after the opening fence:
                       compared line by line with what it printed (see "Shown output" below)
     text              anything else shown to the reader; not run, not compared (not right
                       after a python or bash block, where it would read as its output)
+    diff              a change to a file in unified diff format, shown as text (a page
+                      that relies on it checks it in a python block)
 
 Any other info string (an empty one included) is an error, and so is a page without a python
 or bash block, or an output block that does not follow a python or bash block (only blank
@@ -118,10 +120,12 @@ def parse(path: str | os.PathLike) -> list[Block]:
             blocks.append(Block(info, start + 1, code))
         elif file_m:
             blocks.append(Block("file", start + 1, code, file_m["name"]))
+        elif info == "diff":          # a change to a file, shown to the reader: like text
+            blocks.append(Block("text", start + 1, code))
         else:
             raise PageError(f"{path}:{i + 1}: code block with info string {info!r}; use python, "
-                            "'python file=NAME', bash, output or text (every other block would "
-                            "go unchecked)")
+                            "'python file=NAME', bash, output, text or diff (every other block "
+                            "would go unchecked)")
         last_close = j
         i = j + 1
     if not any(b.kind in ("python", "bash") for b in blocks):

@@ -2,6 +2,7 @@
 torch.load(weights_only=True), a crafted file is refused with a CheckpointError (and its code
 does not run), extra= is checked at save time, and a missing path says it does not exist.
 All in one process (one rank, no process group)."""
+import copy
 import os
 import subprocess
 import sys
@@ -141,7 +142,8 @@ def _two_ranks(tmp_path, fmt, damage, load=True):
     ck = tmp_path / f"ck_{fmt}"
 
     def save(rank):
-        pm = nncompile.parallelize(model, batch, nncompile.ComputeConfig(2), pas_policy="tp",
+        pm = nncompile.parallelize(copy.deepcopy(model), batch, nncompile.ComputeConfig(2),
+                                   pas_policy="tp",
                                    gen_savedir=tmp_path / "gen")
         opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
         pm(**batch).backward()
@@ -151,7 +153,8 @@ def _two_ranks(tmp_path, fmt, damage, load=True):
     damage(ck)
 
     def load(rank):
-        pm = nncompile.parallelize(model, batch, nncompile.ComputeConfig(2), pas_policy="tp",
+        pm = nncompile.parallelize(copy.deepcopy(model), batch, nncompile.ComputeConfig(2),
+                                   pas_policy="tp",
                                    gen_savedir=tmp_path / "gen")
         opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
         try:

@@ -162,7 +162,7 @@ def test_nested_batch_is_called_like_the_module(tmp_path, kind):
     assert report.ok and report.divergence is None, str(report)
 
     def rank_fn(rank):
-        pm = nncompile.parallelize(model, (dummy,), nncompile.ComputeConfig(2),
+        pm = nncompile.parallelize(copy.deepcopy(model), (dummy,), nncompile.ComputeConfig(2),
                                    pas_policy="tp", gen_savedir=tmp_path)
         loss = pm(batch)                                  # called as the module is
         loss.backward()
@@ -243,7 +243,7 @@ def test_an_input_that_needs_a_gradient(tmp_path, policy, overlap):
         out = {}
         for traced_grad in (True, False):
             dummy = h.clone().requires_grad_(traced_grad)
-            pm = nncompile.parallelize(model, (dummy,), cfg, pas_policy=policy,
+            pm = nncompile.parallelize(copy.deepcopy(model), (dummy,), cfg, pas_policy=policy,
                                        gen_savedir=tmp_path, instance_name=f"grad_{traced_grad}")
             x = h.clone().requires_grad_()
             try:
@@ -252,7 +252,7 @@ def test_an_input_that_needs_a_gradient(tmp_path, policy, overlap):
             except nncompile.InputMismatchError as e:
                 out[traced_grad] = str(e)
         x = h.clone().requires_grad_()
-        pm = nncompile.parallelize(model, (h.clone().requires_grad_(),), cfg,
+        pm = nncompile.parallelize(copy.deepcopy(model), (h.clone().requires_grad_(),), cfg,
                                    pas_policy=policy, gen_savedir=tmp_path,
                                    instance_name="grad_True")
         pm.zero_grad()

@@ -3,6 +3,7 @@ train_step on torch.distributed.pipelining with parity against one device's micr
 accumulation, train_step's accumulation for plans without stages, and the errors."""
 import copy
 import os
+import re
 import sys
 
 import pytest
@@ -30,16 +31,24 @@ def _compile(tmp_path, pas, plan=2, policy="tp", model=None, name="gpt"):
 def test_pipeline_parity_every_schedule(run_ranks, tmp_path):
     """20 AdamW steps on 4 gloo ranks: pp 2 x tp 2 and pp 4 (1F1B), pp 2 x dp 2 with ZeRO-3,
     interleaved 1F1B with 2 stages per rank, the V-shaped zero-bubble schedule (V = 2); 5
-    steps of GPipe under autodist and of Hugging Face GPT-2: every unit's loss (rtol 1e-5),
-    step 0's gradients (rtol 1e-5) and the final weight shards equal one device accumulating
-    the same micro-batches. The tied wte / lm_head sits on the first and the last stage in
-    all (GPT's and GPT-2's)."""
+    steps of GPipe under autodist and of Hugging Face GPT-2, without and with dropout 0.3
+    (pp 2 x tp 2 1F1B, pp 4 interleaved with V = 2): every unit's loss (rtol 1e-5), step 0's
+    gradients (rtol 1e-5) and the final weight shards equal one device accumulating the same
+    micro-batches, drawing its dropout masks in micro-batch order. After step 2, `pm(...)`
+    under no_grad (training mode: masks go on from one device's) and after pm.eval() (with
+    gradients on, and under inference_mode) equal one device's validation loss; where the
+    eval-mode forward differs beyond mode flags, eval mode is refused. The tied wte / lm_head
+    sits on the first and the last stage in all (GPT's and GPT-2's)."""
     out = run_ranks("tests/workers/pipeline.py", 4, "--savedir", str(tmp_path))
     for name in ("pp2xtp2-1f1b", "pp4-1f1b", "pp2xdp2-zero3", "pp2xdp2-interleaved-v2",
                  "pp2xdp2-zbv-v2"):
         assert f"{name}: loss[19]=" in out, out[-3000:]
-    for name in ("pp2xtp2-gpipe-autodist", "hf_gpt2-pp2xtp2-1f1b"):
+    for name in ("pp2xtp2-gpipe-autodist", "hf_gpt2-pp2xtp2-1f1b",
+                 "hf_gpt2-pp2xtp2-1f1b-dropout", "hf_gpt2-pp4-interleaved-v2-dropout"):
         assert f"{name}: loss[4]=" in out, out[-3000:]
+    # with dropout, eval mode compared too (not refused as a forward that differs in eval)
+    assert re.search(r"hf_gpt2-pp4-interleaved-v2-dropout: loss\[4\]=\S+ validation values 3",
+                     out), out[-3000:]
     assert "PIPELINE PARITY OK" in out
 
 

@@ -1,8 +1,11 @@
 """A nanoGPT-style GPT: token + position embeddings, pre-norm blocks (causal self-attention
 with separate q/k/v projections, GELU MLP), dropout, a tied lm_head and a cross-entropy loss.
-Plain single-device PyTorch; nncompile parallelizes it unchanged."""
+Plain single-device PyTorch; nncompile parallelizes it unchanged. Like nanoGPT's model it has
+`configure_optimizers` (AdamW, weight decay on the 2-D weights only), `get_num_params` and
+`estimate_mfu`, which train_loop.py uses."""
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -88,3 +91,44 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def get_num_params(self, non_embedding=True):
+        """The number of parameters (the tied lm_head/wte weight once); without the position
+        embeddings by default, as nanoGPT counts them."""
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n_params -= self.wpe.weight.numel()
+        return n_params
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """nanoGPT's AdamW: two parameter groups, weight decay on every parameter of two or
+        more dimensions (matmul weights, embeddings), none on the others (norms, biases)."""
+        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+        optim_groups = [
+            {'params': decay_params, 'weight_decay': weight_decay},
+            {'params': nodecay_params, 'weight_decay': 0.0},
+        ]
+        num_decay_params = sum(p.numel() for p in decay_params)
+        num_nodecay_params = sum(p.numel() for p in nodecay_params)
+        print(f"num decayed parameter tensors: {len(decay_params)}, "
+              f"with {num_decay_params:,} parameters")
+        print(f"num non-decayed parameter tensors: {len(nodecay_params)}, "
+              f"with {num_nodecay_params:,} parameters")
+        fused_available = 'fused' in inspect.signature(torch.optim.AdamW).parameters
+        use_fused = fused_available and device_type == 'cuda'
+        extra_args = dict(fused=True) if use_fused else dict()
+        optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
+        print(f"using fused AdamW: {use_fused}")
+        return optimizer
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt):
+        """Model flops utilization: achieved flops per second over an A100's bf16 peak
+        (312 TFLOPS), counted as in the PaLM paper's appendix B."""
+        N = self.get_num_params()
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * N + 12 * L * H * Q * T
+        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
+        return flops_per_iter * (1.0 / dt) / 312e12

@@ -132,7 +132,7 @@ class NnCompilePrecision(Precision):
             self.scaler.unscale_(optimizer)
             return
         pm = optimizer.pm
-        grads = [p.grad for p in pm.parameters() if p.grad is not None]
+        grads = [p.grad for p in pm.stored_parameters() if p.grad is not None]
         grads += [s.grad for s in optimizer.shards if s.grad is not None]
         holders = []                 # GradScaler reads param.grad: an alias of each gradient
         for g in grads:

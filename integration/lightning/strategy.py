@@ -64,6 +64,7 @@ from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_stat
 from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
                                      merge_state_dicts)
 from nncompile.runtime.optimizer import ZeroOptimizer
+from nncompile.runtime.param_handles import local_name
 from nncompile.runtime.rows import param_rows, state_rows
 from nncompile.runtime.state import describe, plan_info, plan_mismatch
 
@@ -287,11 +288,11 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
                                   "nncompile.build_optimizer(self.nncompile_module, ...))")
             return                 # built with nncompile.build_optimizer already
         trainable = [p for p in pm.parameters() if p.requires_grad]
-        given = {id(p) for g in old.param_groups for p in g["params"]}
-        mine = {id(p) for p in pm.parameters()}
-        missing = [n for n, p in pm.named_parameters() if p.requires_grad and id(p) not in given]
+        # by local name: under ZeRO-3 a torch optimizer over pm's handles steps their segments
+        given = {local_name(pm, p) for g in old.param_groups for p in g["params"]}
+        missing = [n for n, p in pm.named_parameters() if p.requires_grad and n not in given]
         outside = [p for g in old.param_groups for p in g["params"]
-                   if id(p) not in mine and p.requires_grad]
+                   if local_name(pm, p) is None and p.requires_grad]
         if missing or outside:
             what = f"misses {len(missing)} of the parallel module's {len(trainable)} trainable " \
                    f"parameters (e.g. {missing[0]!r})" if missing else \

@@ -240,6 +240,10 @@ class TraceInfo:
     param_order: list[str] = field(default_factory=list)    # module.parameters() by FQN
     state_keys: list[tuple[str, str]] = field(default_factory=list)  # (key, canonical FQN)
     inference_only: bool = False
+    training: bool = True          # the module's mode when traced (the generated module starts in it)
+    # buffers forward updates (BatchNorm's running statistics), by FQN: their new values are
+    # the graph's last outputs, in this order (the runtime writes them back in training mode)
+    buffer_updates: list[str] = field(default_factory=list)
     microbatches: int = 1          # the batch was traced split into this many (train_step)
     batched: list[str] = field(default_factory=list)   # inputs split into micro-batches
     sizes: dict[str, tuple] = field(default_factory=dict)   # dynamic: s_name -> (min, max, mult)

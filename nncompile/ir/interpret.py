@@ -31,6 +31,8 @@ def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any],
         if isinstance(x, Value):
             return env[id(x)]
         if isinstance(x, Symbol):
+            if hasattr(x, "train"):        # a mode argument (nncompile/modes.py): training
+                return x.train
             return torch.device("cpu") if x == DEVICE else None
         if isinstance(x, torch.device):
             return torch.device("cpu")

@@ -93,3 +93,9 @@ def cross_entropy(op: Op, n: int):
     if reduction == 2:
         return [make(op, places, [P], "split rows")]
     return [make(op, places, [P], "split rows", local_target="comm.cross_entropy_rows")]
+
+
+# Batch norm (batch_norm, _native_batch_norm_legit_functional) has no rule on purpose: it runs
+# replicated, so a plan that splits its input gathers it first and the statistics (and the
+# running statistics written back) are over the unit's whole batch, as on one device. A batch
+# split would normalize each rank with its own rows' statistics.

@@ -169,7 +169,8 @@ def _where(stops: dict[str, Op], vetoed: list[Op]) -> str:
 
 def _sequence_parallel(g: Graph, n: int, walk: _Walk,
                        cands: dict[int, list[Strategy]]) -> None:
-    """Split the layer blocks' ops outside regions on the sequence dim (see module doc)."""
+    """Split the layer blocks' ops outside regions on the sequence dim (see module doc); when
+    none can be (a dynamic sequence that is not a declared multiple of n), warn."""
     region = {id(op) for op in g.ops if walk.choice[id(op)].is_split}
     place = walk.place
     sp: set[int] = set()
@@ -206,6 +207,13 @@ def _sequence_parallel(g: Graph, n: int, walk: _Walk,
                 sp.discard(id(op))
                 walk.record(op, replicated(op), frozenset())
                 changed = True
+    if not sp:
+        from nncompile.symbolic import warn_unsplit_sequence
+        warn_unsplit_sequence(g, n, [v.meta.shape[SEQ_DIM] for op in g.ops
+                                     if id(op) not in region
+                                     and layer_of(op.module_path) is not None
+                                     for v in op.outputs
+                                     if v.is_tensor and len(v.meta.shape) > SEQ_DIM])
 
 
 def _seq_input_ok(v: Value, have, want) -> bool:

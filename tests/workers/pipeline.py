@@ -1,7 +1,10 @@
 """Pipeline parity worker (torchrun, 4 gloo ranks): 20 AdamW steps of `pm.train_step` under
 each pipelined plan equal one device accumulating `(loss_m / M).backward()` over the same
 micro-batches (averaged over data-parallel units), step by step: every unit's loss, and at the
-end every parameter shard this rank holds.
+end every parameter shard this rank holds. Every rank is seeded alike before the loop; with
+dropout, one device draws its masks micro-batch by micro-batch from one generator, and so
+must the stages. After step VALIDATE_AT, `pm(...)` under torch.no_grad() (training mode: its
+masks go on from the training steps') and after pm.eval() equal one device's validation.
 
     torchrun --nproc_per_node=4 tests/workers/pipeline.py --savedir DIR [--cases a,b]
 
@@ -33,6 +36,8 @@ import nncompile  # noqa: E402
 from nncompile.runtime.rows import param_rows  # noqa: E402
 
 STEPS, UNIT_BATCH, SEQ, M = 20, 8, 16, 4
+SEED = 1234               # every rank seeded alike before the loop (dropout draws from it)
+VALIDATE_AT = 2           # after this step: pm(...) under no_grad, then after pm.eval()
 LR, WEIGHT_DECAY = 1e-2, 0.1
 RTOL = 1e-5
 WEIGHT_RTOL = 5e-4
@@ -50,6 +55,9 @@ class Case:
     model: str = "gpt"
     policy: str = "tp"
     steps: int = STEPS
+    pdrop: float = 0.0
+    attn_pdrop: float | None = None      # attention dropout (default: pdrop)
+    n_layer: int = 4
 
 
 CASES = [
@@ -62,20 +70,36 @@ CASES = [
     Case("pp2xtp2-gpipe-autodist", plan=4, stages=2, schedule="gpipe", policy="autodist",
          steps=5),
     Case("hf_gpt2-pp2xtp2-1f1b", plan=4, stages=2, model="hf_gpt2", steps=5),
+    # dropout 0.3: each (micro-batch, stage) draws one device's masks; embedding, residual
+    # and attention dropout with tp 2 inside the stages (split dropout), and embedding and
+    # residual dropout over 8 stages of 1 tp rank
+    Case("hf_gpt2-pp2xtp2-1f1b-dropout", plan=4, stages=2, model="hf_gpt2", steps=5,
+         pdrop=0.3),
+    Case("hf_gpt2-pp4-interleaved-v2-dropout", plan=4, stages=4, schedule="interleaved_1f1b",
+         per_rank=2, model="hf_gpt2", steps=5, pdrop=0.3, attn_pdrop=0.0, n_layer=8),
 ]
 # more combinations, run with --cases (each passed when added)
 EXTRA = [Case("pp2xtp2-zero_bubble", plan=4, stages=2, schedule="zero_bubble"),
          Case("pp2xdp2-zbv-zero3", plan=2, stages=2, schedule="zero_bubble", per_rank=2, zero=3),
          Case("pp2xdp2-zb-zero2", plan=2, stages=2, schedule="zero_bubble", zero=2),
-         Case("pp2xdp2-1f1b-zero1", plan=2, stages=2, zero=1)]
+         Case("pp2xdp2-1f1b-zero1", plan=2, stages=2, zero=1),
+         Case("hf_gpt2-pp4-gpipe-dropout", plan=4, stages=4, schedule="gpipe",
+              model="hf_gpt2", steps=5, pdrop=0.3),
+         Case("hf_gpt2-pp2xtp2-zbv-dropout", plan=4, stages=2, schedule="zero_bubble",
+              per_rank=2, model="hf_gpt2", steps=5, pdrop=0.3)]
 
 
 def build(case: Case) -> torch.nn.Module:
     torch.manual_seed(0)
     if case.model == "gpt":
         from gpt import GPT
-        return GPT(n_layer=4).train()
-    return models.hf_gpt2(n_layer=4).train()
+        return GPT(n_layer=case.n_layer).train()
+    model = models.hf_gpt2(n_layer=case.n_layer, pdrop=case.pdrop)
+    if case.attn_pdrop is not None:
+        for block in model.model.transformer.h:
+            block.attn.attn_dropout.p = case.attn_pdrop
+        model.model.config.attn_pdrop = case.attn_pdrop
+    return model.train()
 
 
 def unit_batch(case: Case, step: int, unit: int) -> dict[str, torch.Tensor]:
@@ -87,11 +111,48 @@ def unit_batch(case: Case, step: int, unit: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": tgt}
 
 
+def reference_validation(model, batch) -> list[float]:
+    """One device: the mean loss over the micro-batches under no_grad in training mode (its
+    dropout draws go on from the training steps'), then in eval mode (twice: pm is asked
+    with gradients on and under inference_mode)."""
+    out = []
+    for train in (True, False):
+        model.train(train)
+        with torch.no_grad():
+            out.append(sum(model(**{k: v.chunk(M)[m] for k, v in batch.items()}).item()
+                           for m in range(M)) / M)
+    model.train()
+    return out + out[-1:]
+
+
+def validation(pm, batch) -> list[float]:
+    """pm(...) on a pipelined plan: under no_grad in training mode, then after pm.eval() with
+    gradients on and under inference_mode."""
+    with torch.no_grad():
+        out = [float(pm(**batch))]
+    pm.eval()
+    if pm.PIPELINE.get("eval_differs"):   # the eval forward differs beyond mode flags: refused
+        try:
+            pm(**batch)
+        except nncompile.PipelineError as e:
+            assert "plan without pipeline_stages" in str(e), e
+        else:
+            raise AssertionError("eval mode ran the training-mode stages")
+        pm.train()
+        return out
+    out.append(float(pm(**batch)))
+    with torch.inference_mode():
+        out.append(float(pm(**batch)))
+    pm.train()
+    return out
+
+
 def reference(case: Case, units: int):
     """One device: per step and unit the micro-batch-accumulated loss, and the final state."""
     model = build(case)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, live, grads = [], {}, {}
+    losses, live, grads, valid = [], {}, {}, []
+    torch.manual_seed(SEED)
     for step in range(case.steps):
         per_unit = []
         for u in range(units):
@@ -109,7 +170,9 @@ def reference(case: Case, units: int):
         opt.step()
         opt.zero_grad()
         losses.append(per_unit)
-    return torch.tensor(losses, dtype=torch.float64), model.state_dict(), live, grads
+        if step == VALIDATE_AT:
+            valid = reference_validation(model, unit_batch(case, 100, 0))
+    return torch.tensor(losses, dtype=torch.float64), model.state_dict(), live, grads, valid
 
 
 def _key(fqn: str, state: dict) -> str:
@@ -137,15 +200,22 @@ def run(case: Case, savedir: str) -> str:
         nncompile.ComputeConfig(case.plan, world, pas_config=pas, use_zero=case.zero),
         pas_policy=case.policy, gen_savedir=savedir, instance_name=case.name, reuse="override")
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    want_losses, want_state, live, want_grads = reference(case, units)
+    want_losses, want_state, live, want_grads, want_valid = reference(case, units)
     unit = rank // case.plan
     got = []
+    torch.manual_seed(SEED)
     for step in range(case.steps):
         got.append(float(pm.train_step(**unit_batch(case, step, unit))))
         if step == 0:     # a wrong scale (1/M, 1/dp, a tie summed twice) shows here; AdamW
             check_grads(case, pm, want_grads)   # would hide it in the weights
         opt.step()
         opt.zero_grad()
+        if step == VALIDATE_AT:
+            valid = validation(pm, unit_batch(case, 100, 0))
+            torch.testing.assert_close(valid, want_valid[:len(valid)], rtol=RTOL, atol=1e-6,
+                                       msg=lambda m: (
+                f"{case.name}: validation (no_grad in training mode, eval mode) {valid} "
+                f"differs from one device's {want_valid}\n{m}"))
     got = torch.tensor(got, dtype=torch.float64)
     torch.testing.assert_close(got, want_losses[:, unit], rtol=RTOL, atol=1e-6,
                                msg=lambda m: f"{case.name}: losses differ\n{m}")
@@ -159,7 +229,8 @@ def run(case: Case, savedir: str) -> str:
                     / want.abs().max().clamp_min(1e-12))
         worst = max(worst, err)
         assert err <= WEIGHT_RTOL, f"{case.name}: {row.fqn} differs by {err:.2e} of its scale"
-    return f"{case.name}: loss[{case.steps - 1}]={got[-1]:.6f} max weight err {worst:.1e}"
+    return (f"{case.name}: loss[{case.steps - 1}]={got[-1]:.6f} validation values "
+            f"{len(valid)} max weight err {worst:.1e}")
 
 
 def main() -> None:

@@ -186,8 +186,9 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
     pm = nncompile.parallelize(models.build("gpt"), unit_batch(0, 0, 0, n_units), cfg,
                                pas_policy=policy, gen_savedir=savedir, instance_name=name)
     if v.use_zero == 3 or v.offload_params:
-        assert pm.zero is not None and all(n.startswith("zero_") for n, _ in
-                                           pm.named_parameters()), "ZeRO-3 stores flat pieces"
+        assert pm.zero is not None and all(p.dim() == 1 for p in pm.stored_parameters()) \
+            and not any(n.startswith("zero_") for n, _ in pm.named_parameters()), \
+            "ZeRO-3 stores flat pieces and shows the local parameters"
     if v.use_zero and not v.plain_opt or v.offload:
         opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
     else:       # a plain optimizer over pm.parameters() needs no extra call
@@ -225,7 +226,7 @@ def _nbytes(t) -> int:
 
 def _grads(pm, opt) -> list:
     """The gradients a rank holds between backward and the step (ZeRO-2: its pieces)."""
-    out = [p.grad for p in pm.parameters() if p.grad is not None]
+    out = [p.grad for p in pm.stored_parameters() if p.grad is not None]
     return out + [s.grad for s in getattr(opt, "shards", []) if s.grad is not None]
 
 
@@ -234,7 +235,7 @@ def persistent_bytes(pm, opt, grad_bytes: int) -> dict[str, int]:
     the tensors (optimizer state: its state tensors and the flat pieces it steps when they are
     copies); offloaded (host) bytes apart."""
     host = torch.device("cpu") if pm.memory.offload_optimizer else None
-    params = sum(_nbytes(p) for p in pm.parameters())
+    params = sum(_nbytes(p) for p in pm.stored_parameters())
     state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
     state += [s.param for s in getattr(opt, "shards", []) if s.param is not s.flat]
     offloaded = sum(_nbytes(t) for t in state) if host is not None else 0

@@ -1,0 +1,448 @@
+"""Parameters as an optimizer sees them, the same under every plan.
+
+Grouping code (nanoGPT's `configure_optimizers`, Hugging Face's Trainer) reads
+`pm.named_parameters()`: names, `dim()`, `requires_grad`, dtype. Under ZeRO-3 a rank stores
+flat 1-D pieces of whole layers (runtime/zero.py), so pm registers a *handle* per parameter
+instead: a Parameter without storage (on the meta device) with the local name and the shape of
+this rank's shard, as under dp or tp:
+
+    before: pm.named_parameters() -> ("zero_h_0", [2113])            every weight in no-decay
+    after:  pm.named_parameters() -> ("h0_attn_q_proj_weight", [32, 32]), ("h0_ln_1_bias", [32])
+
+An optimizer over handles steps *segments*: per parameter, the contiguous run of this rank's
+flat piece that holds its elements (possibly empty), a Parameter viewing the flat storage whose
+`.grad` is a view of the flat gradient. Each segment sits in the group its handle was put in,
+so every group keeps its own hyper-parameters. A torch optimizer built over handles swaps them
+for their segments as it is built (`add_param_group`), and once more before each step (a step
+pre-hook, for parameters added another way), so `torch.optim.AdamW(pm.parameters())` steps
+the pieces. Optimizers that are not element-wise are refused there: they would see pieces.
+
+The original module: a parameter a rank keeps whole (full slice, same device, not ZeRO-3) is
+registered in pm as the very same Parameter, so an optimizer built before `parallelize`
+steps what pm computes with. The others are released (their storage resized to nothing, which frees
+their memory; shape and dtype stay) and adopted by the optimizer's next step: swapped for pm's shard (or segment).
+Calling the original module after that is an error naming pm.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+from nncompile.errors import ConfigError
+
+# ---- element-wise optimizers --------------------------------------------------------------
+_ELEMENTWISE: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                           torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
+                           torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
+                           torch.optim.Rprop, torch.optim.Adadelta}
+
+
+def declare_elementwise(cls: type) -> type:
+    """Declare that `cls` updates every element from that element's gradient and state alone
+    (plus per-tensor scalars such as a step count), so ZeRO may step it on pieces of
+    parameters. Usable as a class decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"declare_elementwise needs a torch.optim.Optimizer class, got "
+                          f"{cls!r}")
+    _ELEMENTWISE.add(cls)
+    return cls
+
+
+def is_elementwise(cls: type) -> bool:
+    """A declared class, or a subclass that keeps a declared class's step."""
+    if cls in _ELEMENTWISE:
+        return True
+    return any(issubclass(cls, k) and cls.step is k.step for k in _ELEMENTWISE)
+
+
+def check_elementwise(cls: type, stage: str, declared: bool | None = None) -> None:
+    """Refuse an optimizer ZeRO would step on pieces of tensors unless it is element-wise."""
+    if cls is torch.optim.LBFGS or (cls.__name__ == "LBFGS"):
+        raise ConfigError(
+            f"{cls.__name__} cannot run under {stage}: it re-evaluates the closure several "
+            f"times per step and reads whole gradients (a line search over all parameters), "
+            f"but under {stage} each rank steps only its pieces; train with use_zero=0 "
+            f"(no optimizer sharding) for {cls.__name__}")
+    if declared or is_elementwise(cls):
+        return
+    known = ", ".join(sorted(k.__name__ for k in _ELEMENTWISE))
+    raise ConfigError(
+        f"{cls.__module__}.{cls.__name__} is not known to be element-wise, and {stage} steps "
+        f"each rank's contiguous piece of the flattened parameters (a 2-D weight becomes 1-D "
+        f"pieces), which gives another model for an optimizer that looks across elements "
+        f"(factored moments as in Adafactor, per-tensor norms as in LAMB, line searches as in "
+        f"LBFGS). If every element's update depends only on that element, declare it: "
+        f"nncompile.build_optimizer(pm, {cls.__name__}, ..., elementwise=True) or "
+        f"nncompile.declare_elementwise({cls.__name__}); otherwise train with use_zero=0. "
+        f"Known element-wise: {known}")
+
+
+def zero_stage(pm) -> str | None:
+    """'ZeRO-3' etc. when pm's optimizer steps pieces of tensors, else None."""
+    memory = pm.memory
+    if memory.zero:
+        return f"ZeRO-{memory.zero}" + (" with offload_optimizer" if memory.offload_optimizer
+                                        else "")
+    return "offload_optimizer" if memory.offload_optimizer else None
+
+
+# ---- ZeRO-3 handles and segments ----------------------------------------------------------
+def make_handles(pm) -> None:
+    """Register a storage-less handle per local parameter (ZeRO-3), by local name."""
+    from .rows import param_rows
+    rows = {row.name: row for row in param_rows(pm)}
+    for unit in pm.zero.units:
+        flat = pm.zero.flat(unit)
+        for name in unit.layout.names:
+            h = torch.nn.Parameter(torch.empty(rows[name].local_shape, dtype=flat.dtype,
+                                               device="meta"), requires_grad=unit.trainable)
+            h._nnc_handle = (weakref.ref(pm), name)
+            pm.register_parameter(name, h)
+
+
+def _span(layout, i: int) -> tuple[int, int]:
+    """The elements of tensor i that piece [lo, hi) owns: (start, stop) within the tensor."""
+    offset = sum(layout.numels[:i])
+    a = min(max(layout.lo, offset), offset + layout.numels[i])
+    b = max(min(layout.hi, offset + layout.numels[i]), a)
+    return a - offset, b - offset
+
+
+def cut(layout, piece: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Per tensor of `layout`: (start, stop) in the piece, (start, stop) in the tensor."""
+    out = []
+    for i in range(len(layout.names)):
+        s, e = _span(layout, i)
+        at = sum(layout.numels[:i]) + s - layout.lo
+        at = min(max(at, 0), layout.hi - layout.lo)
+        out.append((at, at + e - s, s, e))
+    return out
+
+
+def segment_params(piece: torch.Tensor, layout, requires_grad: bool = True) -> list:
+    """A Parameter per tensor of `layout` viewing its run of `piece`."""
+    segs = []
+    for i, (a, b, s, e) in enumerate(cut(layout, piece)):
+        seg = torch.nn.Parameter(piece.detach()[a:b], requires_grad=requires_grad)
+        seg._nnc_span = (layout.names[i], s, e, layout.numels[i])
+        segs.append(seg)
+    return segs
+
+
+def zero3_segments(pm) -> dict[str, torch.nn.Parameter]:
+    """{local name: segment} of pm's ZeRO-3 flat pieces (made once; their .grad follows the
+    flat gradient after every backward)."""
+    segs = pm.__dict__.get("_nnc_segments")
+    if segs is not None:
+        return segs
+    segs = {}
+    for unit in pm.zero.units:
+        flat = pm.zero.flat(unit)
+        parts = segment_params(flat, unit.layout, unit.trainable)
+        for seg, (a, b, _, _) in zip(parts, cut(unit.layout, flat)):
+            seg._nnc_flat = (flat, a, b)
+            seg._nnc_pm = weakref.ref(pm)
+            segs[seg._nnc_span[0]] = seg
+        if unit.trainable:
+            flat.register_post_accumulate_grad_hook(
+                lambda f, parts=parts: refresh_grads(parts))
+    pm.__dict__["_nnc_segments"] = segs
+    return segs
+
+
+def refresh_grads(segs: Iterable) -> None:
+    """Point each ZeRO-3 segment's .grad at its run of the flat gradient (None without)."""
+    for seg in segs:
+        info = getattr(seg, "_nnc_flat", None)
+        if info is None:
+            continue
+        flat, a, b = info
+        g = flat.grad
+        if g is None:
+            seg.grad = None
+        elif seg.grad is None or seg.grad.data_ptr() != g[a:b].data_ptr() or \
+                seg.grad.numel() != b - a:
+            seg.grad = g.detach()[a:b]
+
+
+# ---- mapping what the user passes to local names ------------------------------------------
+def local_name(pm, p) -> str | None:
+    """The local name of a tensor the user hands an optimizer for pm: pm's own parameter, a
+    ZeRO-3 handle or segment, or a parameter of the module pm was built from."""
+    handle = getattr(p, "_nnc_handle", None) or getattr(p, "_nnc_origin", None)
+    if handle is not None:
+        return handle[1] if handle[0]() is pm else None
+    span = getattr(p, "_nnc_span", None)
+    if span is not None and any(s is p for s in pm.__dict__.get("_nnc_segments", {}).values()):
+        return span[0]
+    names = pm.__dict__.get("_nnc_names")
+    if names is None:
+        names = {id(q): n for n, q in pm.named_parameters()}
+        names.update(pm.__dict__.get("_nnc_orig_ids", {}))
+        pm.__dict__["_nnc_names"] = names
+    return names.get(id(p))
+
+
+def split_groups(params) -> list[dict]:
+    """What an optimizer's constructor accepts (tensors or group dicts) as group dicts."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    if not params:
+        return []
+    if isinstance(params[0], dict):
+        out = []
+        for g in params:
+            ps = g["params"]
+            out.append({**g, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)})
+        return out
+    return [{"params": params}]
+
+
+def groups_by_name(pm, params) -> list[dict]:
+    """Group dicts with local names instead of tensors (unknown tensors refused)."""
+    out = []
+    for g in split_groups(params):
+        names = []
+        for p in g["params"]:
+            name = p if isinstance(p, str) else local_name(pm, p)
+            if name is None:
+                shape = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+                raise ConfigError(
+                    f"the optimizer was given a tensor {shape} that is not a parameter of "
+                    f"this ParallelModule (nor of the module it was built from); pass "
+                    f"pm.parameters() / pm.named_parameters() (or groups of them)")
+            if name not in names:
+                names.append(name)
+        out.append({**g, "params": names})
+    return out
+
+
+# ---- adopting handles and released originals into torch optimizers ------------------------
+_LOCK = threading.Lock()
+
+
+def _target(p, opt_cls) -> torch.Tensor | None:
+    """What an optimizer steps instead of handle/original `p` (None: keep p)."""
+    ref = getattr(p, "_nnc_handle", None) or getattr(p, "_nnc_origin", None)
+    if ref is None:
+        return None
+    pm = ref[0]()
+    if pm is None:
+        raise ConfigError("the optimizer holds a parameter of a ParallelModule that no longer "
+                          "exists; build the optimizer over the live module's parameters")
+    if pm.zero is not None:
+        check_elementwise(opt_cls, "ZeRO-3")
+        return zero3_segments(pm)[ref[1]]
+    return getattr(pm, ref[1])
+
+
+def adopt(opt, groups: list[dict] | None = None) -> bool:
+    """Swap handles and released originals in `opt`'s groups (or `groups`) for what pm steps,
+    moving any state; returns whether any were swapped."""
+    swapped = False
+    for g in (opt.param_groups if groups is None else groups):
+        params = g["params"]
+        if isinstance(params, torch.Tensor):
+            params = g["params"] = [params]
+        elif not isinstance(params, list):
+            params = g["params"] = list(params)
+        for i, p in enumerate(params):
+            new = _target(p, type(opt)) if isinstance(p, torch.Tensor) else None
+            if new is None:
+                continue
+            params[i] = new
+            swapped = True
+            st = opt.state.pop(p, None) if groups is None else None
+            if st:
+                opt.state[new] = {k: v for k, v in st.items() if not torch.is_tensor(v)
+                                  or v.dim() == 0 or v.shape == new.shape}
+            if getattr(new, "_nnc_flat", None) is not None:
+                _watch(opt)
+    return swapped
+
+
+def _watch(opt) -> None:
+    """Once per optimizer stepping ZeRO-3 segments: zero_grad also clears the flat gradients,
+    and state_dict records how the segments cut the parameters."""
+    if opt.__dict__.get("_nnc_watched"):
+        return
+    opt.__dict__["_nnc_watched"] = True
+    base = opt.zero_grad
+
+    def zero_grad(set_to_none: bool = True):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                info = getattr(p, "_nnc_flat", None)
+                if info is not None and info[0].grad is not None:
+                    if set_to_none:
+                        info[0].grad = None
+                    else:
+                        info[0].grad.zero_()
+        return base(set_to_none=set_to_none)
+    opt.zero_grad = zero_grad
+    if not hasattr(opt, "nncompile_layout"):
+        opt.register_state_dict_post_hook(_layout_hook)
+
+
+def segment_layout(params: list, ranks: list[int], zero_rank: int) -> dict:
+    """How segments (in optimizer index order) cut the local parameters: the form
+    merge.py reads under "nncompile_zero" (one entry per segment)."""
+    shards = []
+    for p in params:
+        name, s, e, numel = p._nnc_span
+        shards.append({"names": [name], "numels": [numel], "lo": s, "hi": e})
+    return {"zero_rank": zero_rank, "zero_size": len(ranks), "ranks": list(ranks),
+            "shards": shards}
+
+
+def _layout_hook(opt, sd: dict) -> dict:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params or not all(getattr(p, "_nnc_flat", None) is not None for p in params):
+        return sd
+    pm = getattr(params[0], "_nnc_pm", lambda: None)()
+    if pm is None:
+        return sd
+    sd["nncompile_zero"] = segment_layout(params, pm.zero.ranks, pm.zero.rank)
+    return sd
+
+
+def _pre_step(opt, args, kwargs) -> None:
+    """Before every optimizer step: adopt what was added since, refresh segment grads."""
+    groups = opt.param_groups
+    count = sum(len(g["params"]) for g in groups)
+    if opt.__dict__.get("_nnc_count") != count:
+        with _LOCK:
+            adopt(opt)
+        opt.__dict__["_nnc_count"] = count
+    if opt.__dict__.get("_nnc_watched"):
+        for g in groups:
+            refresh_grads(g["params"])
+
+
+_ADD_PARAM_GROUP = torch.optim.Optimizer.add_param_group
+
+
+def _add_param_group(self, param_group):
+    """torch's add_param_group after swapping handles for segments (see the module doc)."""
+    if isinstance(param_group, dict) and "params" in param_group:
+        adopt(self, [param_group])
+        if any(getattr(p, "_nnc_flat", None) is not None for p in param_group["params"]):
+            _watch(self)
+    return _ADD_PARAM_GROUP(self, param_group)
+
+
+def install() -> None:
+    """Once per process: the step pre-hook and the add_param_group swap."""
+    if getattr(torch.optim.Optimizer, "_nnc_installed", False):
+        return
+    torch.optim.Optimizer._nnc_installed = True
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(_pre_step)
+    torch.optim.Optimizer.add_param_group = _add_param_group
+
+
+install()
+
+
+# ---- the original module -------------------------------------------------------------------
+_CLAIMED_LOCK = threading.Lock()
+
+
+def take_original(pm, module, state: dict, rows) -> dict[str, torch.nn.Parameter]:
+    """{local name: the module's own Parameter} for parameters this rank keeps whole on its
+    device (registered in pm as they are); a module already parallelized into a live pm is
+    not shared again, and one whose parameters were released is refused."""
+    out: dict[str, torch.nn.Parameter] = {}
+    if module is None:
+        return out
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, p in params.items():
+        if released(p):
+            raise ConfigError(
+                f"{type(module).__name__} was already parallelized: its parameter {name!r} "
+                f"now lives in that ParallelModule (its storage was released), so it cannot "
+                f"be compiled again; parallelize a copy made before (copy.deepcopy(model)) "
+                f"or a freshly built model")
+    if pm.INFERENCE_ONLY or pm.zero is not None:
+        return out
+    with _CLAIMED_LOCK:
+        for row in rows:
+            p = params.get(row.fqn)
+            if p is None or state.get(row.fqn) is not p or p.is_meta or p.device != pm.device or \
+                    tuple(p.shape) != tuple(b - a for a, b in row.slices) or \
+                    any(a != 0 for a, _ in row.slices):
+                continue
+            if _held_elsewhere(p, pm):
+                continue        # already some live pm's parameter: that pm keeps it
+            if p.requires_grad != (row.name not in pm.FROZEN):
+                continue
+            p._nnc_shared = (weakref.ref(pm), row.name)
+            out[row.name] = p
+    return out
+
+
+def _held_elsewhere(p, pm) -> bool:
+    """Whether another live ParallelModule registered this very Parameter."""
+    tag = getattr(p, "_nnc_shared", None)
+    if tag is None:
+        return False
+    owner = tag[0]()
+    return owner is not None and owner is not pm and owner._parameters.get(tag[1]) is p
+
+
+def release_original(pm, module, rows, shared: dict) -> None:
+    """Free the module's parameters pm did not take as they are, keeping shape and dtype
+    (their storage resized to nothing), so an optimizer built over them adopts pm's; calling
+    the module then raises."""
+    if module is None or pm.INFERENCE_ONLY:
+        return
+    params = dict(module.named_parameters(remove_duplicate=False))
+    if any(p.is_meta for p in params.values()):
+        return
+    by_fqn = {row.fqn: row.name for row in rows}
+    ids = {}
+    gone = []
+    for fqn, p in params.items():
+        name = by_fqn.get(fqn)
+        if name is None:
+            continue
+        ids[id(p)] = name
+        if name in shared:
+            continue
+        if _held_elsewhere(p, pm):
+            continue                    # another live pm computes with this very tensor
+        p._nnc_origin = (weakref.ref(pm), name)
+        if not p.is_meta and p.numel():
+            p.grad = None
+            p.untyped_storage().resize_(0)     # frees it; shape, dtype and device stay
+            gone.append(fqn)
+    pm.__dict__["_nnc_orig_ids"] = ids
+    if gone and not getattr(module, "_nnc_guard", False):
+        module._nnc_guard = True
+        module.register_forward_pre_hook(_released_forward(gone[0]))
+
+
+def released(p) -> bool:
+    """Whether `p` is an original module's parameter whose storage a ParallelModule freed."""
+    return getattr(p, "_nnc_origin", None) is not None and not p.is_meta and p.numel() > 0 \
+        and p.untyped_storage().size() == 0
+
+
+def _released_forward(example: str):
+    def hook(module, args):
+        try:
+            p = module.get_parameter(example)
+        except AttributeError:          # the parameter was taken out of the module since
+            return None
+        if released(p):
+            raise ConfigError(
+                f"{type(module).__name__} was parallelized: its parameters (e.g. {example!r}) "
+                f"now live in the ParallelModule returned by nncompile.parallelize, and its "
+                f"own storage was released; call that module (pm(...)) instead, or "
+                f"parallelize a copy (copy.deepcopy(model)) to keep this one usable")
+        return None
+    return hook

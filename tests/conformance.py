@@ -1,0 +1,717 @@
+"""The conformance suite's loop: train like a user, under a plan and on one device, and compare.
+
+One training script, `train_rank`, runs on every rank of a plan (threads of one process through
+`nncompile.simulate.run_ranks`, or torchrun processes where threads cannot be exact) and
+records what a user logs; `run_reference` runs the same loop on one device. The loop has what
+real scripts have (nanoGPT's train.py, Hugging Face's Trainer):
+
+- AdamW over two parameter groups built from `pm.named_parameters()` (weight decay on tensors
+  with dim >= 2, none on the rest) through `nncompile.build_optimizer(pm, AdamW, params=groups)`;
+- a warmup + cosine `LambdaLR`; `nncompile.clip_grad_norm_`;
+- gradient accumulation over 2 micro-batches (`pm.no_sync()` for the first; a pipeline's
+  `train_step` splits its batch into the plan's 2 micro-batches);
+- `pm.eval()` + `torch.no_grad()` validation every `eval_every` steps, then `pm.train()`;
+- a checkpoint after step `ckpt_at` in every format (sharded, deduped, dcp, and a merged file
+  made from the sharded one), each resumed into a fresh pm + optimizer + scheduler that runs
+  the rest of the loop; the merged file is also resumed by the original module and a plain
+  `torch.optim.AdamW` on one device ("merged->1dev");
+- dropout > 0 (a nanoGPT-shaped GPT with embedding, attention and residual dropout, whose
+  attention reads `self.training` as nanoGPT's does) and a BatchNorm model.
+
+What is compared, per rank against its unit's reference: every step's logged train loss
+(the sum of the micro-batches' `loss / accum`), the gradient norm `clip_grad_norm_` returns,
+every validation loss, the final weights (`pm.gather_params()`), BatchNorm's running
+statistics, and the same after each resume.
+
+The reference. A plan unit (plan_ngpus ranks) computes what one device computes on the unit's
+batch, so for one unit the reference is one device running the loop on that batch. With U
+data-parallel units, each unit runs its own rows and the reducer averages the gradients, which
+is one device on the concatenated batch for a mean loss -- except for what depends on the
+unit: dropout and BatchNorm. Every rank is seeded alike at each step (as docs/concepts.md
+asks; a plan unit needs it), so each unit draws its masks from the *same* generator state on
+its own rows, which one device on the concatenated batch does not do (it draws one mask for
+all rows). BatchNorm normalizes by each unit's own batch statistics and keeps each unit's own
+running statistics (DDP without SyncBatchNorm). So the reference is one device that runs, for
+each unit u in turn, u's micro-batches from the step's generator state with u's running
+statistics, backward of `loss / accum / U` (the average the reducer takes), and then one
+clip + optimizer step: exactly the concatenated-batch reference when nothing depends on the
+unit, and what DDP with ranks seeded alike computes when something does. Train and validation
+losses are compared per unit, BatchNorm statistics per unit, weights on every rank.
+
+Threads or processes. Threaded simulated ranks are exact where every random draw goes through
+`nncompile.runtime.rng`, which gives each thread its own generator: every plan with
+plan_ngpus >= 2 (dropout drawn as `rng.dropout` of the full tensor). Under plan_ngpus = 1 the
+generated code calls `aten.dropout` on the process's one default generator, which threads
+would share (racing), so dropout under a plan-1 `dp` plan runs as torchrun processes, with the
+pipelines (which need a real process group) and torch.compile (not thread-safe): one launch,
+tests/workers/conformance.py.
+
+Tolerance. Losses, gradient norms and validation losses: rtol 1e-5, atol 1e-6 (float32).
+Weights and running statistics: per tensor, |got - want| <= atol + WEIGHT_RTOL * max|want|
+(5e-4 of the tensor's scale), because a plan adds its float32 sums in another order (the
+all-reduce, k-split matmuls, ZeRO's flat pieces) and AdamW amplifies that: its first update is
+lr * g / (|g| + eps), so an element whose gradient is near eps (1e-8) turns a rounding
+difference d of its gradient into lr * d / eps. Measured on tp 2 x 4 with dropout: step-0
+gradients agree to 4e-7 of each tensor's largest, yet after 2 steps c_proj differs by 9e-6
+(1.3e-4 of its scale), then stays there; 5e-4 leaves a 4x margin. The bugs this suite is for
+land far outside: one group's weight decay ignored moves LayerNorm weights by ~1e-3 per step
+(and a 2-D weight of scale 0.1 by 3e-3 of its scale in 6 steps); the schedule not reaching a
+group by ~lr * (1 - lr_lambda). A cell may loosen further (`rtol`, `why_tol`).
+
+    python tests/conformance.py --matrix     # run every cell, print plan x feature -> max error
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import nncompile  # noqa: E402
+
+FORMATS = ("sharded", "deduped", "dcp", "merged")
+SEED = 1234
+VOCAB, BLOCK = 64, 16
+
+
+# ---- models -------------------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, d, heads, p):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.c_proj = (
+            nn.Linear(d, d, bias=False) for _ in range(4))
+        self.heads, self.p = heads, p
+        self.resid_dropout = nn.Dropout(p)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                   for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.p if self.training else 0.0)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, p):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = Attention(d, heads, p)
+        self.mlp_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.dropout(self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)))))
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's shape at d 32, 2 layers, with its dropouts; no bias on the attention
+    projections (nanoGPT's bias=False: a key bias's exact gradient is zero, so AdamW turns
+    rounding noise into lr-sized steps on one device and under a plan alike)."""
+
+    def __init__(self, dropout=0.0, d=32, layers=2, heads=4):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(BLOCK, d)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList([Block(d, heads, dropout) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.wte.weight = self.lm_head.weight
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx, targets):
+        t = idx.size(1)
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class BNNet(nn.Module):
+    """A classifier with BatchNorm1d in training mode (running statistics updated). The linears
+    before a BatchNorm have no bias, as CNNs' convolutions before one do: batch statistics
+    cancel it, so its exact gradient is zero and AdamW would step on rounding noise."""
+
+    def __init__(self, d_in=16, hidden=64, classes=8):
+        super().__init__()
+        self.fc1, self.bn1 = nn.Linear(d_in, hidden, bias=False), nn.BatchNorm1d(hidden)
+        self.fc2, self.bn2 = nn.Linear(hidden, hidden, bias=False), nn.BatchNorm1d(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x, y):
+        h = F.relu(self.bn1(self.fc1(x)))
+        h = F.relu(self.bn2(self.fc2(h)))
+        return F.cross_entropy(self.head(h), y)
+
+
+def build_model(loop: "Loop") -> nn.Module:
+    torch.manual_seed(0)
+    return (BNNet() if loop.model == "bn" else TinyGPT(loop.dropout)).train()
+
+
+# ---- the loop -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Loop:
+    model: str = "gpt"              # "gpt" (TinyGPT) or "bn" (BNNet)
+    dropout: float = 0.0
+    steps: int = 6
+    accum: int = 2                  # micro-batches per optimizer step
+    sizes: tuple = ((4, 16),)       # (rows, seq) of a unit's micro-batch, by step % len
+    eval_every: int = 2             # validate after steps 1, 3, 5
+    ckpt_at: int = 3                # checkpoint after this many steps, resume from it
+    lr: float = 1e-2
+    warmup: int = 2
+    weight_decay: float = 0.1
+    clip: float = 0.5               # below the gradient norm of most steps: clipping bites
+    formats: tuple = FORMATS        # checkpoint formats saved at ckpt_at and resumed
+    val_micro: int = 1              # micro-batches in a validation batch (a pipeline
+                                    # evaluates the unit's whole batch: accum)
+
+
+def lr_lambda(loop: Loop):
+    def f(it: int) -> float:                         # warmup, then cosine down to 0.1
+        if it < loop.warmup:
+            return (it + 1) / loop.warmup
+        progress = min(1.0, (it - loop.warmup) / max(1, loop.steps - loop.warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def micro_batch(loop: Loop, step: int, micro: int, unit: int) -> dict[str, torch.Tensor]:
+    """Unit `unit`'s micro-batch `micro` of step `step` (step < 0: a validation batch)."""
+    rows, seq = loop.sizes[step % len(loop.sizes)] if step >= 0 else loop.sizes[0]
+    g = torch.Generator().manual_seed(10_000 + 1000 * step + 100 * micro + unit)
+    if loop.model == "bn":
+        x = torch.randn(rows, 16, generator=g)
+        proj = torch.Generator().manual_seed(7)
+        y = (x @ torch.randn(16, 8, generator=proj)).argmax(-1)
+        return {"x": x, "y": y}
+    seq_ = (torch.randint(0, VOCAB, (rows, 1), generator=g) + torch.arange(seq + 1)) % VOCAB
+    noise = torch.rand(rows, seq + 1, generator=g) < 0.2            # some unpredictable tokens
+    seq_ = torch.where(noise, torch.randint(0, VOCAB, seq_.shape, generator=g), seq_)
+    return {"idx": seq_[:, :-1].contiguous(), "targets": seq_[:, 1:].contiguous()}
+
+
+def unit_batch(loop: Loop, step: int, unit: int) -> dict[str, torch.Tensor]:
+    """A unit's whole batch of one step: its micro-batches concatenated (pipelines)."""
+    parts = [micro_batch(loop, step, m, unit) for m in range(loop.accum)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def val_batch(loop: Loop, unit: int) -> dict[str, torch.Tensor]:
+    parts = [micro_batch(loop, -1, m, unit) for m in range(loop.val_micro)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def param_groups(named) -> list[dict]:
+    """nanoGPT's configure_optimizers: decay on 2-D+ tensors, none on biases and norms."""
+    params = [(n, p) for n, p in named if p.requires_grad]
+    return [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_optimizer(loop: Loop, pm) -> torch.optim.Optimizer:
+    groups = param_groups(pm.named_parameters())
+    for g in groups:
+        g["weight_decay"] = loop.weight_decay if g["weight_decay"] else 0.0
+    return nncompile.build_optimizer(pm, torch.optim.AdamW, params=groups, lr=loop.lr,
+                                     betas=(0.9, 0.95))
+
+
+def make_reference_optimizer(loop: Loop, model: nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(model.named_parameters())
+    for g in groups:
+        g["weight_decay"] = loop.weight_decay if g["weight_decay"] else 0.0
+    return torch.optim.AdamW(groups, lr=loop.lr, betas=(0.9, 0.95))
+
+
+# ---- plans --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cell:
+    """One plan (and loop) of the matrix."""
+    name: str
+    policy: str
+    plan: int
+    runtime: int
+    loop: Loop = Loop()
+    zero: int = 0
+    offload: bool = False
+    stages: int = 0                 # pipeline_stages (microbatches = loop.accum)
+    dynamic: bool = False
+    compile: bool = False
+    process: bool = False           # torchrun processes (tests/workers/conformance.py)
+    rtol: float = 1e-5              # losses and norms
+    atol: float = 1e-6
+    weight_rtol: float = 5e-4       # weights and buffers: of the tensor's largest element
+    why_tol: str = ""
+
+    @property
+    def units(self) -> int:
+        return self.runtime // self.plan
+
+
+DROP = Loop(dropout=0.1)
+DYN = Loop(dropout=0.1, sizes=((4, 16), (2, 8)))
+BN = Loop(model="bn")
+CELLS = [
+    Cell("dp", "dp", 1, 2),
+    Cell("data", "data", 2, 2, DROP),
+    Cell("tp", "tp", 2, 2, DROP),
+    Cell("tp_sp", "tp_sp", 2, 2, DROP),
+    Cell("autodist", "autodist", 2, 2, DROP),
+    Cell("zero1", "dp", 1, 2, zero=1),
+    Cell("zero2", "tp", 2, 4, DROP, zero=2),
+    Cell("zero3", "tp", 2, 4, DROP, zero=3),
+    Cell("zero3_dp", "dp", 1, 2, zero=3),
+    Cell("offload", "tp", 2, 4, DROP, zero=1, offload=True),
+    Cell("dynamic", "tp", 2, 2, DYN, dynamic=True),
+    Cell("bn_dp", "dp", 1, 2, BN),
+    Cell("bn_data", "data", 2, 2, BN),
+    Cell("bn_tp", "tp", 2, 2, BN),
+    # torchrun processes, one launch
+    Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
+    Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),
+    Cell("pp", "tp", 2, 2, Loop(val_micro=2), stages=2, process=True),
+    Cell("pp_dropout", "tp", 2, 2, replace(DROP, val_micro=2), stages=2, process=True),
+]
+BY_NAME = {c.name: c for c in CELLS}
+
+
+def compute_config(cell: Cell) -> nncompile.ComputeConfig:
+    pas = {"pipeline_stages": cell.stages, "microbatches": cell.loop.accum} if cell.stages else {}
+    return nncompile.ComputeConfig(cell.plan, cell.runtime, use_zero=cell.zero,
+                                   offload_optimizer=cell.offload, compile=cell.compile,
+                                   pas_config=pas)
+
+
+def parallelize(cell: Cell, model: nn.Module, savedir: Path):
+    loop = cell.loop
+    dummy = unit_batch(loop, 0, 0) if cell.stages else micro_batch(loop, 0, 0, 0)
+    dyn = None
+    if cell.dynamic:
+        dims = {0: "batch", 1: "seq"}
+        dyn = {"idx": dims, "targets": dims}
+    return nncompile.parallelize(model, dummy, compute_config(cell), pas_policy=cell.policy,
+                                 gen_savedir=savedir / "gen", instance_name=cell.name,
+                                 dynamic_dims=dyn)
+
+
+# ---- one rank's script ------------------------------------------------------------------------
+@contextlib.contextmanager
+def seeded(step: int, threaded: bool):
+    """Every rank seeded alike at each step (a user's torch.manual_seed); a simulated rank
+    (a thread) draws from a generator of its own with that state (runtime/rng.py)."""
+    if threaded:
+        from nncompile.runtime import rng
+        with rng.rank_generator(torch.Generator().manual_seed(SEED + step).get_state()):
+            yield
+    else:
+        torch.manual_seed(SEED + step)
+        yield
+
+
+def full_buffers(pm) -> dict[str, torch.Tensor]:
+    """BatchNorm's running statistics by FQN, whole (gathered along the plan unit)."""
+    from nncompile.ir.placement import Shard
+    from nncompile.runtime.rows import buffer_rows
+    out = {}
+    for row in buffer_rows(pm):
+        t = getattr(pm, row.name).detach()
+        if isinstance(row.placement, Shard) and pm.plan_group is not None:
+            parts = [torch.empty_like(t) for _ in range(pm.PLAN_NGPUS)]
+            dist.all_gather(parts, t.contiguous(), group=pm.plan_group)
+            t = torch.cat(parts, dim=row.placement.dim)
+        if t.is_floating_point():
+            out[row.fqn] = t.clone()
+    return out
+
+
+def run_steps(cell: Cell, pm, opt, sched, unit: int, start: int, threaded: bool,
+              save=None) -> dict:
+    """The loop from step `start` to the end; returns what it logged."""
+    loop = cell.loop
+    rec = {"train": {}, "norm": {}, "val": {}}
+    for step in range(start, loop.steps):
+        with seeded(step, threaded):
+            if cell.stages:
+                loss = pm.train_step(**unit_batch(loop, step, unit)).item()
+            else:
+                loss = 0.0
+                for m in range(loop.accum):
+                    ctx = pm.no_sync() if m < loop.accum - 1 else contextlib.nullcontext()
+                    with ctx:
+                        part = pm(**micro_batch(loop, step, m, unit)) / loop.accum
+                        part.backward()
+                    loss += part.item()
+        rec["train"][step] = loss
+        rec["norm"][step] = float(nncompile.clip_grad_norm_(pm, loop.clip))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % loop.eval_every == 0:
+            pm.eval()
+            with torch.no_grad():
+                rec["val"][step] = pm(**val_batch(loop, unit)).item()
+            pm.train()
+        if save is not None and step + 1 == loop.ckpt_at:
+            save(step + 1)
+    rec["weights"] = pm.gather_params()
+    if loop.model == "bn":
+        rec["buffers"] = full_buffers(pm)
+    return rec
+
+
+def train_rank(cell: Cell, model: nn.Module, workdir: Path, threaded: bool) -> dict:
+    """Everything one rank does for a cell: train with a checkpoint at ckpt_at, then resume
+    each format into a fresh pm + optimizer + scheduler. Returns the rank's records."""
+    rank = dist.get_rank()
+    unit = rank // (cell.plan)
+    ckpt = workdir / "ckpt"
+    pm = parallelize(cell, copy.deepcopy(model), workdir)
+    opt = make_optimizer(cell.loop, pm)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cell.loop))
+
+    def save(step):
+        extra = {"step": step, "sched": sched.state_dict()}
+        for fmt in ("sharded", "deduped", "dcp"):
+            if fmt in cell.loop.formats or (fmt == "sharded" and "merged" in cell.loop.formats):
+                nncompile.save_checkpoint(ckpt / fmt, pm, opt, format=fmt, extra=extra)
+        if rank == 0 and "merged" in cell.loop.formats:
+            nncompile.merge_checkpoint([ckpt / "sharded"], ckpt / "merged.pt")
+        dist.barrier()
+
+    out = {"rank": rank, "unit": unit}
+    out.update(run_steps(cell, pm, opt, sched, unit, 0, threaded,
+                         save if cell.loop.formats else None))
+    for fmt in cell.loop.formats:
+        try:
+            pm2 = parallelize(cell, copy.deepcopy(model), workdir)
+            opt2 = make_optimizer(cell.loop, pm2)
+            sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lr_lambda(cell.loop))
+            path = ckpt / ("merged.pt" if fmt == "merged" else fmt)
+            extra = nncompile.load_checkpoint(path, pm2, opt2)
+            sched2.load_state_dict(extra["sched"])
+            out[f"resume:{fmt}"] = run_steps(cell, pm2, opt2, sched2, unit, extra["step"],
+                                             threaded)
+        except Exception as e:                               # noqa: BLE001 - reported
+            out[f"resume:{fmt}"] = {"error": _short(e)}
+    return out
+
+
+def _short(e: BaseException) -> str:
+    while isinstance(e.__cause__, BaseException) and "simulated rank" in str(e):
+        e = e.__cause__
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def run_plan(cell: Cell, workdir: Path) -> list[dict]:
+    """Every rank's records for a threaded cell (raises what a rank raised)."""
+    from nncompile.simulate import run_ranks
+    model = build_model(cell.loop)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return run_ranks(cell.runtime, lambda r: train_rank(cell, model, workdir, True))
+
+
+# ---- one device -------------------------------------------------------------------------
+_REFS: dict = {}
+
+
+def run_reference(loop: Loop, units: int, resume_from: dict | None = None,
+                  start: int = 0) -> list[dict]:
+    """One device: per unit u, u's micro-batches from the step's generator state with u's
+    BatchNorm statistics, backward of loss / accum / units; one clip + step. Returns each
+    unit's records (weights alike). `resume_from`: a merged checkpoint to start from."""
+    key = (loop, units)
+    if resume_from is None and key in _REFS:
+        return _REFS[key]
+    model = build_model(loop)
+    opt = make_reference_optimizer(loop, model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(loop))
+    if resume_from is not None:
+        model.load_state_dict(resume_from["model"])
+        opt.load_state_dict(resume_from["optimizer"])
+        sched.load_state_dict(resume_from["extra"]["sched"])
+    bufs = [{k: v.clone() for k, v in model.named_buffers()} for _ in range(units)]
+
+    def use(u):
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(bufs[u][k])
+
+    def keep(u):
+        bufs[u] = {k: v.clone() for k, v in model.named_buffers()}
+
+    recs = [{"unit": u, "train": {}, "norm": {}, "val": {}} for u in range(units)]
+    for step in range(start, loop.steps):
+        for u in range(units):
+            use(u)
+            torch.manual_seed(SEED + step)
+            total = 0.0
+            for m in range(loop.accum):
+                part = model(**micro_batch(loop, step, m, u)) / loop.accum
+                (part / units).backward()
+                total += part.item()
+            keep(u)
+            recs[u]["train"][step] = total
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        for r in recs:
+            r["norm"][step] = norm
+        if (step + 1) % loop.eval_every == 0:
+            model.eval()
+            with torch.no_grad():
+                for u in range(units):
+                    use(u)
+                    recs[u]["val"][step] = model(**val_batch(loop, u)).item()
+            model.train()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for u, r in enumerate(recs):
+        r["weights"] = weights
+        if loop.model == "bn":
+            r["buffers"] = {k: v for k, v in bufs[u].items() if v.is_floating_point()}
+    if resume_from is None:
+        _REFS[key] = recs
+    return recs
+
+
+def merged_on_one_device(cell: Cell, workdir: Path) -> dict:
+    """The merged checkpoint resumed by the original module and a plain AdamW (one device,
+    per unit as run_reference); unit 0's records."""
+    try:
+        merged = torch.load(workdir / "ckpt" / "merged.pt", weights_only=True)
+        return run_reference(cell.loop, cell.units, merged, merged["extra"]["step"])[0]
+    except Exception as e:                                   # noqa: BLE001 - reported
+        return {"error": _short(e)}
+
+
+# ---- comparing ----------------------------------------------------------------------------
+class Mismatch(AssertionError):
+    """A recorded value differs from one device's; `row` is the cell's matrix row."""
+
+    def __init__(self, message: str, row: dict):
+        super().__init__(message)
+        self.row = row
+
+
+FEATURES = ("train", "norm", "val", "weights", "buffers", *(f"resume:{f}" for f in FORMATS),
+            "merged->1dev")
+
+
+def _err(got, want) -> tuple[float, float]:
+    """(max |got - want|, max of |got - want| - rtol |want| used by the caller)."""
+    g, w = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
+    d = (g - w).abs()
+    return float(d.max()) if d.numel() else 0.0, w
+
+
+def _checks(rec: dict, ref: dict, where: str):
+    """(where, what, got, want) in the order they happened."""
+    for step in sorted(ref["train"]):
+        if step in rec.get("train", {}) or "train" in rec:
+            yield where, f"step {step} train loss", "train", rec.get("train", {}).get(step), \
+                ref["train"][step]
+            yield where, f"step {step} grad norm", "norm", rec.get("norm", {}).get(step), \
+                ref["norm"][step]
+        if step in ref["val"]:
+            yield where, f"step {step} validation loss", "val", rec.get("val", {}).get(step), \
+                ref["val"][step]
+    for kind in ("weights", "buffers"):
+        for name, want in ref.get(kind, {}).items():
+            yield where, f"final {kind[:-1]} {name}", kind, rec.get(kind, {}).get(name), want
+
+
+def compare(cell: Cell, records: list[dict], merged: dict | None = None) -> dict[str, str]:
+    """Every rank's records against its unit's one-device reference. Returns the matrix row
+    (feature -> max abs error, or the error); raises Mismatch naming the first value out of
+    tolerance (step, loss kind, unit, rank)."""
+    refs = run_reference(cell.loop, cell.units)
+    ckpt = cell.loop.ckpt_at
+    row: dict[str, float | str] = {}
+    first = None
+    for rec in records:
+        ref = refs[rec["unit"]]
+        tail = {**ref, "train": {s: v for s, v in ref["train"].items() if s >= ckpt},
+                "norm": {s: v for s, v in ref["norm"].items() if s >= ckpt},
+                "val": {s: v for s, v in ref["val"].items() if s >= ckpt}}
+        phases = [("", rec, ref)] + [(f"resume:{f}", rec.get(f"resume:{f}", {"error": "none"}),
+                                      tail) for f in cell.loop.formats]
+        if merged is not None and rec["unit"] == 0 and rec["rank"] == 0:
+            phases.append(("merged->1dev", merged, {**tail, "buffers": {}}))
+        for phase, got, want in phases:
+            if "error" in got:
+                row[phase] = got["error"]
+                first = first or f"{cell.name} {phase}: {got['error']}"
+                continue
+            where = f"{phase + ': ' if phase else ''}unit {rec['unit']} rank {rec['rank']}"
+            for _, what, kind, g, w in _checks(got, want, where):
+                col = phase or kind
+                if isinstance(row.get(col), str):
+                    continue
+                if g is None:
+                    row[col] = f"missing {what}"
+                    first = first or f"{cell.name} {where}: {what} missing"
+                    continue
+                err, wt = _err(g, w)
+                row[col] = max(row.get(col, 0.0), err)
+                scale = cell.weight_rtol * wt.abs().max() if kind in ("weights", "buffers") \
+                    else cell.rtol * wt.abs()
+                bad = (torch.as_tensor(g, dtype=torch.float64) - wt).abs() > cell.atol + scale
+                if bool(bad.any()):
+                    oot = row.setdefault("out of tolerance", [])
+                    if col not in oot:
+                        oot.append(col)
+                    first = first or _describe(cell, where, what, g, w, bad)
+    if first is not None:
+        row["first mismatch"] = first
+        raise Mismatch(first + "\n" + format_row(cell.name, row), row)
+    return row
+
+
+def _describe(cell, where, what, got, want, bad) -> str:
+    g = torch.as_tensor(got, dtype=torch.float64)
+    w = torch.as_tensor(want, dtype=torch.float64)
+    if g.dim() == 0:
+        return (f"{cell.name} {where}: {what}: got {float(g):.6f}, one device {float(w):.6f} "
+                f"(|err| {abs(float(g - w)):.2e} > atol {cell.atol:g} + rtol {cell.rtol:g})")
+    i = int((g - w).abs().argmax())
+    idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), g.shape))
+    return (f"{cell.name} {where}: {what}: {int(bad.sum())} of {g.numel()} elements differ, "
+            f"max |err| {float((g - w).abs().max()):.2e} at {idx} (got {float(g[idx]):.6f}, "
+            f"one device {float(w[idx]):.6f}; bound atol {cell.atol:g} + {cell.weight_rtol:g} "
+            f"* max|w| {float(w.abs().max()):.3g})")
+
+
+def _cell_text(row: dict, f: str) -> str:
+    v = row.get(f)
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return "ERR"
+    return f"{v:.0e}" + ("!" if f in row.get("out of tolerance", ()) else "")
+
+
+def format_row(name: str, row: dict) -> str:
+    return f"{name}: " + "  ".join(f"{f}={_cell_text(row, f)}" for f in FEATURES)
+
+
+def format_matrix(rows: dict[str, dict], times: dict[str, float] | None = None) -> str:
+    """plan x feature -> max abs error (ERR: the first line of what raised)."""
+    short = {"resume:sharded": "r:sharded", "resume:deduped": "r:deduped", "resume:dcp": "r:dcp",
+             "resume:merged": "r:merged"}
+    heads = ["cell"] + [short.get(f, f) for f in FEATURES] + (["s"] if times else [])
+    lines, errors = [], []
+    for name, row in rows.items():
+        cells = [name]
+        for f in FEATURES:
+            if isinstance(row.get(f), str):
+                errors.append(f"  {name} {f}: {row[f]}")
+            cells.append(_cell_text(row, f))
+        if "first mismatch" in row:
+            errors.append(f"  {name} first mismatch: {row['first mismatch']}")
+        if times:
+            cells.append(f"{times.get(name, 0):.1f}")
+        lines.append(cells)
+    width = [max(len(r[i]) for r in [heads] + lines) for i in range(len(heads))]
+    fmt = lambda r: " ".join(c.ljust(w) for c, w in zip(r, width))  # noqa: E731
+    return "\n".join([fmt(heads)] + [fmt(r) for r in lines] +
+                     ["(max |parallel - one device|; ! out of tolerance; - not applicable)"] +
+                     (["errors:"] + list(dict.fromkeys(errors)) if errors else []))
+
+
+# ---- the torchrun launch ----------------------------------------------------------------------
+def launch(workdir: Path, names: list[str], timeout: int = 600) -> tuple[dict, str]:
+    """Run the process cells in one torchrun launch, cell `name` in workdir / name;
+    ({cell: [records per rank]}, the launch's output)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={port}", str(HERE / "workers" / "conformance.py"),
+           "--workdir", str(workdir), "--cells", ",".join(names)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1",
+           "NNCOMPILE_TIMEOUT_S": "120"}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        out = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        out = f"timed out after {timeout}s\n{e.stdout or ''}{e.stderr or ''}"
+    results = {}
+    for name in names:
+        files = sorted((workdir / name).glob("records.rank*.pt"))
+        results[name] = [torch.load(f, weights_only=False) for f in files]
+    return results, out
+
+
+def run_cell(cell: Cell, workdir: Path, launched: dict | None = None) -> tuple[dict, float]:
+    """(matrix row, seconds) of one cell; raises Mismatch or what the plan raised."""
+    t0 = time.time()
+    if cell.process:
+        records = (launched or {}).get(cell.name) or []
+        errors = [r["error"] for r in records if "error" in r]
+        if errors or len(records) != cell.runtime:
+            raise RuntimeError(f"{cell.name}: " + (errors[0] if errors else
+                                                   f"{len(records)} ranks reported"))
+    else:
+        records = run_plan(cell, workdir)
+    merged = merged_on_one_device(cell, workdir) if "merged" in cell.loop.formats else None
+    return compare(cell, records, merged), time.time() - t0
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--matrix", action="store_true", help="run every cell, print the matrix")
+    ap.add_argument("--cells", default="", help="comma-separated cell names (default: all)")
+    args = ap.parse_args()
+    os.environ.setdefault("NNCOMPILE_QUIET", "1")
+    torch.set_num_threads(1)
+    names = [n for n in args.cells.split(",") if n] or [c.name for c in CELLS]
+    rows, times = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        procs = [n for n in names if BY_NAME[n].process]
+        launched, out = launch(tmp, procs) if procs else ({}, "")
+        if procs and not all(launched.values()):
+            print(out[-3000:], file=sys.stderr)
+        for name in names:
+            cell = BY_NAME[name]
+            t0 = time.time()
+            try:
+                rows[name], _ = run_cell(cell, tmp / name, launched)
+            except Mismatch as e:
+                rows[name] = e.row
+            except Exception as e:                         # noqa: BLE001 - reported
+                rows[name] = {"train": _short(e)}
+            times[name] = time.time() - t0
+            print(format_row(name, rows[name]), file=sys.stderr, flush=True)
+    print(format_matrix(rows, times))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Train and eval modes: pm.train()/pm.eval() change the generated program as model.train()/
+model.eval() change the model (dropout, attention dropout, BatchNorm, `if self.training:`),
+under every plan, with and without torch.no_grad(); random draws in training stay in step
+with one device however often the model is evaluated in between. Also: a reentrant
+activation checkpoint in the model is traced with its gradients (tp gradients exact)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import nncompile
+from nncompile.runtime import rng
+from nncompile.simulate import run_ranks
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Block(nn.Module):
+    def __init__(self, d=32, heads=4, p=0.3):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads, self.p = heads, p
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = self.ln1(x)
+        q, k, v = (f(h).view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        # as Hugging Face and nanoGPT pass it: attention dropout only in training
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.p if self.training else 0.0)
+        x = x + self.drop(self.o(y.transpose(1, 2).reshape(B, T, C)))
+        return x + F.dropout(self.proj(F.gelu(self.fc(self.ln2(x)))), self.p, self.training)
+
+
+class DropoutGPT(nn.Module):
+    def __init__(self, vocab=64, d=32, layers=2, p=0.3, reentrant=None):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(16, d)
+        self.drop = nn.Dropout(p)
+        self.h = nn.ModuleList(Block(d, p=p) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.reentrant = reentrant
+
+    def forward(self, idx, targets):
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1])))
+        for block in self.h:
+            if self.reentrant is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.reentrant)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def _batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
+
+
+PLANS = {"dp": ("dp", 1, {}), "data": ("data", 2, {}), "tp": ("tp", 2, {}),
+         "tp_sp": ("tp_sp", 2, {}), "autodist": ("autodist", 2, {}),
+         "zero3": ("dp", 1, {"use_zero": 3})}
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_eval_loss_equals_the_models_under_each_plan(tmp_path, plan):
+    """After pm.eval() the loss is the model's eval loss (no dropout), with grad enabled and
+    under no_grad; pm.train() brings dropout back. Before, the training flag was a constant
+    in the generated code and eval kept dropping (each rank its own way under dp)."""
+    policy, n, kw = PLANS[plan]
+    torch.manual_seed(0)
+    model = DropoutGPT()
+    idx, tgt = _batch()
+    want = copy.deepcopy(model).eval()(idx, tgt).detach()
+    torch.manual_seed(7)
+    train_loss = copy.deepcopy(model)(idx, tgt).detach()
+    assert (train_loss - want).abs() > 1e-3, "dropout had no effect; the check is vacuous"
+    cfg = nncompile.ComputeConfig(n, 2, **kw)
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), (idx, tgt), cfg, pas_policy=policy,
+                                   gen_savedir=tmp_path, instance_name=plan)
+        assert pm.training
+        assert pm.eval() is pm and not pm.training
+        with_grad = pm(idx, tgt)
+        with torch.no_grad():
+            no_grad = pm(idx, tgt)
+        pm.train()
+        with rng.rank_generator(torch.Generator().manual_seed(7).get_state()):
+            trained = pm(idx, tgt)
+        return with_grad.detach(), no_grad, trained.detach()
+
+    for with_grad, no_grad, trained in run_ranks(2, rank_fn):
+        torch.testing.assert_close(with_grad, want, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(no_grad, want, rtol=RTOL, atol=ATOL)
+        assert (trained - want).abs() > 1e-3, "pm.train() must bring dropout back"
+    code = (tmp_path / plan / "gencode0.py").read_text()
+    assert "self.training" in code and "forward_eval_impl" not in code, \
+        "dropout is a mode flag of one program, not a second program"
+
+
+def test_train_eval_train_keeps_random_draws_in_step(tmp_path):
+    """tp on 2 ranks against one device: train steps (SGD) with an eval (no_grad) after each:
+    every training loss equals one device's, since eval draws no random numbers."""
+    torch.manual_seed(0)
+    model = DropoutGPT()
+    seed_state = torch.Generator().manual_seed(11).get_state()
+
+    def loop(m, opt):
+        out = []
+        for step in range(3):
+            loss = m(*_batch(step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            m.eval()
+            with torch.no_grad():
+                val = m(*_batch(100))
+            m.train()
+            out.append((loss.detach(), val))
+        return out
+
+    ref = copy.deepcopy(model)
+    torch.set_rng_state(seed_state)            # one device: the same generator state
+    want = loop(ref, torch.optim.SGD(ref.parameters(), lr=0.5))
+    cfg = nncompile.ComputeConfig(2, 2)
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), _batch(0), cfg, pas_policy="tp",
+                                   gen_savedir=tmp_path)
+        with rng.rank_generator(seed_state):
+            return loop(pm, torch.optim.SGD(pm.parameters(), lr=0.5))
+
+    for got in run_ranks(2, rank_fn):
+        for step, ((loss, val), (w_loss, w_val)) in enumerate(zip(got, want)):
+            torch.testing.assert_close(loss, w_loss, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"train loss at step {step}: {m}")
+            torch.testing.assert_close(val, w_val, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"eval loss at step {step}: {m}")
+
+
+class Branchy(nn.Module):
+    """A forward that reads self.training as a Python branch, and BatchNorm when asked."""
+
+    def __init__(self, batchnorm=False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 8)
+        self.bn = nn.BatchNorm1d(64) if batchnorm else None
+
+    def forward(self, x, y):
+        h = torch.relu(self.fc1(x))
+        if self.bn is not None:
+            h = self.bn(h)
+        elif self.training:
+            h = h * 0.5 + h.pow(2) * 0.1
+        return F.cross_entropy(self.fc2(h), y)
+
+
+@pytest.mark.parametrize("plan,kind", [("tp", "branch"), ("dp", "branch"), ("zero3", "branch"),
+                                       ("tp", "batchnorm"), ("data", "batchnorm")])
+def test_a_branch_on_self_training_gets_an_eval_program(tmp_path, plan, kind):
+    """The eval-mode trace differs beyond mode flags (an `if self.training:` branch;
+    BatchNorm: batch statistics in training, running statistics in eval): the generated file
+    has a second program, forward_eval_impl, which pm runs in eval mode (grad or no_grad)."""
+    policy, n, kw = PLANS[plan]
+    torch.manual_seed(0)
+    model = Branchy(batchnorm=kind == "batchnorm")
+    x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
+    ref = copy.deepcopy(model)
+    want_train = ref(x, y).detach()         # BatchNorm: updates the running statistics
+    want_eval = ref.eval()(x, y).detach()   # which eval mode then uses
+    assert (want_train - want_eval).abs() > 1e-3
+    cfg = nncompile.ComputeConfig(n, 2, **kw)
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), (x, y), cfg, pas_policy=policy,
+                                   gen_savedir=tmp_path, instance_name=plan)
+        out = [pm(x, y).detach()]
+        pm.eval()
+        out.append(pm(x, y).detach())
+        with torch.no_grad():
+            out.append(pm(x, y))
+        pm.train()
+        out.append(pm(x, y).detach())
+        return out
+
+    for got in run_ranks(2, rank_fn):
+        for g, w in zip(got, [want_train, want_eval, want_eval, want_train]):
+            torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL)
+    code = (tmp_path / plan / "gencode0.py").read_text()
+    assert "def forward_eval_impl(self, x, y):" in code
+
+
+def test_a_module_traced_in_eval_mode_starts_in_eval_mode(tmp_path):
+    """The parallel module starts in the mode of the model it was built from (as a copy of
+    the model would), and pm.train() switches to the training program."""
+    torch.manual_seed(0)
+    model = Branchy()
+    x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
+    want_eval = copy.deepcopy(model).eval()(x, y)
+    want_train = copy.deepcopy(model)(x, y)
+    model.eval()
+    pm = nncompile.parallelize(model, (x, y), nncompile.ComputeConfig(1), pas_policy="dp",
+                               gen_savedir=tmp_path)
+    assert not model.training and not pm.training
+    torch.testing.assert_close(pm(x, y), want_eval)
+    torch.testing.assert_close(pm.train()(x, y), want_train)
+
+
+@pytest.mark.parametrize("model_kind", ["dropout", "branch"])
+def test_compiled_forward_follows_the_mode(tmp_path, model_kind):
+    """pm.compile(): each mode's program is compiled (a recompile on the flag, or the second
+    program) and gives the eager numbers."""
+    torch.manual_seed(0)
+    if model_kind == "dropout":
+        model, batch = DropoutGPT(), _batch()
+    else:
+        model, batch = Branchy(), (torch.randn(8, 16), torch.randint(0, 8, (8,)))
+    want = copy.deepcopy(model).eval()(*batch)
+    pm = nncompile.parallelize(model, batch, nncompile.ComputeConfig(1), pas_policy="dp",
+                               gen_savedir=tmp_path)
+    pm.compile(backend="eager")
+    torch.manual_seed(3)
+    eager_train = copy.deepcopy(model)(*batch)
+    torch.manual_seed(3)
+    torch.testing.assert_close(pm(*batch), eager_train, rtol=RTOL, atol=ATOL)
+    pm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(*batch), want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_blocks_gradients_under_tp(tmp_path, reentrant):
+    """`checkpoint(block, x, use_reentrant=True)` in the model runs its block under no_grad
+    while tracing; traced as use_reentrant=False (same values and gradients), the plan gives
+    its ops their backward collectives and every gradient equals one device's. Either form
+    keeps its recomputation: the checkpointed blocks are the plan's recompute regions."""
+    torch.manual_seed(0)
+    model = DropoutGPT(p=0.0, reentrant=reentrant)
+    idx, tgt = _batch()
+    ref = copy.deepcopy(model)
+    want = ref(idx, tgt)
+    want.backward()
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), (idx, tgt),
+                                   nncompile.ComputeConfig(2, 2), pas_policy="tp",
+                                   gen_savedir=tmp_path)
+        loss = pm(idx, tgt)
+        loss.backward()
+        return loss.detach(), pm.gather_grads()
+
+    for loss, grads in run_ranks(2, rank_fn):
+        torch.testing.assert_close(loss, want.detach(), rtol=RTOL, atol=ATOL)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    code = (tmp_path / "DropoutGPT" / "gencode0.py").read_text()
+    assert "def recompute_h_0(" in code and "def recompute_h_1(" in code, \
+        "the checkpointed blocks are recomputed in backward"
+
+
+def test_lightning_validation_runs_in_eval_mode(tmp_path):
+    """NnCompileStrategy under ZeRO-3: Lightning's eval() before validation reaches the
+    parallel module (a submodule of the LightningModule), so val_loss is the model's eval
+    loss, not its loss with dropout. One process (tests/workers/lightning_modes.py)."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
+    proc = subprocess.run([sys.executable, "tests/workers/lightning_modes.py", "--savedir",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "ok lightning validation in eval mode" in proc.stdout, proc.stdout
