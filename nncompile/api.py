@@ -94,11 +94,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     batched = batched_inputs(module, dummy_args, m, config.pas_config.get("batched_inputs"))
     leaves = pytree.tree_leaves(dummy_args)
     dummy_args, batch = microbatch_dummy(dummy_args, m, batched)
-    # training and eval modes both (nncompile/modes.py); inference: the module's mode only
-    graph = trace(module, dummy_args, dynamic_dims, modes=not config.inference_only)
+    graph = trace(module, dummy_args, dynamic_dims, modes=True)   # train and eval: modes.py
     graph.trace_info.inference_only = config.inference_only
-    if config.inference_only:
-        graph.trace_info.training = module.training
     if m > 1:       # the code runs one micro-batch; train_step splits the batch
         graph.trace_info.microbatches = m
         graph.trace_info.batched = [v.name for v in graph.inputs
@@ -114,6 +111,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         config = with_recompute(config, graph.meta["checkpointed"])
         traced_text += f"# checkpointed in the model: {graph.meta['checkpointed']}\n"
         plain_text += f"# checkpointed in the model: {graph.meta['checkpointed']}\n"
+    if graph.meta.get("eval_error"):    # eval mode refused at run time
+        plain_text += "# not traced in eval mode\n"
     if "eval_graph" in graph.meta:      # the forward differs in eval mode: a second program
         texts = print_graph_texts(graph.meta["eval_graph"])
         traced_text += "\n# ---- eval mode ----\n" + texts[0]

@@ -20,6 +20,7 @@ candidate is batched (with a warning naming the declaration).
 """
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import ConfigError
+from .log import log as _log
 
 
 def batched_inputs(module: torch.nn.Module, dummy_args: Any, microbatches: int,
@@ -37,7 +39,10 @@ def batched_inputs(module: torch.nn.Module, dummy_args: Any, microbatches: int,
                if isinstance(x, torch.Tensor) and x.dim() > 0]
     if microbatches == 1 or not tensors or tensors[0].shape[0] % microbatches:
         return None
-    return batched_leaves(module, dummy_args, tensors[0].shape[0], declared)
+    start = time.perf_counter()
+    out = batched_leaves(module, dummy_args, tensors[0].shape[0], declared)
+    _log(f"inputs split into micro-batches decided ({time.perf_counter() - start:.1f}s)")
+    return out
 
 
 def batched_leaves(module: torch.nn.Module, dummy_args: Any, batch: int,
@@ -59,32 +64,28 @@ def batched_leaves(module: torch.nn.Module, dummy_args: Any, batch: int,
     if len(cands) < 2:
         return [i in cands for i in range(len(leaves))]
     try:
-        kinds = _probe(module, leaves, args, kwargs, cands)
+        sizes = _probe(module, args, kwargs, cands)
     except Exception as e:  # noqa: BLE001 - any failure: fall back to shapes, say so
-        names = sorted({owner[i] for i in cands})
-        warnings.warn(f"could not tell from the model which inputs are per-sample ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); every "
-                      f"input whose dim 0 is the batch ({batch}) is split into micro-batches: "
-                      f"{names}. If one of them is not per-sample, declare the others: "
-                      f"pas_config['batched_inputs'] = [...]", stacklevel=6)
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        warnings.warn(f"could not tell from the model which inputs are per-sample "
+                      f"({type(e).__name__}: {why}); every input whose dim 0 is the batch "
+                      f"({batch}) is split into micro-batches: "
+                      f"{sorted({owner[i] for i in cands})}. If one of them is not per-sample, "
+                      f"declare the others: pas_config['batched_inputs'] = [...]",
+                      stacklevel=6)
         return [i in cands for i in range(len(leaves))]
-    ref = kinds[cands[0]]
-    if ref != "free":                   # the batch itself is fixed by the model: shapes decide
+    free = [i for i in cands if not sizes[i].is_number]
+    if not free:                        # the model fixes the batch itself: shapes decide
         return [i in cands for i in range(len(leaves))]
-    out = [False] * len(leaves)
-    out[cands[0]] = True
-    loose = []
-    for i in cands[1:]:
-        if kinds[i] == ("tied", cands[0]):
-            out[i] = True
-        elif kinds[i] == "free":
-            loose.append(owner[i])
+    ref = free[0]                       # the first tensor argument, unless its size is fixed
+    out = [i in free and sizes[i] == sizes[ref] for i in range(len(leaves))]
+    loose = sorted({owner[i] for i in free if not out[i]})
     if loose:
         batched = sorted({owner[i] for i, b in enumerate(out) if b})
         warnings.warn(
-            f"input(s) {sorted(set(loose))} have dim 0 equal to the batch ({batch}) but the "
-            f"model does not tie it to the batch of {owner[cands[0]]!r}, so they are passed "
-            f"whole to every micro-batch. If they are per-sample, declare the batched inputs: "
+            f"input(s) {loose} have dim 0 equal to the batch ({batch}) but the model does not "
+            f"tie it to the batch of {owner[ref]!r}, so they are passed whole to every "
+            f"micro-batch. If they are per-sample, declare the batched inputs: "
             f"pas_config['batched_inputs'] = {sorted(set(batched + loose))}; otherwise "
             f"pas_config['batched_inputs'] = {batched}", stacklevel=6)
     return out
@@ -112,11 +113,10 @@ def _declared(declared: list[str], items: list, owner: list[str], leaves: list,
     return out
 
 
-def _probe(module: torch.nn.Module, leaves: list, args: tuple, kwargs: dict,
-           cands: list[int]) -> dict[int, Any]:
-    """Run forward on fake tensors, dim 0 of each candidate a fresh size; for each candidate:
-    ("tied", j) when its size became candidate j's (the lowest), "fixed" when the model
-    fixed it to a number, "free" when nothing constrained it."""
+def _probe(module: torch.nn.Module, args: tuple, kwargs: dict, cands: list[int]) -> dict:
+    """Run forward on fake tensors, dim 0 of each candidate (a leaf index of (args, kwargs))
+    a fresh size; returns each candidate's size after it, as the model constrained it: a
+    number (fixed by the model), the same symbol as another candidate's (tied) or its own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
@@ -146,13 +146,4 @@ def _probe(module: torch.nn.Module, leaves: list, args: tuple, kwargs: dict,
             m.__dict__.clear()
             m.__dict__.update(attrs)
         torch.set_rng_state(rng)
-    now = {i: env.replace(s) for i, s in symbols.items()}
-    kinds: dict[int, Any] = {}
-    for i in cands:
-        expr = now[i]
-        if expr.is_number:
-            kinds[i] = "fixed"
-            continue
-        same = [j for j in cands if j < i and now[j] == expr]
-        kinds[i] = ("tied", same[0]) if same else "free"
-    return kinds
+    return {i: env.replace(sym) for i, sym in symbols.items()}

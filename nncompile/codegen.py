@@ -155,9 +155,7 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
                  f"multiple of); checked on every call\n")
     if g.trace_info.buffer_updates:
         text += buffer_updates_line(g)
-    if not g.trace_info.training:
-        text += ("    TRAINING = False  # the module was in eval mode when traced: it starts so "
-                 "(pm.train() switches)\n")
+    text += mode_lines(g)
     grad_inputs = [v.name for v in g.inputs if v.requires_grad]
     if grad_inputs:
         text += (f"    GRAD_INPUTS = {grad_inputs!r}  # inputs traced requiring grad: their "
@@ -209,6 +207,23 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
     out = "\n".join(lines) + "\n"
     shared["tail"] = out[head:]
     return out
+
+
+def mode_lines(g: Graph) -> str:
+    """What the class says about train and eval modes (nncompile/modes.py), where it is not
+    the default: the mode it starts in, the eval program's output structure, why eval mode
+    cannot run."""
+    text = ""
+    if not g.trace_info.training:
+        text += ("    TRAINING = False  # the module was in eval mode when traced: it starts so "
+                 "(pm.train() switches)\n")
+    ev = g.meta.get("eval_graph")
+    if ev is not None and ev.out_spec != g.out_spec:
+        text += f"    EVAL_OUT_SPEC = {ev.out_spec!r}  # forward_eval_impl's outputs\n"
+    if g.meta.get("eval_error"):
+        text += (f"    EVAL_ERROR = {g.meta['eval_error']!r}  # the forward could not be traced "
+                 f"in eval mode\n")
+    return text
 
 
 def forward_method(g: Graph, name: str, units: list, n: int, doc: str = "") -> list[str]:

@@ -29,15 +29,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .ir import Graph, Symbol, Value, fmt_literal
+from .rules import draws_random
 
 # schema argument names that carry the mode (op by op: train flag, dropout probability)
 _MODE_ARGS = {"train", "training", "dropout_p"}
 _RANDOM_P = "p"             # a dropout's probability, where the op also takes a train flag
-_MODE_OPS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
-             "feature_alpha_dropout", "scaled_dot_product_attention", "batch_norm",
+# ops whose result depends on the mode whatever their arguments (random ones count where they
+# draw: rules.draws_random)
+_MODE_OPS = {"feature_dropout", "alpha_dropout", "feature_alpha_dropout", "batch_norm",
              "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
              "native_batch_norm", "instance_norm", "rrelu", "rrelu_with_noise",
-             "_batch_norm_impl_index", "_batch_norm_with_update", "bernoulli"}
+             "_batch_norm_impl_index", "_batch_norm_with_update"}
 
 
 class ModeArg(Symbol):
@@ -67,29 +69,44 @@ def resolve(x: Any, training: bool = True) -> Any:
     return (x.train if training else x.eval) if isinstance(x, ModeArg) else x
 
 
+def _code_reads(code: Any, name: str) -> bool:
+    """Whether a code object (or one nested in it: a lambda, a comprehension) reads the
+    attribute or global `name`."""
+    return name in code.co_names or any(
+        _code_reads(c, name) for c in code.co_consts if inspect.iscode(c))
+
+
 def _reads_training(cls: type, seen: dict[type, bool]) -> bool:
-    """Whether a module class's own forward (not torch's) mentions `training`."""
+    """Whether a module class's own methods (those of its classes that are not torch's) read
+    `.training`: its forward, or a method forward calls."""
     hit = seen.get(cls)
     if hit is None:
-        fwd = getattr(cls, "forward", None)
-        module = getattr(cls, "__module__", "") or ""
-        try:
-            src = inspect.getsource(fwd) if fwd is not None and not module.startswith(
-                "torch.") else ""
-        except (OSError, TypeError):
-            src = "training"            # no source to read: assume it may
-        hit = seen[cls] = "training" in src
+        hit = False
+        for c in cls.__mro__:
+            module = getattr(c, "__module__", "") or ""
+            if c is object or module == "torch" or module.startswith("torch."):
+                continue
+            for attr in vars(c).values():
+                fns = [attr.fget, attr.fset] if isinstance(attr, property) else \
+                    [getattr(attr, "__func__", attr)]
+                if any(_code_reads(f.__code__, "training") for f in fns
+                       if hasattr(f, "__code__")):
+                    hit = True
+                    break
+            if hit:
+                break
+        seen[cls] = hit
     return hit
 
 
 def may_depend_on_mode(module: torch.nn.Module, graph: Graph) -> bool:
     """Cheap check whether an eval-mode trace could differ: the training trace has an op with a
-    mode argument (dropout, attention dropout, batch norm, a buffer update), or a module of
-    the model (torch's own aside, whose mode shows as such ops) reads `training` in its
-    forward."""
+    mode argument (dropout, attention dropout, batch norm, a buffer update), or a module class
+    of the model (torch's own aside, whose mode shows as such ops) reads `.training`."""
     if graph.trace_info.buffer_updates:
         return True
-    if any(getattr(op.target, "_opname", None) in _MODE_OPS for op in graph.ops):
+    if any(getattr(op.target, "_opname", None) in _MODE_OPS or draws_random(op)
+           for op in graph.ops):
         return True
     seen: dict[type, bool] = {}
     return any(_reads_training(type(m), seen) for m in module.modules())
@@ -135,11 +152,31 @@ def _set_arg(op, name: str, value: Any) -> None:
     op.args = tuple(args)
 
 
+# ops that return their input's value (layout aside): one trace may have one where the other
+# does not (Hugging Face's attention calls .contiguous() in training mode only)
+_IDENTITY = {"contiguous", "alias"}
+
+
+def _without_identities(ops: list) -> tuple[list, dict[int, Value]]:
+    """The ops but value-identity ones, and what each of those returned is (its input)."""
+    kept, same = [], {}
+    for op in ops:
+        if getattr(op.target, "_opname", None) in _IDENTITY and len(op.outputs) == 1 \
+                and op.args and isinstance(op.args[0], Value):
+            same[id(op.outputs[0])] = same.get(id(op.args[0]), op.args[0])
+            continue
+        kept.append(op)
+    return kept, same
+
+
 def merge(train: Graph, ev: Graph) -> Graph | None:
     """Compare the two traces. The same ops differing only in mode arguments: mark those in
     `train` (ModeArg) and return None; any other difference: return `ev`, the eval program
     (train is left as it is); identical: None."""
-    if len(train.ops) != len(ev.ops) or len(train.inputs) != len(ev.inputs) \
+    ops_a, same_a = _without_identities(train.const_ops + train.ops)
+    ops_b, same_b = _without_identities(ev.const_ops + ev.ops)
+    if len(ops_a) != len(ops_b) or len(train.const_ops) != len(ev.const_ops) \
+            or len(train.inputs) != len(ev.inputs) or train.out_spec != ev.out_spec \
             or len(train.outputs) != len(ev.outputs) \
             or [v.fqn for v in train.params] != [v.fqn for v in ev.params] \
             or [v.fqn for v in train.buffers] != [v.fqn for v in ev.buffers] \
@@ -149,8 +186,13 @@ def merge(train: Graph, ev: Graph) -> Graph | None:
     for a, b in zip(train.inputs + train.params + train.buffers,
                     ev.inputs + ev.params + ev.buffers):
         vmap[id(b)] = a
+
+    def same_value(u: Any, w: Any) -> bool:
+        return isinstance(u, Value) and isinstance(w, Value) and \
+            vmap.get(id(same_b.get(id(w), w))) is same_a.get(id(u), u)
+
     marks: list[tuple[Any, str, Any, Any]] = []
-    for a, b in zip(train.const_ops + train.ops, ev.const_ops + ev.ops):
+    for a, b in zip(ops_a, ops_b):
         if a.target is not b.target or len(a.outputs) != len(b.outputs) \
                 or any(x.meta != y.meta for x, y in zip(a.outputs, b.outputs)):
             return ev
@@ -167,8 +209,7 @@ def merge(train: Graph, ev: Graph) -> Graph | None:
                 return ev
             for u, w in zip(lx[0], ly[0]):
                 if isinstance(u, Value) or isinstance(w, Value):
-                    if not (isinstance(u, Value) and isinstance(w, Value)
-                            and vmap.get(id(w)) is u):
+                    if not same_value(u, w):
                         return ev
                 elif not _same_literal(u, w):
                     mode_arg = name in _MODE_ARGS or (
@@ -181,7 +222,7 @@ def merge(train: Graph, ev: Graph) -> Graph | None:
     out_a = pytree.tree_leaves(train.outputs)
     out_b = pytree.tree_leaves(ev.outputs)
     if len(out_a) != len(out_b) or any(
-            (isinstance(w, Value) and vmap.get(id(w)) is not u)
+            (isinstance(w, Value) and not same_value(u, w))
             or (not isinstance(w, Value) and not _same_literal(u, w))
             for u, w in zip(out_a, out_b)):
         return ev
@@ -218,6 +259,8 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
     in eval mode. The graph returned is the training program; its `meta["eval_graph"]` the
     eval program where that differs beyond mode arguments. The module's modes are restored."""
     from .frontend import trace
+    from .errors import NNCompileError
+    from .log import log
     from . import layer_replay
     modes = {m: m.training for m in module.modules()}
     try:
@@ -227,10 +270,16 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
         if may_depend_on_mode(module, graph):
             stats = dict(layer_replay.last)
             module.eval()
-            ev = trace(module, dummy_args, dynamic_dims, modes=False)
+            try:
+                ev = trace(module, dummy_args, dynamic_dims, modes=False)
+            except NNCompileError as e:     # said when the module runs in eval mode
+                graph.meta["eval_error"] = str(e)
+                log(f"the forward could not be traced in eval mode; the parallel module "
+                    f"refuses to run in eval mode: {str(e).splitlines()[0]}")
+                ev = None
             layer_replay.last.clear()
             layer_replay.last.update(stats)
-            ev = merge(graph, ev)
+            ev = ev if ev is None else merge(graph, ev)
             if ev is not None:
                 graph.meta["eval_graph"] = ev
     finally:

@@ -16,6 +16,9 @@ random numbers on every rank and keeps this rank's slice, so the plan does not c
 
     h2 = aten.dropout.default(h, 0.5, True)   ->   h2 = rng.dropout(h, 0.5, True, dim=1, group=...)
 
+A mode argument (nncompile/modes.py: `self.training` where the model's dropout follows its
+mode) is kept as it is: `rng.dropout(h, 0.5, self.training, ...)` draws nothing in eval mode.
+
 Local
 shapes follow from placements (even splits), so one localized graph serves every rank; each
 rank's parameter slices are derived from placements in codegen. Precondition: insert_comm.

@@ -39,8 +39,8 @@ from nncompile.fileio import replace_dir, write_json
 
 from .dcp import load_dcp, load_state, read_metadata, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
-from .merge import load_merged_state_dict, merge_state_dicts
-from .state import describe, plan_info, plan_mismatch
+from .merge import load_merged_state_dict, merge_state_dicts, merged_optimizer
+from .state import GROUP_FQNS, describe, group_fqns, hyper, plan_info, plan_mismatch
 
 FORMATS = ("sharded", "deduped", "dcp")
 META = "checkpoint.json"
@@ -241,7 +241,8 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
     with staged_directory(directory, pm, meta) as staging:
         if format == "sharded":
             save_torch({"model": pm.state_dict(),
-                        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                        "optimizer": _with_members(pm, optimizer, optimizer.state_dict())
+                        if optimizer is not None else None,
                         "extra": extra}, staging / f"rank{rank}.pt")
         elif format == "deduped":
             model, opt = deduped_state_dict(pm, optimizer)
@@ -249,9 +250,8 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
                        staging / f"rank{rank}.pt")
         else:
             save_dcp(str(staging), pm, optimizer)
+            groups = _all_members(pm, optimizer) if optimizer is not None else []
             if rank == 0:
-                groups = [{k: v for k, v in g.items() if k != "params"}
-                          for g in optimizer.param_groups] if optimizer is not None else []
                 save_torch({"param_groups": groups, "extra": extra, "plan": plan_info(pm)},
                            staging / "extra.pt")
     return Path(directory).absolute()
@@ -295,7 +295,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
         side = load_torch(path / "extra.pt", map_location="cpu")
         if optimizer is not None:
             for group, saved in zip(optimizer.param_groups, side["param_groups"]):
-                group.update(saved)
+                group.update(hyper(saved))
         return side["extra"]
     if meta["world_size"] != world:
         _refuse(path, meta, pm, f"it was saved by {meta['world_size']} ranks")
@@ -307,7 +307,9 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     if meta["format"] == "sharded":
         pm.load_state_dict(blob["model"])                # checks the plan first
         if optimizer is not None:
-            optimizer.load_state_dict(blob["optimizer"])
+            saved = blob["optimizer"]
+            optimizer.load_state_dict({**saved, "param_groups": [
+                {k: v for k, v in g.items() if k != GROUP_FQNS} for g in saved["param_groups"]]})
     else:
         load_deduped_state_dict(pm, blob["model"], optimizer, blob["optimizer"])
     return blob["extra"]
@@ -325,6 +327,35 @@ def check_shards(path: Path, meta: dict, pm, saved: dict) -> None:
     bad = next(((r, w) for r, w in enumerate(whys) if w is not None), None)
     if bad is not None:
         _refuse(path, meta, pm, f"rank {bad[0]}'s shards differ: {bad[1]}")
+
+
+def _with_members(pm, optimizer, sd: dict) -> dict:
+    """A rank's optimizer state dict with each group's members by FQN (merging rebuilds the
+    groups from them)."""
+    fqns = group_fqns(pm, optimizer)
+    if fqns is None:
+        return sd
+    return {**sd, "param_groups": [{**g, GROUP_FQNS: f}
+                                   for g, f in zip(sd["param_groups"], fqns)]}
+
+
+def _all_members(pm, optimizer) -> list[dict]:
+    """The optimizer's groups' hyper-parameters with the members of every rank, by FQN in
+    the module's parameter order (a collective)."""
+    fqns = group_fqns(pm, optimizer)
+    every = [fqns]
+    if dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, fqns)
+    order = {f: i for i, f in enumerate(pm.PARAM_ORDER)}
+    groups = []
+    for i, g in enumerate(optimizer.param_groups):
+        out = hyper(g)
+        if all(f is not None for f in every):
+            members = {f for rank in every for f in rank[i]}
+            out[GROUP_FQNS] = sorted(members, key=lambda f: order.get(f, len(order)))
+        groups.append(out)
+    return groups
 
 
 def _optimizer_layout(pm, optimizer) -> dict[str, Any]:
@@ -460,8 +491,6 @@ def _merge_dcp(directory: Path) -> dict:
              if canon in nested["model"]}
     optimizer = None
     if nested["optim"]:
-        order = info["param_order"]
-        optimizer = {"state": {order.index(fqn): st for fqn, st in nested["optim"].items()},
-                     "param_groups": [{**(side["param_groups"] or [{}])[0],
-                                       "params": list(range(len(order)))}]}
+        optimizer = merged_optimizer(info["param_order"], nested["optim"],
+                                     side["param_groups"])
     return {"model": model, "optimizer": optimizer, "extra": side["extra"]}

@@ -15,6 +15,9 @@ above (all of that module's trainable parameters must be given), anything else i
 
     before: torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)   # tp 2: |local shard grads|
     after:  the same call                                          # |all gradients|, as 1 GPU
+
+torch.nn.utils.get_total_norm over all of such a module's gradients is routed the same way
+(`torch_get_total_norm`), so get_total_norm + clip_grads_with_norm_ clip alike.
 """
 from __future__ import annotations
 
@@ -239,9 +242,64 @@ def torch_clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         return _finish(total, scale + grads, max_norm, norm_type, error_if_nonfinite)
 
 
+def torch_get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                         foreach=None) -> torch.Tensor:
+    """torch.nn.utils.get_total_norm, exact for the gradients of a ParallelModule whose
+    gradients are split across ranks (all of them given: `[p.grad for p in pm.parameters()]`),
+    so get_total_norm + clip_grads_with_norm_ clip as clip_grad_norm_ does; anything else is
+    torch's own function."""
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    owned, rest = {}, ts
+    if _LIVE:
+        grad_of = {}
+        for pm in list(_LIVE):
+            if _needs_global(pm):
+                for p in pm.parameters():
+                    if p.grad is not None:
+                        grad_of[id(p.grad)] = pm
+        owned, rest = {}, []
+        for t in ts:
+            pm = grad_of.get(id(t))
+            if pm is None:
+                rest.append(t)
+            else:
+                owned.setdefault(pm, set()).add(id(t))
+    if not owned:
+        return _TORCH_TOTAL(ts, norm_type, error_if_nonfinite, foreach)
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    total = None
+    for pm, given in owned.items():
+        missing = [n for n, p in pm.named_parameters()
+                   if p.requires_grad and p.grad is not None and id(p.grad) not in given]
+        if missing or pm.zero is not None or pm._grad_shards is not None:
+            raise ConfigError(
+                f"torch.nn.utils.get_total_norm got some gradients of a ParallelModule whose "
+                f"gradients are split across ranks (without {missing[:3]}, or kept as ZeRO "
+                f"pieces): its global norm needs all of them; call "
+                f"torch.nn.utils.clip_grad_norm_(pm.parameters(), max_norm) or "
+                f"nncompile.clip_grad_norm_(pm, max_norm)")
+        part, _ = _partial_norm(pm, norm_type)
+        total = part if total is None else _combine(total, part, inf)
+    for g in rest:
+        g = g.detach()
+        total = _combine(total, g.abs().max().float() if inf else
+                         g.float().norm(norm_type) ** norm_type, inf)
+    if not inf:
+        total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                           f"{float(total)}; pass error_if_nonfinite=False")
+    return total
+
+
+_TORCH_TOTAL = None                               # torch's own get_total_norm
+
+
 def install() -> None:
-    """Route torch.nn.utils.clip_grad_norm_ through torch_clip_grad_norm_ (once)."""
-    global _TORCH_CLIP
+    """Route torch.nn.utils.clip_grad_norm_ and torch.nn.utils.get_total_norm through the
+    functions above (once; torch's own internals keep calling torch's)."""
+    global _TORCH_CLIP, _TORCH_TOTAL
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
     current = clip_grad.clip_grad_norm_
@@ -252,6 +310,10 @@ def install() -> None:
     wrapper._nncompile = True
     clip_grad.clip_grad_norm_ = wrapper
     utils.clip_grad_norm_ = wrapper
+    total = getattr(utils, "get_total_norm", None)
+    if total is not None:
+        _TORCH_TOTAL = total
+        utils.get_total_norm = functools.wraps(total)(torch_get_total_norm)
 
 
 install()

@@ -4,6 +4,9 @@ its optimizer load, and back into any plan.
     before: rank0 {"h0_mlp_fc_weight": [64, 32] (rows 0..63), "_extra_state": plan}, rank1 ...
     after:  {"h.0.mlp_fc.weight": [128, 32], ...}          (every key of module.state_dict())
             {"state": {i: {"exp_avg": full, ...}}, "param_groups": [...]}   i: module.parameters()
+            with several parameter groups, i numbers the groups' parameters group by group, as
+            torch.optim.AdamW([{"params": decay, ...}, {"params": no_decay, ...}]) numbers them
+            (each group's in module.parameters() order, its members under "param_names")
 
 Each shard is placed by the slices recorded in its rank's plan (the `_extra_state` entry), so
 sharded and deduped state dicts merge alike, and any set of ranks that covers every slice is
@@ -19,8 +22,8 @@ import torch
 from nncompile.errors import CheckpointError
 
 from .rows import param_rows, state_rows
-from .state import (as_zero_state, load_local_optimizer_state, optimizer_state_by_name,
-                    pipe_rank, pipe_ranks, shard_layout)
+from .state import (GROUP_FQNS, as_zero_state, group_fqns, hyper, load_local_optimizer_state,
+                    optimizer_state_by_name, pipe_rank, pipe_ranks, shard_layout)
 
 
 def _index(slices) -> tuple[slice, ...]:
@@ -127,10 +130,10 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
     states = _unzero(infos, opt_sds)
     scalars: dict[str, dict[str, Any]] = {}
     tensors = _Assembler()
-    groups = None
+    groups: list[dict] = []
     for info, opt_sd, local in zip(infos, opt_sds, states):
         local = local if local is not None else optimizer_state_by_name(info, opt_sd)
-        groups = groups or local["param_groups"]
+        groups = _union_groups(groups, local["param_groups"])
         rows = {row.name: row for row in param_rows(info)}
         for name, st in local["state"].items():
             row = rows[name]
@@ -141,15 +144,57 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
                 else:
                     scalars.setdefault(row.fqn, {})[key] = _own(v)
     full = tensors.result("the optimizer state")
-    order = infos[0]["param_order"]
+    by_fqn: dict[str, dict[str, Any]] = {}
+    for fqn, st in scalars.items():
+        by_fqn.setdefault(fqn, {}).update(st)
+    for k, v in full.items():
+        fqn, key = k.split("\0", 1)
+        by_fqn.setdefault(fqn, {})[key] = v
+    return merged_optimizer(infos[0]["param_order"], by_fqn, groups)
+
+
+def _union_groups(groups: list[dict], mine: list[dict]) -> list[dict]:
+    """Saved groups of the ranks so far and one more rank's: the first rank's hyper-parameters
+    per group, the members (FQNs) of all."""
+    if not groups:
+        return [dict(g) for g in mine]
+    if mine and len(mine) != len(groups):
+        raise CheckpointError(f"the ranks' optimizers have {len(groups)} and {len(mine)} "
+                              "parameter groups; merge the files of one checkpoint")
+    for g, m in zip(groups, mine):
+        if GROUP_FQNS in g and GROUP_FQNS in m:
+            g[GROUP_FQNS] = [*g[GROUP_FQNS], *(f for f in m[GROUP_FQNS] if f not in g[GROUP_FQNS])]
+        else:
+            g.pop(GROUP_FQNS, None)
+    return groups
+
+
+def merged_optimizer(order: list[str], by_fqn: dict[str, dict], groups: list[dict]) -> dict:
+    """State by FQN and the saved groups (hyper-parameters, members by FQN) -> the state dict of
+    a torch optimizer built over those groups on one device: parameters numbered group by
+    group (each group's in the module's parameter order), each group with its own
+    hyper-parameters and its members' names ("param_names", as torch records them). One group
+    holds every parameter of module.parameters() (an optimizer over model.parameters())."""
+    groups = groups or [{}]
+    if len(groups) == 1:       # one group: indexed like module.parameters(), frozen ones too
+        groups = [{**groups[0], GROUP_FQNS: list(order)}]
+    elif not all(GROUP_FQNS in g for g in groups):
+        raise CheckpointError(
+            f"the optimizer state has {len(groups)} parameter groups but does not record "
+            "which parameters each holds (saved by an older version, or a state dict passed "
+            "in by hand); save it again with nncompile.save_checkpoint")
+    at = {f: i for i, f in enumerate(order)}
     state: dict[int, dict[str, Any]] = {}
-    for i, fqn in enumerate(order):
-        st = dict(scalars.get(fqn, {}))
-        st.update({k.split("\0", 1)[1]: v for k, v in full.items() if k.split("\0", 1)[0] == fqn})
-        if st:
-            state[i] = st
-    hyper = (groups or [{}])[0]
-    return {"state": state, "param_groups": [{**hyper, "params": list(range(len(order)))}]}
+    out, index = [], 0
+    for g in groups:
+        fqns = sorted(g[GROUP_FQNS], key=lambda f: at.get(f, len(at)))
+        ids = list(range(index, index + len(fqns)))
+        index += len(fqns)
+        for i, fqn in zip(ids, fqns):
+            if by_fqn.get(fqn):
+                state[i] = by_fqn[fqn]
+        out.append({**hyper(g), "params": ids, "param_names": fqns})
+    return {"state": state, "param_groups": out}
 
 
 def _own(v: Any) -> Any:
@@ -188,14 +233,17 @@ def _unzero(infos: list[dict], opt_sds: list[dict]) -> list[dict | None]:
                 else:             # a per-piece scalar (AdamW's step): one copy per parameter
                     for name in shard["names"]:
                         local.setdefault(name, {})[key] = _own(vals[0])
-        hyper = [{k: v for k, v in g.items() if k != "params"}
-                 for g in ordered[0].get("param_groups", [])]
+        fqn = {row.name: row.fqn for row in param_rows(infos[members[0]])}
+        shards = ordered[0]["nncompile_zero"]["shards"]
+        hypers = [{**hyper(g), GROUP_FQNS: g[GROUP_FQNS] if GROUP_FQNS in g else
+                   [fqn[n] for k in g["params"] for n in shards[k]["names"]]}
+                  for g in ordered[0].get("param_groups", [])]
         for i in members:
             rows = {row.name: row for row in param_rows(infos[i])}
             out[i] = {"state": {n: {k: (v.view(rows[n].local_shape)
                                         if torch.is_tensor(v) and v.dim() == 1 else v)
                                     for k, v in st.items()} for n, st in local.items()},
-                      "param_groups": hyper}
+                      "param_groups": hypers}
     for i, sd in enumerate(opt_sds):
         if "nncompile_zero" in sd and out[i] is None:
             out[i] = {"state": {}, "param_groups": []}   # covered by a complete group
@@ -227,11 +275,12 @@ def load_merged_state_dict(pm, state_dict: dict[str, torch.Tensor], optimizer=No
 
 def load_merged_optimizer_state(pm, optimizer, optimizer_state_dict: dict) -> None:
     """This rank's slices of a merged optimizer state dict (indexed like module.parameters())."""
-    order = list(pm.PARAM_ORDER)
     saved = optimizer_state_dict.get("state", {})
+    saved_groups = optimizer_state_dict.get("param_groups", [])
+    at = {fqn: i for i, fqn in _indexed_fqns(pm, optimizer, saved_groups).items()}
     local: dict[str, dict[str, Any]] = {}
     for row in param_rows(pm):
-        st = saved.get(order.index(row.fqn)) if row.fqn in order else None
+        st = saved.get(at[row.fqn]) if row.fqn in at else None
         if st is None:
             continue
         local[row.name] = {}
@@ -239,6 +288,28 @@ def load_merged_optimizer_state(pm, optimizer, optimizer_state_dict: dict) -> No
             if torch.is_tensor(v) and tuple(v.shape) == row.shape and v.dim():
                 v = v[_index(row.slices)]
             local[row.name][key] = v.clone() if torch.is_tensor(v) else v
-    groups = [{k: v for k, v in g.items() if k != "params"}
-              for g in optimizer_state_dict.get("param_groups", [])]
+    groups = [{k: v for k, v in hyper(g).items() if k != "param_names"} for g in saved_groups]
     load_local_optimizer_state(pm, optimizer, {"state": local, "param_groups": groups})
+
+
+def _indexed_fqns(pm, optimizer, saved_groups: list[dict]) -> dict[int, str]:
+    """{index: FQN} of a merged (or one-device) optimizer state dict: by its groups'
+    "param_names"; else, with several groups, by this optimizer's groups when they have the
+    same sizes (built the same way); else module.parameters() order."""
+    order = list(pm.PARAM_ORDER)
+    indices = [i for g in saved_groups for i in g.get("params", [])]
+    if saved_groups and all("param_names" in g for g in saved_groups):
+        names = [n for g in saved_groups for n in g["param_names"]]
+        if set(names) <= set(order):
+            return dict(zip(indices, names))
+    if len(saved_groups) > 1:
+        live = group_fqns(pm, optimizer)
+        if live is None or [len(f) for f in live] != [len(g["params"]) for g in saved_groups]:
+            raise CheckpointError(
+                f"the optimizer state has {len(saved_groups)} parameter groups of sizes "
+                f"{[len(g['params']) for g in saved_groups]} without parameter names, and this "
+                f"optimizer's groups do not match them"
+                f"{'' if live is None else f' (sizes {[len(f) for f in live]})'}; build the "
+                "optimizer's groups as they were built when it was saved")
+        return dict(zip(indices, (f for fqns in live for f in fqns)))
+    return dict(enumerate(order))

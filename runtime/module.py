@@ -46,6 +46,8 @@ class ParallelModule(torch.nn.Module):
     RUNTIME_NGPUS = 1
     INFERENCE_ONLY = False
     TRAINING = True            # the traced module's mode (the one this module starts in)
+    EVAL_OUT_SPEC = ""         # forward_eval_impl's output structure, where it differs
+    EVAL_ERROR = ""            # why the forward could not be traced in eval mode
     INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
     SIZES: dict[str, tuple[int, int, int]] = {}        # dynamic_dims: name -> (min, max, mult)
     GRAD_INPUTS: list[str] = []     # inputs traced requiring grad (the plan sums their grads)
@@ -231,6 +233,8 @@ class ParallelModule(torch.nn.Module):
         # eval mode runs the eval program where the forward differs beyond mode flags (those
         # read self.training in either program: nncompile/modes.py)
         evaluating = not self.training and self.forward_eval_impl is not None
+        if not self.training and self.EVAL_ERROR:
+            self._refuse_eval()
         impl = self.forward_eval_impl if evaluating else self.forward_impl
         if self.zero is not None:
             self.zero.reset()
@@ -242,7 +246,8 @@ class ParallelModule(torch.nn.Module):
             out = self._write_back(out)
         if reducer is not None:
             reducer.watch(out)            # sync mode: reduce when a backward through out ends
-        spec = self._out_spec
+        spec = self._out_spec if not (evaluating and self.EVAL_OUT_SPEC) else \
+            pytree.treespec_loads(self.EVAL_OUT_SPEC)
         if spec is None:
             return out
         return out[0] if spec.is_leaf() and len(out) == 1 else \
@@ -259,6 +264,13 @@ class ParallelModule(torch.nn.Module):
                 for name, t in zip(self.BUFFER_UPDATES, new):
                     getattr(self, name).data.copy_(t.detach())
         return out
+
+    def _refuse_eval(self) -> None:
+        raise ConfigError(
+            f"this module is in eval mode, but its forward could not be traced in eval mode "
+            f"when it was compiled ({self.EVAL_ERROR.splitlines()[0]}), so only the training "
+            f"program exists; call pm.train() before calling it, or make the model's forward "
+            f"traceable in eval mode")
 
     def _check_grad_inputs(self, inputs: list[torch.Tensor]) -> None:
         """An input that needs a gradient here but was traced without one: the plan holds no
@@ -304,9 +316,11 @@ class ParallelModule(torch.nn.Module):
     @property
     def module(self) -> torch.nn.Module | None:
         """The original module this one was built from (DDP's `model.module`), the object
-        given to parallelize. Under a plan that shards parameters (tp, ZeRO-3, pipelines) its
-        own weights are not pm's and its state_dict() is not a checkpoint of pm: save with
-        nncompile.save_checkpoint, or take full weights with pm.gather_params()."""
+        given to parallelize (None when built without one). A parameter this rank keeps whole
+        is the very tensor pm trains; under a plan that shards parameters (tp, ZeRO-3,
+        pipelines) the others are released after loading, so the module's own state_dict()
+        is not a checkpoint of pm: save with nncompile.save_checkpoint, or take full weights
+        with pm.gather_params()."""
         return self.__dict__.get("_original_module")
 
     @property

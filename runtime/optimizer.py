@@ -215,7 +215,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g = s.grad if s.grad is not None else torch.zeros(s.layout.hi - s.layout.lo,
                                                                dtype=s.param.dtype,
                                                                device=self.pm.device)
-            for name, p, t in zip(s.names, s.params, s.layout.unflatten(self._gather_layout(s.layout, g))):
+            full = self._gather_layout(s.layout, g)
+            for name, p, t in zip(s.names, s.params, s.layout.unflatten(full)):
                 out[name] = t.clone() if p.grad is None else t + p.grad.detach()
         for row in param_rows(self.pm):
             out.setdefault(row.name, None)
@@ -281,7 +282,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def layout(self) -> dict:
         """How the inner optimizer's parameters (one segment per local tensor, in its index
         order) cut the local tensors: the form merge.py reads."""
-        return segment_layout(self._segments(), self.ranks, self.zero_rank)
+        return segment_layout(self._segments(), self.ranks, self.zero_rank, self.stage)
 
     def state_dict(self) -> dict:
         """This rank's piece of the optimizer state, with the layout it was cut by."""

@@ -19,19 +19,21 @@ the pieces. Optimizers that are not element-wise are refused there: they would s
 
 The original module: a parameter a rank keeps whole (full slice, same device, not ZeRO-3) is
 registered in pm as the very same Parameter, so an optimizer built before `parallelize`
-steps what pm computes with. The others are released (their storage resized to nothing, which frees
-their memory; shape and dtype stay) and adopted by the optimizer's next step: swapped for pm's shard (or segment).
-Calling the original module after that is an error naming pm.
+steps what pm computes with. The others are released (their storage resized to nothing,
+which frees their memory; shape and dtype stay) and adopted by the optimizer's next step:
+swapped for pm's shard (or segment). Calling the original module after that is an error
+naming pm.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from nncompile.errors import ConfigError
+from nncompile.errors import CheckpointError, ConfigError
 
 # ---- element-wise optimizers --------------------------------------------------------------
 _ELEMENTWISE: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
@@ -284,19 +286,18 @@ def _watch(opt) -> None:
                         info[0].grad.zero_()
         return base(set_to_none=set_to_none)
     opt.zero_grad = zero_grad
-    if not hasattr(opt, "nncompile_layout"):
-        opt.register_state_dict_post_hook(_layout_hook)
+    opt.register_state_dict_post_hook(_layout_hook)
 
 
-def segment_layout(params: list, ranks: list[int], zero_rank: int) -> dict:
+def segment_layout(params: list, ranks: list[int], zero_rank: int, stage: int) -> dict:
     """How segments (in optimizer index order) cut the local parameters: the form
-    merge.py reads under "nncompile_zero" (one entry per segment)."""
+    merge.py reads under "nncompile_zero" (one entry per segment), with the ZeRO stage."""
     shards = []
     for p in params:
         name, s, e, numel = p._nnc_span
         shards.append({"names": [name], "numels": [numel], "lo": s, "hi": e})
     return {"zero_rank": zero_rank, "zero_size": len(ranks), "ranks": list(ranks),
-            "shards": shards}
+            "stage": stage, "shards": shards}
 
 
 def _layout_hook(opt, sd: dict) -> dict:
@@ -306,7 +307,7 @@ def _layout_hook(opt, sd: dict) -> dict:
     pm = getattr(params[0], "_nnc_pm", lambda: None)()
     if pm is None:
         return sd
-    sd["nncompile_zero"] = segment_layout(params, pm.zero.ranks, pm.zero.rank)
+    sd["nncompile_zero"] = segment_layout(params, pm.zero.ranks, pm.zero.rank, 3)
     return sd
 
 
@@ -350,6 +351,9 @@ install()
 
 # ---- the original module -------------------------------------------------------------------
 _CLAIMED_LOCK = threading.Lock()
+# the module's Parameters a pm registered as its own -> (that pm, local name); kept out of
+# the Parameters' __dict__ so the module still pickles
+_SHARED = WeakIdKeyDictionary()
 
 
 def take_original(pm, module, state: dict, rows) -> dict[str, torch.nn.Parameter]:
@@ -380,14 +384,14 @@ def take_original(pm, module, state: dict, rows) -> dict[str, torch.nn.Parameter
                 continue        # already some live pm's parameter: that pm keeps it
             if p.requires_grad != (row.name not in pm.FROZEN):
                 continue
-            p._nnc_shared = (weakref.ref(pm), row.name)
+            _SHARED[p] = (weakref.ref(pm), row.name)
             out[row.name] = p
     return out
 
 
 def _held_elsewhere(p, pm) -> bool:
     """Whether another live ParallelModule registered this very Parameter."""
-    tag = getattr(p, "_nnc_shared", None)
+    tag = _SHARED.get(p)
     if tag is None:
         return False
     owner = tag[0]()
@@ -424,12 +428,34 @@ def release_original(pm, module, rows, shared: dict) -> None:
     if gone and not getattr(module, "_nnc_guard", False):
         module._nnc_guard = True
         module.register_forward_pre_hook(_released_forward(gone[0]))
+    for fqn in gone:        # the modules holding them: their state_dict() would be storage-less
+        owner = module.get_submodule(fqn.rpartition(".")[0])
+        if not getattr(owner, "_nnc_sd_guard", False):
+            owner._nnc_sd_guard = True
+            owner.register_state_dict_pre_hook(_released_state_dict)
 
 
 def released(p) -> bool:
     """Whether `p` is an original module's parameter whose storage a ParallelModule freed."""
     return getattr(p, "_nnc_origin", None) is not None and not p.is_meta and p.numel() > 0 \
         and p.untyped_storage().size() == 0
+
+
+def _released_state_dict(module, prefix: str, keep_vars: bool) -> None:
+    """state_dict() of a module whose parameters a ParallelModule released: an error naming
+    what to save instead (the tensors have no storage; torch.save would write empty ones)."""
+    for name, p in module.named_parameters(recurse=False):
+        if released(p):
+            raise CheckpointError(
+                f"state_dict() of the module given to nncompile.parallelize (or a submodule): "
+                f"its parameter "
+                f"{prefix + name!r} (and the others the plan shards) was released when it was "
+                f"parallelized and now lives in the ParallelModule, so this state dict would "
+                f"hold tensors without storage. Save a checkpoint with "
+                f"nncompile.save_checkpoint(dir, pm, optimizer) (resume with "
+                f"nncompile.load_checkpoint; `python -m nncompile merge dir -o merged.pt` makes "
+                f"the state dict this module loads), or take the full weights with "
+                f"pm.gather_params() (by the same names; every rank calls it)")
 
 
 def _released_forward(example: str):

@@ -25,7 +25,7 @@ from nncompile.pipeline_config import PipelineConfig
 
 from .groups import pipe_group
 from .optimizer import ZeroOptimizer, load_segment_state, segment_state_by_name
-from .param_handles import adopt, zero3_segments
+from .param_handles import adopt, local_name, zero3_segments
 from .rows import buffer_rows, param_rows
 
 
@@ -240,10 +240,41 @@ def _trainable(pm) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
 
 
+# each saved parameter group's members by original FQN (merged checkpoints rebuild the groups
+# from it; a plain optimizer's state dict numbers parameters group by group)
+GROUP_FQNS = "nncompile_fqns"
+
+
+def group_fqns(pm, opt) -> list[list[str]] | None:
+    """The FQNs each of `opt`'s parameter groups steps (None if it holds a tensor that is not
+    one of pm's parameters, handles or segments)."""
+    rows = {row.name: row.fqn for row in param_rows(pm)}
+    out = []
+    for g in opt.param_groups:
+        fqns = []
+        for p in g["params"]:
+            span = getattr(p, "_nnc_span", None)
+            name = span[0] if span is not None else local_name(pm, p)
+            if name not in rows:
+                return None
+            if rows[name] not in fqns:
+                fqns.append(rows[name])
+        out.append(fqns)
+    return out
+
+
+def hyper(group: dict) -> dict:
+    """A saved parameter group's hyper-parameters (without members)."""
+    return {k: v for k, v in group.items() if k not in ("params", GROUP_FQNS)}
+
+
 def local_optimizer_state(pm, opt) -> dict[str, Any]:
-    """{"state": {local name: {key: value}}, "param_groups": [hyperparameters]} (for ZeRO a
-    collective over the ZeRO group)."""
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    """{"state": {local name: {key: value}}, "param_groups": [hyperparameters and the group's
+    FQNs]} (for ZeRO a collective over the ZeRO group)."""
+    fqns = group_fqns(pm, opt)
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               **({GROUP_FQNS: fqns[i]} if fqns is not None else {})}
+              for i, g in enumerate(opt.param_groups)]
     if isinstance(opt, ZeroOptimizer):
         return {"state": opt.local_state(), "param_groups": groups}
     adopt(opt)                  # handles or released originals: what the next step steps
@@ -268,7 +299,7 @@ def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
         raise CheckpointError(f"the checkpoint has {len(local['param_groups'])} optimizer param "
                               f"groups but the optimizer has {len(opt.param_groups)}")
     for group, saved in zip(opt.param_groups, local.get("param_groups", [])):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+        group.update(hyper(saved))
     if isinstance(opt, ZeroOptimizer):
         opt.load_local_state(local["state"])
         return
@@ -297,11 +328,19 @@ def optimizer_state_by_name(pm, opt_sd: dict) -> dict[str, Any]:
     if all(isinstance(k, str) for k in state):
         return {"state": state, "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in opt_sd.get("param_groups", [])]}
-    names = [row.name for row in param_rows(pm)]
+    rows = param_rows(pm)
+    names = [row.name for row in rows]
     frozen = set(pm.get("frozen", []) if isinstance(pm, dict) else pm.FROZEN)
-    indexed = sum(len(g.get("params", [])) for g in opt_sd.get("param_groups", []))
+    saved_groups = opt_sd.get("param_groups", [])
+    indexed = sum(len(g.get("params", [])) for g in saved_groups)
     if frozen and indexed != len(names):      # built over the trainable parameters only
         names = [n for n in names if n not in frozen]
-    return {"state": {names[i]: st for i, st in state.items()},
-            "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in opt_sd.get("param_groups", [])]}
+    if saved_groups and all(GROUP_FQNS in g for g in saved_groups):
+        by_fqn = {row.fqn: row.name for row in rows}     # saved with its groups' members
+        names = [by_fqn[f] for g in saved_groups for f in g[GROUP_FQNS]]
+    index = {i: names[k] for k, i in enumerate(i for g in saved_groups for i in g["params"])} \
+        if indexed == len(names) else dict(enumerate(names))
+    fqn = {row.name: row.fqn for row in rows}
+    return {"state": {index[i]: st for i, st in state.items()},
+            "param_groups": [{**hyper(g), GROUP_FQNS: [fqn[index[i]] for i in g["params"]]}
+                             if indexed == len(names) else hyper(g) for g in saved_groups]}

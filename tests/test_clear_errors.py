@@ -64,6 +64,31 @@ def test_uncreatable_checkpoint_path_fails_every_rank_at_once(blocked, fmt):
     assert (d / "afile").read_text() == "not a directory\n"
 
 
+def test_a_write_failing_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(
+        blocked, monkeypatch):
+    from nncompile.runtime import checkpoint as ck
+    d, model, batch = blocked
+    path = d / "ck_full"
+    assert _save_on_two_ranks(d, model, batch, path, "sharded") == [None, None]
+    meta = (path / "checkpoint.json").read_text()
+    files = sorted(p.name for p in path.iterdir())
+    save = ck.save_torch
+
+    def disk_full_on_rank_1(obj, where):
+        if torch.distributed.get_rank() == 1:
+            raise OSError(28, "No space left on device", str(where))
+        save(obj, where)
+    monkeypatch.setattr(ck, "save_torch", disk_full_on_rank_1)
+    errors = _save_on_two_ranks(d, model, batch, path, "sharded")
+    for kind, msg in errors:
+        assert kind == "CheckpointError", msg
+        assert f"saving the checkpoint {path} failed: rank 1: OSError" in msg, msg
+        assert "No space left on device" in msg, msg
+    assert (path / "checkpoint.json").read_text() == meta           # the last one, untouched
+    assert sorted(p.name for p in path.iterdir()) == files
+    assert not (d / ".ck_full.partial").exists()
+
+
 def test_uncreatable_merged_output_is_a_checkpoint_error(tmp_path):
     pm = nncompile.parallelize(models.build("mlp"), models.batch("mlp", 0),
                                nncompile.ComputeConfig(1), pas_policy="dp",

@@ -211,12 +211,21 @@ def test_torch_clip_grad_norm_takes_the_global_norm(tmp_path, policy, plan, zero
             subset = None
         except nncompile.ConfigError as e:
             subset = str(e)
-        norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.1)
-        return norm, pm.gather_grads(), subset
-    for norm, grads, subset in run_ranks(2, rank_fn):
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
-        for n, p in ref.named_parameters():
-            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
+        kept = {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+        out = [(torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.1), pm.gather_grads())]
+        if zero == 0:                                   # the two-call form: norm, then clip
+            for n, p in pm.named_parameters():
+                p.grad.copy_(kept[n])
+            total = torch.nn.utils.get_total_norm([p.grad for p in pm.parameters()])
+            torch.nn.utils.clip_grads_with_norm_(pm.parameters(), 0.1, total)
+            out.append((total, pm.gather_grads()))
+        return out, subset
+    for out, subset in run_ranks(2, rank_fn):
+        assert len(out) == (2 if zero == 0 else 1)
+        for norm, grads in out:
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
         assert subset is not None and "pass pm.parameters()" in subset, subset
 
 
@@ -268,3 +277,45 @@ def test_merged_zero_checkpoint_resumes_a_plain_adamw(tmp_path, zero):
     opt.load_state_dict(saved["optimizer"])
     got = [_gpt_step(resumed, opt, units[s]) for s in (2, 3)]
     assert got == pytest.approx(want[2:], rel=1e-5, abs=1e-6), (got, want)
+
+
+def test_runtime_options_are_checked_and_keep_the_plan():
+    base = ComputeConfig(2, 4)
+    assert base.init_sync is True and base.check_inputs == 3
+    assert ComputeConfig(2, 4, init_sync=False, check_inputs=0).plan_json() == base.plan_json()
+    with pytest.raises(nncompile.ConfigError, match=r"check_inputs=-1; .* an int >= 0"):
+        ComputeConfig(2, check_inputs=-1)
+    with pytest.raises(nncompile.ConfigError, match=r"init_sync='no'; init_sync must be a bool"):
+        ComputeConfig(2, init_sync="no")
+
+
+def test_no_sync_takes_effect_at_backward(tmp_path):
+    """As documented (docs/concepts.md, "Gradient accumulation"): a forward inside no_sync()
+    whose backward runs outside reduces at that backward, and accumulating on top still gives
+    DDP's gradients; a backward inside the block does not reduce."""
+    model = models.build("mlp")
+    ref = copy.deepcopy(model)                  # DDP: the mean over ranks of the summed steps
+    for r in range(2):
+        for m in range(2):
+            (ref(**models.batch("mlp", 10 * m + r)) / 2).backward()
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), models.batch("mlp", 0),
+                                   ComputeConfig(1, 2), pas_policy="dp", gen_savedir=tmp_path)
+        with pm.no_sync():
+            loss = pm(**models.batch("mlp", rank))
+        loss.backward()                         # outside the block: reduced here
+        first = pm.fc1_weight.grad.clone()
+        pm(**models.batch("mlp", 10 + rank)).backward()
+        accumulated = pm.gather_grads()
+        pm.zero_grad()
+        loss = pm(**models.batch("mlp", rank))
+        with pm.no_sync():
+            loss.backward()                     # inside the block: this rank's own
+        return first, accumulated, pm.fc1_weight.grad.clone()
+    out = run_ranks(2, rank_fn)
+    assert torch.equal(out[0][0], out[1][0])
+    assert not torch.equal(out[0][2], out[1][2])
+    for _, grads, _ in out:
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6)

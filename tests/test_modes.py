@@ -214,6 +214,59 @@ def test_a_module_traced_in_eval_mode_starts_in_eval_mode(tmp_path):
     torch.testing.assert_close(pm.train()(x, y), want_train)
 
 
+class TwoFaces(nn.Module):
+    """A loss dict in training, predictions in eval (as torchvision's detection models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        logits = self.fc(x)
+        if self.training:
+            return {"loss": F.cross_entropy(logits, y)}
+        return logits, logits.argmax(-1)
+
+
+class EvalUntraceable(nn.Module):
+    """Eval mode branches on a tensor's value, which tracing cannot follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        if not self.training and h.sum() > 0:
+            h = h * 2
+        return F.cross_entropy(h, y)
+
+
+def test_eval_outputs_of_another_structure_and_an_untraceable_eval_mode(tmp_path):
+    """The eval program returns its own output structure; a forward that cannot be traced in
+    eval mode still compiles for training, and pm.eval() + a call is an error naming why
+    (never the training program's result)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
+    model = TwoFaces()
+    pm = nncompile.parallelize(copy.deepcopy(model), (x, y), nncompile.ComputeConfig(1),
+                               pas_policy="dp", gen_savedir=tmp_path)
+    torch.testing.assert_close(pm(x, y), model(x, y))
+    model.eval()
+    pm.eval()
+    got, want = pm(x, y), model(x, y)
+    assert isinstance(got, tuple) and len(got) == 2
+    torch.testing.assert_close(got, want)
+    model = EvalUntraceable()
+    pm = nncompile.parallelize(copy.deepcopy(model), (x, y), nncompile.ComputeConfig(1),
+                               pas_policy="dp", gen_savedir=tmp_path)
+    torch.testing.assert_close(pm(x, y), model(x, y))
+    pm.eval()
+    with pytest.raises(nncompile.ConfigError, match=r"could not be traced in eval mode .*"
+                                                    r"branches on a tensor's value"):
+        pm(x, y)
+
+
 @pytest.mark.parametrize("model_kind", ["dropout", "branch"])
 def test_compiled_forward_follows_the_mode(tmp_path, model_kind):
     """pm.compile(): each mode's program is compiled (a recompile on the flag, or the second

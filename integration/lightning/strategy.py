@@ -14,14 +14,14 @@ one plan unit get the same batches (the sampler is sized by data-parallel units)
 `sync_dist` logging averages over the data-parallel group.
 
 ZeRO and offload (ComputeConfig's use_zero 1/2/3 or "auto", offload_optimizer,
-offload_params): the optimizer `configure_optimizers` returns is rebuilt on the shards, as
-`nncompile.build_optimizer(pm, type(opt), **hyperparameters)` would build it (a ZeroOptimizer;
-under ZeRO-3 over pm's flat pieces), with the user's param group values copied over, and its LR
-schedulers re-pointed to the new optimizer:
+offload_params): the optimizer `configure_optimizers` returns is rebuilt on the shards by
+`nncompile.build_optimizer(pm, opt)` (a ZeroOptimizer with the same class, defaults and
+parameter groups, each group keeping its own values), and its LR schedulers re-pointed to the
+new optimizer:
 
-    before: AdamW(self.parameters(), lr=1e-3) + LambdaLR(opt)      (stepping pm's local shards)
-    after:  ZeroOptimizer(pm, AdamW, lr=1e-3, ...) + the same LambdaLR, scheduler.optimizer
-            is the ZeroOptimizer (its param_groups are the inner AdamW's)
+    before: AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, ...}]) + LambdaLR
+    after:  ZeroOptimizer(pm, AdamW, the same two groups) + the same LambdaLR, whose
+            .optimizer is the ZeroOptimizer (its param_groups are the inner AdamW's)
 
 Pipelined plans (pas_config pipeline_stages, or microbatches > 1 without stages) train through
 `pm.train_step`: `forward` runs it and returns the mean loss with a no-op backward, so an
@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import inspect
 import shutil
 import weakref
 from pathlib import Path
@@ -260,23 +259,14 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
         if len(self.optimizers) != 1:
             raise ConfigError(f"NnCompileStrategy supports exactly one optimizer; "
                               f"configure_optimizers returned {len(self.optimizers)}")
-        groups = self.optimizers[0].param_groups
-        if len(groups) != 1:
-            memory = self.parallel_module.memory
-            why = " (under ZeRO and offload the optimizer steps flat pieces cut across " \
-                  "parameters, which cannot carry per-parameter hyperparameters)" \
-                if memory.zero or memory.offload_optimizer else ""
-            raise ConfigError(f"NnCompileStrategy supports one parameter group; the optimizer "
-                              f"has {len(groups)}{why}: put every parameter in one group, e.g. "
-                              f"{type(self.optimizers[0]).__name__}(self.parameters(), ...)")
         if len(self.lr_scheduler_configs) > 1:
             raise ConfigError(f"NnCompileStrategy supports at most one LR scheduler; got "
                               f"{len(self.lr_scheduler_configs)}")
 
     def _shard_optimizer(self) -> None:
-        """ZeRO / offload: rebuild configure_optimizers' optimizer on the shards (what
-        nncompile.build_optimizer builds), keep its param group's values, re-point the LR
-        schedulers to it."""
+        """ZeRO / offload: rebuild configure_optimizers' optimizer on the shards
+        (nncompile.build_optimizer(pm, optimizer): the same class, defaults and parameter
+        groups, each group with its own values), re-point the LR schedulers to it."""
         pm, old = self.parallel_module, self.optimizers[0]
         memory = pm.memory
         if memory.zero == 0 and not memory.offload_optimizer:
@@ -287,34 +277,23 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
                                   "ParallelModule; build it over self.parameters() (or "
                                   "nncompile.build_optimizer(self.nncompile_module, ...))")
             return                 # built with nncompile.build_optimizer already
-        trainable = [p for p in pm.parameters() if p.requires_grad]
         # by local name: under ZeRO-3 a torch optimizer over pm's handles steps their segments
-        given = {local_name(pm, p) for g in old.param_groups for p in g["params"]}
-        missing = [n for n, p in pm.named_parameters() if p.requires_grad and n not in given]
         outside = [p for g in old.param_groups for p in g["params"]
                    if local_name(pm, p) is None and p.requires_grad]
-        if missing or outside:
-            what = f"misses {len(missing)} of the parallel module's {len(trainable)} trainable " \
-                   f"parameters (e.g. {missing[0]!r})" if missing else \
-                   f"holds {len(outside)} parameters outside the parallelized forward"
+        if outside:
             raise ConfigError(
-                f"under ZeRO and offload NnCompileStrategy rebuilds the optimizer over every "
-                f"trainable shard of the parallel module, but the one configure_optimizers "
-                f"returned {what}; build it over self.parameters() and freeze "
-                f"(requires_grad=False) what must not train")
+                f"under ZeRO and offload NnCompileStrategy rebuilds the optimizer on the shards "
+                f"of the parallel module, but the one configure_optimizers returned holds "
+                f"{len(outside)} parameters outside the parallelized forward; build it over "
+                f"self.parameters() or self.named_parameters() (in groups if you like)")
         cls = type(old)
-        params = inspect.signature(cls.__init__).parameters
-        anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        kwargs = {k: v for k, v in old.defaults.items() if anything or k in params}
         try:
-            new = nncompile.build_optimizer(pm, cls, **kwargs)
+            new = nncompile.build_optimizer(pm, old)
         except TypeError as e:
             raise ConfigError(
-                f"could not rebuild {cls.__name__} on the ZeRO shards as {cls.__name__}(params, "
+                f"could not rebuild {cls.__name__} on the ZeRO shards as {cls.__name__}(groups, "
                 f"**optimizer.defaults) ({e}); build it in configure_optimizers with "
                 f"nncompile.build_optimizer(self.nncompile_module, {cls.__name__}, ...)") from e
-        new.param_groups[0].update({k: v for k, v in old.param_groups[0].items()
-                                    if k != "params"})
         for config in self.lr_scheduler_configs:
             _repoint(config.scheduler, old, new)
         self.optimizers = [new]

@@ -13,7 +13,11 @@ whose backward does nothing, and an unchanged training_step trains on it:
     backward(loss)                   backward(loss): nothing left to do
     clip, optimizer.step             clip (global norm over the stages), optimizer.step
 
-Refused, each with the fix: validation/test/predict (no forward alone), accumulate_grad_batches
+Validation, test and predict on a pipelined plan run `pm(...)`: the stages forward only over
+the unit's batch, returning the mean loss (runtime/pipeline.py).
+
+Refused, each with the fix: validation/test/predict on a microbatches-only plan (its forward
+runs one micro-batch), accumulate_grad_batches
 > 1 (train_step reduces at its end: raise microbatches instead), a GradScaler (16-mixed: the
 loss is scaled nowhere before the schedule's backward), a training_step that returns another
 loss than self(...)'s or calls self(...) twice, a closure that is not Lightning's.
@@ -71,6 +75,11 @@ class TrainStepPlans(ParallelStrategy):
         whole batch in pm.train_step; returns the mean loss with a backward that does
         nothing (the gradients are in .grad already)."""
         trainer = self.lightning_module.trainer
+        if not (trainer.training and torch.is_grad_enabled()) and \
+                self.compute_config.pipeline.enabled:
+            # validation, test, predict: the stages forward only over the micro-batches, in
+            # the mode Lightning put the module in; the mean loss on every rank
+            return self.parallel_module(*args, **kwargs)
         if not (trainer.training and torch.is_grad_enabled()):
             stage = "sanity check" if trainer.sanity_checking else \
                 str(trainer.state.stage.value if trainer.state.stage else "this call")

@@ -2,9 +2,10 @@
 training_step returns `self(...)`'s loss trains through pm.train_step, step for step like one
 device accumulating `(loss_m / M).backward()` over the same micro-batches (AdamW, LambdaLR,
 clipping by the global norm); a sharded checkpoint resumes; bf16-mixed autocasts the stages'
-forwards; a microbatches-only plan (no stages, data parallel) trains too; what cannot work is
-refused with the fix (validation, accumulate_grad_batches, a GradScaler, a changed loss, two
-forwards in one step).
+forwards; a microbatches-only plan (no stages, data parallel) trains too; validation on the
+pipelined plan equals one device's eval loss; what cannot work is refused with the fix
+(validation on a microbatches-only plan, accumulate_grad_batches, a GradScaler, a changed
+loss, two forwards in one step).
 
     torchrun --nproc_per_node=2 tests/workers/lightning_pipeline.py --savedir DIR
 """
@@ -63,6 +64,7 @@ class Lit(L.LightningModule):
         self.unit, self.step_kind, self.validate = unit, step, validate
         self.dummy_forward_args = batches(unit)[0]
         self.losses: list[float] = []
+        self.val_losses: list[tuple[int, float]] = []     # (global step, loss) per validation
 
     def forward(self, idx, targets):
         return self.net(idx, targets)
@@ -81,7 +83,9 @@ class Lit(L.LightningModule):
         return loss
 
     def validation_step(self, batch, i):
-        self.log("val_loss", self(**batch), sync_dist=True)
+        loss = self(**batch)
+        self.val_losses.append((self.trainer.global_step, float(loss)))
+        self.log("val_loss", loss, sync_dist=True)
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(batches(self.unit), batch_size=None)
@@ -217,8 +221,25 @@ def main() -> None:
     check_run("dp2 microbatches 4", trainer, trainer.lightning_module.losses,
               [x[dist.get_rank()] for x in want_dp], weights_dp, RTOL)
 
-    expect("validation", lambda: fit(Lit(), d, pp2, limit_val_batches=1,
-                                     num_sanity_val_steps=1), "limit_val_batches=0")
+    # validation on the pipelined plan: the stages forward only, in eval mode; the sanity
+    # check (initial weights) and the last validation (after STEPS steps) equal one device
+    trainer = fit(Lit(), d, pp2, limit_val_batches=1, num_sanity_val_steps=1)
+    records = dict(trainer.lightning_module.val_losses)
+    assert sorted(records)[0] == 0 and max(records) == STEPS, records
+    for step, state in ((0, make_gpt().state_dict()),
+                        (STEPS, {k[len("net."):]: v for k, v in weights.items()})):
+        model = make_gpt()
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            want_val = sum(model(**{k: v.chunk(M)[m] for k, v in batches(0)[0].items()}).item()
+                           for m in range(M)) / M
+        assert close(records[step], want_val, RTOL), (step, records[step], want_val)
+    report(f"ok validation pp2: val_loss at steps 0 and {STEPS} {records[0]:.6f}, "
+           f"{records[STEPS]:.6f} equal one device's eval loss")
+    expect("validation", lambda: fit(Lit(unit=dist.get_rank()), d, {"microbatches": M}, plan=1,
+                                     limit_val_batches=1, num_sanity_val_steps=1),
+           "limit_val_batches=0")
     expect("accumulate", lambda: fit(Lit(), d, pp2, accumulate_grad_batches=2),
            "microbatches=8")
     expect("16-mixed", lambda: fit(Lit(), d, pp2, precision="16-mixed"), "'bf16-mixed'")

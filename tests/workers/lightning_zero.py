@@ -60,8 +60,9 @@ class Check(L.Callback):
             (opt.stage, self.stage, pm.memory)
         assert pm.memory.offload_optimizer == self.offload
         if self.stage == 3:
-            flats = [p for n, p in pm.named_parameters() if n.startswith("zero_")]
-            assert flats and len(flats) == len(list(pm.parameters()))
+            flats = list(pm.stored_parameters())     # one flat piece per unit
+            assert flats and all(f.dim() == 1 for f in flats)
+            assert not any(n.startswith("zero_") for n, _ in pm.named_parameters())
             assert all(any(s.flat is f for s in opt.shards) for f in flats if f.requires_grad)
         if self.offload:
             assert all(s.param.device.type == "cpu" for s in opt.shards)

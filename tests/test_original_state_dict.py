@@ -1,0 +1,77 @@
+"""The module given to parallelize, after it: where the plan keeps every parameter whole its
+state_dict() is pm's weights (the very tensors pm trains); where the plan shards (tp, ZeRO-3)
+its parameters are released, and its state_dict() (nanoGPT saves raw_model.state_dict()) is an
+error naming what to save instead, not a dict of storage-less tensors. Two simulated ranks."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import models
+import nncompile
+from nncompile import ComputeConfig
+from nncompile.errors import CheckpointError
+from nncompile.simulate import run_ranks
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return models.build("gpt")
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return {"idx": torch.randint(0, 64, (2, 16), generator=g),
+            "targets": torch.randint(0, 64, (2, 16), generator=g)}
+
+
+def _after_one_step(gpt, tmp_path, name, plan, policy, check, **cfg):
+    def rank_fn(rank):
+        module = copy.deepcopy(gpt)
+        pm = nncompile.parallelize(module, _batch(), ComputeConfig(plan, WORLD, **cfg),
+                                   pas_policy=policy, gen_savedir=tmp_path, instance_name=name)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        pm(**_batch()).backward()
+        opt.step()
+        return check(module, pm)
+    return run_ranks(WORLD, rank_fn)
+
+
+@pytest.mark.parametrize("policy,plan,zero", [("tp", 2, 0), ("dp", 1, 3)])
+def test_released_module_state_dict_is_an_error(gpt, tmp_path, policy, plan, zero):
+    def check(module, pm):
+        errors = []
+        for what in (module.state_dict,                         # raw_model.state_dict()
+                     lambda: torch.save(module.state_dict(), io.BytesIO()),
+                     lambda: module.get_submodule("h.0").state_dict()):
+            with pytest.raises(CheckpointError) as e:
+                what()
+            errors.append(str(e.value))
+        return errors, pm.gather_params()
+    out = _after_one_step(gpt, tmp_path, f"sd{policy}{zero}", plan, policy, check, use_zero=zero)
+    errors, _ = out[0]
+    for msg in errors:
+        assert "state_dict() of the module given to nncompile.parallelize" in msg, msg
+        assert "nncompile.save_checkpoint(dir, pm, optimizer)" in msg
+        assert "pm.gather_params()" in msg
+    assert "'h.0." in errors[0] or "'wte." in errors[0] or "'wpe." in errors[0], errors[0]
+    assert "'attn." in errors[2] or "'ln_" in errors[2] or "'mlp" in errors[2], errors[2]
+
+
+def test_whole_parameters_keep_the_state_dict(gpt, tmp_path):
+    """dp without ZeRO keeps every parameter whole: the module's state_dict() holds the
+    weights pm trained."""
+    def check(module, pm):
+        return module.state_dict(), pm.gather_params()
+    out = _after_one_step(gpt, tmp_path, "sddp", 1, "dp", check)
+    sd, full = out[0]
+    changed = False
+    for fqn, want in full.items():
+        torch.testing.assert_close(sd[fqn], want, rtol=0, atol=0)
+        changed |= not torch.equal(want, gpt.state_dict()[fqn])
+    assert changed, "the step changed nothing"
