@@ -20,6 +20,7 @@ from .custom_ops import register_op  # noqa: E402
 from nncompile.passes.autodist import explain, report_table as plan_report  # noqa: E402
 from nncompile.passes.autodist import PlanInfeasibleError  # noqa: E402
 from nncompile.runtime.clip import clip_grad_norm_  # noqa: E402
+from nncompile.runtime import grad_scaler as _grad_scaler  # noqa: E402,F401  (GradScaler agrees)
 from nncompile.runtime.distributed import init_distributed  # noqa: E402
 from nncompile.runtime.optimizer import build_optimizer, declare_elementwise  # noqa: E402
 from nncompile.runtime.dedup import deduped_state_dict, load_deduped_state_dict  # noqa: E402

@@ -40,7 +40,8 @@ from nncompile.fileio import replace_dir, write_json
 from .dcp import load_dcp, load_state, read_metadata, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
 from .merge import load_merged_state_dict, merge_state_dicts, merged_optimizer
-from .state import GROUP_FQNS, describe, group_fqns, hyper, plan_info, plan_mismatch
+from .state import (GROUP_FQNS, describe, group_fqns, hyper, plan_info, plan_mismatch,
+                    with_members, without_members)
 
 FORMATS = ("sharded", "deduped", "dcp")
 META = "checkpoint.json"
@@ -241,7 +242,7 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
     with staged_directory(directory, pm, meta) as staging:
         if format == "sharded":
             save_torch({"model": pm.state_dict(),
-                        "optimizer": _with_members(pm, optimizer, optimizer.state_dict())
+                        "optimizer": with_members(pm, optimizer, optimizer.state_dict())
                         if optimizer is not None else None,
                         "extra": extra}, staging / f"rank{rank}.pt")
         elif format == "deduped":
@@ -307,9 +308,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
     if meta["format"] == "sharded":
         pm.load_state_dict(blob["model"])                # checks the plan first
         if optimizer is not None:
-            saved = blob["optimizer"]
-            optimizer.load_state_dict({**saved, "param_groups": [
-                {k: v for k, v in g.items() if k != GROUP_FQNS} for g in saved["param_groups"]]})
+            optimizer.load_state_dict(without_members(blob["optimizer"]))
     else:
         load_deduped_state_dict(pm, blob["model"], optimizer, blob["optimizer"])
     return blob["extra"]
@@ -327,16 +326,6 @@ def check_shards(path: Path, meta: dict, pm, saved: dict) -> None:
     bad = next(((r, w) for r, w in enumerate(whys) if w is not None), None)
     if bad is not None:
         _refuse(path, meta, pm, f"rank {bad[0]}'s shards differ: {bad[1]}")
-
-
-def _with_members(pm, optimizer, sd: dict) -> dict:
-    """A rank's optimizer state dict with each group's members by FQN (merging rebuilds the
-    groups from them)."""
-    fqns = group_fqns(pm, optimizer)
-    if fqns is None:
-        return sd
-    return {**sd, "param_groups": [{**g, GROUP_FQNS: f}
-                                   for g, f in zip(sd["param_groups"], fqns)]}
 
 
 def _all_members(pm, optimizer) -> list[dict]:

@@ -219,14 +219,14 @@ class ParallelModule(torch.nn.Module):
 
     def _run(self, inputs: list[torch.Tensor]):
         """The generated forward on checked inputs."""
-        if self._calls_to_check:          # the first calls: same inputs across the unit
-            consistency.check_call(self, inputs)
         if self.SIZES:                    # dynamic_dims: each size within its range
             check_sizes([(name, x, shape) for x, (name, shape, _) in zip(inputs, self.INPUTS)],
                         self.SIZES)
         grad = torch.is_grad_enabled()
         if grad and self.PLAN_NGPUS > 1 and any(x.requires_grad for x in inputs):
             self._check_grad_inputs(inputs)
+        if self._calls_to_check:          # first calls: the unit's ranks got the same inputs
+            consistency.check_call(self, inputs)     # (a collective: after the local checks)
         reducer = self._reducer if grad else None
         if reducer is not None:
             reducer.reset()               # a backward that raised must not leave state behind
@@ -318,9 +318,9 @@ class ParallelModule(torch.nn.Module):
         """The original module this one was built from (DDP's `model.module`), the object
         given to parallelize (None when built without one). A parameter this rank keeps whole
         is the very tensor pm trains; under a plan that shards parameters (tp, ZeRO-3,
-        pipelines) the others are released after loading, so the module's own state_dict()
-        is not a checkpoint of pm: save with nncompile.save_checkpoint, or take full weights
-        with pm.gather_params()."""
+        pipelines) the others are released after loading, and the module's own state_dict()
+        raises (it is not a checkpoint of pm): save with nncompile.save_checkpoint, or take
+        full weights with pm.gather_params()."""
         return self.__dict__.get("_original_module")
 
     @property
@@ -373,6 +373,19 @@ class ParallelModule(torch.nn.Module):
             yield
         finally:
             self._reducer.sync = old
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag (nanoGPT sets it False on accumulation micro-steps): False skips the
+        gradient reduction of the following backwards, as no_sync() does. Without a reducer
+        (one rank; ZeRO-3, whose gradients are reduced per unit in backward) it is ignored and
+        reads True; a pipeline's step reduces at its end whatever it says."""
+        return self._reducer.sync if self._reducer is not None else True
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if self._reducer is not None:
+            self._reducer.sync = bool(value)
 
     # ---- full tensors -------------------------------------------------------------------
     def _gather(self, local: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from nncompile.errors import CheckpointError, ConfigError
 
+from .carry_state import carry
 from .groups import get_zero_group
 from .rows import param_rows
 from .param_handles import (check_elementwise, cut, declare_elementwise, groups_by_name,
@@ -60,9 +61,11 @@ def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None 
     Takes the optimizer's own arguments: `params` is None (every trainable parameter) or what
     the optimizer accepts, an iterable of parameters or of group dicts with their own
     hyper-parameters, taken from pm.named_parameters() or from the module pm was built from.
-    `optimizer_cls` may also be an optimizer instance: its class, groups and defaults are
-    rebuilt on pm. `elementwise=True` declares an optimizer outside the known list
-    element-wise, which ZeRO and offload need (they step pieces of tensors)."""
+    `optimizer_cls` may also be an optimizer instance: its class, groups, defaults and state
+    are rebuilt on pm (runtime/carry_state.py; state it cannot cut exactly is refused).
+    `elementwise=True` declares an optimizer outside the known list element-wise, which ZeRO
+    and offload need (they step pieces of tensors)."""
+    inst = None
     if isinstance(optimizer_cls, torch.optim.Optimizer):
         if isinstance(optimizer_cls, ZeroOptimizer):
             raise ConfigError("build_optimizer got a ZeroOptimizer; it is built already")
@@ -82,10 +85,14 @@ def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None 
     stage = zero_stage(pm)
     if stage is None:
         by_name = dict(pm.named_parameters())
-        return optimizer_cls([{**g, "params": [by_name[n] for n in g["params"]]}
-                              for g in groups], **kwargs)
-    check_elementwise(optimizer_cls, stage, elementwise)
-    return ZeroOptimizer(pm, optimizer_cls, params=groups, **kwargs)
+        opt = optimizer_cls([{**g, "params": [by_name[n] for n in g["params"]]}
+                             for g in groups], **kwargs)
+    else:
+        check_elementwise(optimizer_cls, stage, elementwise)
+        opt = ZeroOptimizer(pm, optimizer_cls, params=groups, **kwargs)
+    if inst is not None:                  # its state (a resumed run's) comes along
+        carry(pm, inst, opt)
+    return opt
 
 
 def _constructor_args(cls: type, defaults: dict) -> dict:

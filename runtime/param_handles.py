@@ -259,9 +259,9 @@ def adopt(opt, groups: list[dict] | None = None) -> bool:
             params[i] = new
             swapped = True
             st = opt.state.pop(p, None) if groups is None else None
-            if st:
-                opt.state[new] = {k: v for k, v in st.items() if not torch.is_tensor(v)
-                                  or v.dim() == 0 or v.shape == new.shape}
+            if st:                    # a resumed optimizer's moments: cut to what pm steps
+                from .carry_state import adopted_state
+                opt.state[new] = adopted_state(p, new, st)
             if getattr(new, "_nnc_flat", None) is not None:
                 _watch(opt)
     return swapped

@@ -330,17 +330,50 @@ def optimizer_state_by_name(pm, opt_sd: dict) -> dict[str, Any]:
             {k: v for k, v in g.items() if k != "params"} for g in opt_sd.get("param_groups", [])]}
     rows = param_rows(pm)
     names = [row.name for row in rows]
+    fqn_of = {row.name: row.fqn for row in rows}
     frozen = set(pm.get("frozen", []) if isinstance(pm, dict) else pm.FROZEN)
     saved_groups = opt_sd.get("param_groups", [])
     indexed = sum(len(g.get("params", [])) for g in saved_groups)
     if frozen and indexed != len(names):      # built over the trainable parameters only
         names = [n for n in names if n not in frozen]
-    if saved_groups and all(GROUP_FQNS in g for g in saved_groups):
-        by_fqn = {row.fqn: row.name for row in rows}     # saved with its groups' members
-        names = [by_fqn[f] for g in saved_groups for f in g[GROUP_FQNS]]
-    index = {i: names[k] for k, i in enumerate(i for g in saved_groups for i in g["params"])} \
-        if indexed == len(names) else dict(enumerate(names))
-    fqn = {row.name: row.fqn for row in rows}
+    members = group_members(rows, saved_groups)
+    if members is None:         # one group over pm.parameters() (several: merge refuses)
+        return {"state": {names[i]: st for i, st in state.items()},
+                "param_groups": [hyper(g) for g in saved_groups]}
+    index = {i: n for g, m in zip(saved_groups, members) for i, n in zip(g["params"], m)}
     return {"state": {index[i]: st for i, st in state.items()},
-            "param_groups": [{**hyper(g), GROUP_FQNS: [fqn[index[i]] for i in g["params"]]}
-                             if indexed == len(names) else hyper(g) for g in saved_groups]}
+            "param_groups": [{**hyper(g), GROUP_FQNS: [fqn_of[n] for n in m]}
+                             for g, m in zip(saved_groups, members)]}
+
+
+def group_members(rows, saved_groups: list[dict]) -> list[list[str]] | None:
+    """Each saved group's parameters by local name, in index order: from the FQNs
+    save_checkpoint records, or torch's own "param_names" (an optimizer built over
+    pm.named_parameters()); None when the state dict does not say."""
+    if not saved_groups:
+        return None
+    by_fqn = {row.fqn: row.name for row in rows}
+    if all(GROUP_FQNS in g for g in saved_groups) and \
+            all(f in by_fqn for g in saved_groups for f in g[GROUP_FQNS]):
+        return [[by_fqn[f] for f in g[GROUP_FQNS]] for g in saved_groups]
+    local = {row.name for row in rows}
+    if all(len(g.get("param_names", ())) == len(g["params"]) and
+           set(g["param_names"]) <= local for g in saved_groups):
+        return [list(g["param_names"]) for g in saved_groups]
+    return None
+
+
+def with_members(pm, opt, sd: dict) -> dict:
+    """opt.state_dict() with each group's members by FQN (merging rebuilds the groups from
+    them; a plain optimizer's state dict numbers parameters group by group)."""
+    fqns = group_fqns(pm, opt)
+    if fqns is None:
+        return sd
+    return {**sd, "param_groups": [{**g, GROUP_FQNS: f}
+                                   for g, f in zip(sd["param_groups"], fqns)]}
+
+
+def without_members(sd: dict) -> dict:
+    """Inverse of with_members, for opt.load_state_dict."""
+    return {**sd, "param_groups": [{k: v for k, v in g.items() if k != GROUP_FQNS}
+                                   for g in sd.get("param_groups", [])]}

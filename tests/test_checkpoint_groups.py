@@ -55,42 +55,51 @@ def reference(gpt):
     return losses, saved
 
 
-def _rank_batch(b, rank):
-    rows = b["idx"].shape[0] // WORLD
-    return {k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()}
+# name: (plan_ngpus, pas_policy, use_zero)
+PLANS = {"dp": (1, "dp", 0), "zero1": (1, "dp", 1), "zero3": (1, "dp", 3), "tp": (2, "tp", 0)}
+
+
+def _rank_batch(b, rank, plan=1):
+    """Rank `rank`'s data-parallel unit's rows of the global batch."""
+    rows, unit = b["idx"].shape[0] // (WORLD // plan), rank // plan
+    return {k: v[unit * rows:(unit + 1) * rows] for k, v in b.items()}
+
+
+def _parallelize(gpt, key, rank, gen):
+    plan, policy, zero = PLANS[key]
+    pm = nncompile.parallelize(copy.deepcopy(gpt), _rank_batch(_batches(1)[0], rank, plan),
+                               ComputeConfig(plan, WORLD, use_zero=zero), pas_policy=policy,
+                               gen_savedir=gen, instance_name=f"cg_{key}")
+    opt = nncompile.build_optimizer(pm, torch.optim.AdamW,
+                                    params=nanogpt_groups(pm.named_parameters(), LRS))
+    return pm, opt, _sched(opt), lambda b: _rank_batch(b, rank, plan)
 
 
 @pytest.fixture(scope="module")
 def saved(gpt, tmp_path_factory):
-    """{zero: directory holding every format and a merged file of each}, saved at SAVE_AT."""
+    """{plan: directory holding every format and a merged file of each}, saved at SAVE_AT."""
     gen, root = tmp_path_factory.mktemp("gen"), tmp_path_factory.mktemp("ck")
     out = {}
-    for zero in (0, 1, 3):
-        def rank_fn(rank, zero=zero):
-            module = copy.deepcopy(gpt)
-            pm = nncompile.parallelize(module, _rank_batch(_batches(1)[0], rank),
-                                       ComputeConfig(1, WORLD, use_zero=zero),
-                                       gen_savedir=gen, instance_name=f"cg{zero}")
-            opt = nncompile.build_optimizer(pm, torch.optim.AdamW,
-                                            params=nanogpt_groups(pm.named_parameters(), LRS))
-            sched = _sched(opt)
+    for key in PLANS:
+        def rank_fn(rank, key=key):
+            pm, opt, sched, mine = _parallelize(gpt, key, rank, gen)
             for b in _batches(SAVE_AT):
-                _step(pm, opt, sched, _rank_batch(b, rank))
+                _step(pm, opt, sched, mine(b))
             for fmt in FORMATS:
-                nncompile.save_checkpoint(root / f"z{zero}" / fmt, pm, opt, format=fmt,
+                nncompile.save_checkpoint(root / key / fmt, pm, opt, format=fmt,
                                           extra={"sched": sched.state_dict()})
         run_ranks(WORLD, rank_fn)
         for fmt in FORMATS:
-            nncompile.merge_checkpoint([root / f"z{zero}" / fmt], root / f"z{zero}" / f"{fmt}.pt")
-        out[zero] = (root / f"z{zero}", gen)
+            nncompile.merge_checkpoint([root / key / fmt], root / key / f"{fmt}.pt")
+        out[key] = (root / key, gen)
     return out
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("key", PLANS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_merged_groups_load_into_plain_adamw(gpt, reference, saved, zero, fmt):
+def test_merged_groups_load_into_plain_adamw(gpt, reference, saved, key, fmt):
     losses, (ref_opt, ref_sched) = reference
-    merged = nncompile.runtime.checkpoint.load_torch(saved[zero][0] / f"{fmt}.pt")
+    merged = nncompile.runtime.checkpoint.load_torch(saved[key][0] / f"{fmt}.pt")
     opt_sd = merged["optimizer"]
     # each group's hyper-parameters and members, numbered as torch numbers them
     assert len(opt_sd["param_groups"]) == 2
@@ -116,27 +125,20 @@ def test_merged_groups_load_into_plain_adamw(gpt, reference, saved, zero, fmt):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
-def test_resume_restores_groups_and_scheduler(gpt, reference, saved, zero):
+@pytest.mark.parametrize("key", PLANS)
+def test_resume_restores_groups_and_scheduler(gpt, reference, saved, key):
     losses, (ref_opt, _) = reference
-    root, gen = saved[zero]
+    root, gen = saved[key]
     sources = [root / f for f in FORMATS] + [root / f"{f}.pt" for f in FORMATS]
 
     def rank_fn(rank):
         out = {}
         for src in sources:
-            module = copy.deepcopy(gpt)
-            pm = nncompile.parallelize(module, _rank_batch(_batches(1)[0], rank),
-                                       ComputeConfig(1, WORLD, use_zero=zero),
-                                       gen_savedir=gen, instance_name=f"cg{zero}")
-            opt = nncompile.build_optimizer(pm, torch.optim.AdamW,
-                                            params=nanogpt_groups(pm.named_parameters(), LRS))
-            sched = _sched(opt)
+            pm, opt, sched, mine = _parallelize(gpt, key, rank, gen)
             extra = nncompile.load_checkpoint(src, pm, opt)
             sched.load_state_dict(extra["sched"])
             lrs = [(g["lr"], g["initial_lr"], g["weight_decay"]) for g in opt.param_groups]
-            after = [_step(pm, opt, sched, _rank_batch(b, rank))
-                     for b in _batches(STEPS)[SAVE_AT:]]
+            after = [_step(pm, opt, sched, mine(b)) for b in _batches(STEPS)[SAVE_AT:]]
             out[src.name] = (lrs, after)
         return out
     outs = run_ranks(WORLD, rank_fn)
@@ -149,9 +151,27 @@ def test_resume_restores_groups_and_scheduler(gpt, reference, saved, zero):
                                    msg=lambda m: f"{src.name}: {m}")
 
 
-def test_groups_without_members_are_refused(gpt):
-    """A state dict of several groups that does not say which parameters each holds is
-    refused, not merged into the first group's hyper-parameters."""
-    from nncompile.runtime.merge import merged_optimizer
-    with pytest.raises(CheckpointError, match="2 parameter groups"):
-        merged_optimizer(["a", "b"], {}, [{"lr": 1.0}, {"lr": 2.0}])
+def test_groups_without_members_are_refused(gpt, reference, saved):
+    """A plain optimizer's state dict of several groups numbers parameters group by group and
+    does not say which: merging it by hand is refused (not merged into the first group's
+    hyper-parameters with the state of other parameters); with the members save_checkpoint
+    records (state.with_members) it merges as a checkpoint does."""
+    from nncompile.runtime.state import with_members
+    _, gen = saved["dp"]
+
+    def rank_fn(rank):
+        pm, opt, sched, mine = _parallelize(gpt, "dp", rank, gen)
+        for b in _batches(SAVE_AT):
+            _step(pm, opt, sched, mine(b))
+        return pm.state_dict(), opt.state_dict(), with_members(pm, opt, opt.state_dict())
+    outs = run_ranks(WORLD, rank_fn)
+    models_sd = [o[0] for o in outs]
+    with pytest.raises(CheckpointError, match="2 parameter groups but does not record"):
+        nncompile.merge_state_dicts(models_sd, [o[1] for o in outs])
+    _, opt_sd = nncompile.merge_state_dicts(models_sd, [o[2] for o in outs])
+    ref_opt = reference[1][0]
+    assert [g["params"] for g in opt_sd["param_groups"]] == \
+        [g["params"] for g in ref_opt["param_groups"]]
+    for i, st in ref_opt["state"].items():
+        torch.testing.assert_close(opt_sd["state"][i]["exp_avg"], st["exp_avg"], rtol=1e-5,
+                                   atol=1e-6)

@@ -208,6 +208,7 @@ def test_bad_lightning_setups_get_clear_errors(tmp_path):
                  "zero3 offload_optimizer offload_params",
                  "zero3 deduped checkpoint resumes under zero1",
                  "zero1 two param groups + LambdaLR", "zero3 two param groups + LambdaLR",
+                 "zero3 two param groups: merged checkpoint resumes under plain Lightning",
                  "zero1 optimizer over a subset"):
         assert f"ok {zero}" in proc.stdout, proc.stdout
     assert "ok default precision" in proc.stdout, proc.stdout

@@ -26,9 +26,9 @@ last bits (another summation order) drift apart visibly after about 10 iteration
 at iteration 12, tp vs one process, uninterrupted).
 
 Losses print with 4 decimals (nanoGPT's format); two runs that differ only in summation order
-(DDP reduces the summed micro-batch gradients once, nncompile each micro-batch's) may round a
-last digit apart, so values are compared to 1e-4. Wrong grouping, unsynchronized replicas,
-dropout left on in eval or a local gradient norm move them by far more within 8 iterations
+(DDP reduces the summed micro-batch gradients once, nncompile under ZeRO-3 each micro-batch's)
+may round a last digit apart, so values are compared to 1e-4. Wrong grouping, unsynchronized
+replicas, dropout left on in eval or a local gradient norm move them by far more within 8 iterations
 (weight decay 0.5 applied to the norms' weights as well moves them by up to 1.2e-3).
 """
 from __future__ import annotations

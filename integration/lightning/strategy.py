@@ -65,7 +65,8 @@ from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_st
 from nncompile.runtime.optimizer import ZeroOptimizer
 from nncompile.runtime.param_handles import local_name
 from nncompile.runtime.rows import param_rows, state_rows
-from nncompile.runtime.state import describe, plan_info, plan_mismatch
+from nncompile.runtime.state import (describe, plan_info, plan_mismatch, with_members,
+                                     without_members)
 
 from .precision import NnCompilePrecision
 from .train_step import TrainStepPlans
@@ -346,8 +347,8 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
         return pm.state_dict() if self.state_dict_type == "sharded" else deduped_model_state(pm)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if self.state_dict_type == "sharded":
-            return optimizer.state_dict()
+        if self.state_dict_type == "sharded":        # with each group's members, for merging
+            return with_members(self.parallel_module, optimizer, optimizer.state_dict())
         return deduped_optimizer_state(self.parallel_module, optimizer)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
@@ -417,7 +418,7 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
                     f"merge_checkpoint([dir], 'merged.ckpt') (or python -m nncompile merge "
                     f"dir -o merged.ckpt) and resume from merged.ckpt; state_dict_type="
                     f"'deduped' checkpoints also load under any ZeRO stage")
-            optimizer.load_state_dict(opt_sd)
+            optimizer.load_state_dict(without_members(opt_sd))
         if isinstance(optimizer, ZeroOptimizer):
             # torch's load_state_dict gives the inner optimizer new param_groups / state
             # objects; ZeroOptimizer's aliases (what LR schedulers write the lr into) must

@@ -140,6 +140,7 @@ def groups_checks(d: str) -> None:
                       enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)
     plain.fit(plain_lit)
+    plain.save_checkpoint(f"{d}/plain_groups.ckpt")
     want = {f"net.{k}": v.detach() for k, v in plain_lit.net.named_parameters()}
     want_lrs = [g["lr"] for g in plain.optimizers[0].param_groups]
     for zero in (1, 3):
@@ -159,6 +160,23 @@ def groups_checks(d: str) -> None:
         same_weights(weights(trainer), want, f"zero{zero} groups")
         print(f"ok zero{zero} two param groups + LambdaLR: {steps} losses and weights equal "
               f"plain Lightning, lrs {want_lrs}", flush=True)
+    # the ZeRO-3 run's checkpoint, merged, resumes under plain Lightning (each group's values,
+    # AdamW moments and the scheduler) like plain Lightning's own checkpoint of the same steps
+    trainer.save_checkpoint(f"{d}/z3_groups")
+    NnCompileStrategy.merge_checkpoint([f"{d}/z3_groups"], f"{d}/z3_groups.ckpt")
+    runs = {}
+    for name in ("plain_groups", "z3_groups"):
+        runs[name] = Lit("nanogpt")
+        t = L.Trainer(accelerator="cpu", devices=1, max_steps=steps + 3, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+        t.fit(runs[name], ckpt_path=f"{d}/{name}.ckpt")
+        runs[name].decays = [g["weight_decay"] for g in t.optimizers[0].param_groups]
+    got, full = runs["z3_groups"].losses, runs["plain_groups"].losses
+    assert len(got) == len(full) == 3 and runs["z3_groups"].decays == [0.5, 0.0]
+    for a, b in zip(got, full):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, full)
+    print("ok zero3 two param groups: merged checkpoint resumes under plain Lightning", flush=True)
     # a subset of the parameters: the others stay where they are, as in plain
     z1 = nncompile.ComputeConfig(1, use_zero=1)
     plain = fit(Lit("subset"), f"{d}/z0")
