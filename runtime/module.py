@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from nncompile.config import ComputeConfig
-from nncompile.errors import ConfigError, InputMismatchError, PipelineError
+from nncompile.errors import ConfigError, InputMismatchError
 from nncompile.symbolic import check_sizes
 from nncompile.ir import MemoryChoice
 from nncompile.ir.placement import Shard

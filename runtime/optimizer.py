@@ -80,7 +80,6 @@ def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None 
                           f"{optimizer_cls!r}")
     if elementwise:
         declare_elementwise(optimizer_cls)
-    memory = pm.memory
     groups = _named_groups(pm, params)
     stage = zero_stage(pm)
     if stage is None:

@@ -35,3 +35,16 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 900, cwd=None) 
 @pytest.fixture
 def run_ranks():
     return torchrun
+
+
+@pytest.fixture(scope="module")
+def gen(tmp_path_factory):
+    """A generated-code directory shared by one test module's compiles."""
+    return tmp_path_factory.mktemp("gen")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """The tests' small GPT (tests/models.py), built once per test module."""
+    import models
+    return models.build("gpt")

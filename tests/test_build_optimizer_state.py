@@ -20,11 +20,6 @@ WORLD, BEFORE, AFTER = 2, 2, 3
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95))
 
 
-@pytest.fixture(scope="module")
-def gen(tmp_path_factory):
-    return tmp_path_factory.mktemp("gen")
-
-
 def _batches(n, seed):
     g = torch.Generator().manual_seed(seed)
     return [{"idx": torch.randint(0, 64, (4, 16), generator=g),

@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 
-import models
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import CheckpointError
@@ -34,11 +33,6 @@ def _step(model, opt, sched, batch):
     opt.zero_grad()
     sched.step()
     return loss.item()
-
-
-@pytest.fixture(scope="module")
-def gpt():
-    return models.build("gpt")
 
 
 @pytest.fixture(scope="module")

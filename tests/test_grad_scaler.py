@@ -1,30 +1,23 @@
 """torch.amp.GradScaler over a ParallelModule on 2 simulated ranks equals the same loop on one
 device: an inf in one rank's part of the gradients skips the step on every rank (tp, ZeRO-3:
-one found-inf for the job), and ZeRO-1/2 optimizers, whose segments get their gradients in
-step, are unscaled and skip like torch's (the scale sequence, losses and weights equal)."""
+one found-inf for the job, one all-reduce per unscale_), and ZeRO-1/2 optimizers, whose
+segments get their gradients in step, are unscaled and skip like torch's (the scale sequence,
+losses and weights equal)."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 
-import models
 import nncompile
 from nncompile import ComputeConfig
+from nncompile.runtime import grad_scaler
 from nncompile.simulate import run_ranks
 
 WORLD, STEPS, INF_AT = 2, 5, 1
 
-
-@pytest.fixture(scope="module")
-def gen(tmp_path_factory):
-    return tmp_path_factory.mktemp("gen")
-
-
-@pytest.fixture(scope="module")
-def gpt():
-    return models.build("gpt")
 
 
 def _batches():
@@ -70,7 +63,17 @@ def _a_local_grad(pm, opt):
     ("tp", 2, 0, "build"), ("tp", 2, 0, "plain"), ("dp", 1, 1, "build"), ("dp", 1, 2, "build"),
     ("dp", 1, 3, "build"), ("dp", 1, 3, "plain"), ("tp", 2, 3, "build"),
     ("dp", 1, 1, "offload"), ("dp", 1, 3, "offload")])
-def test_grad_scaler_skips_like_one_device(gpt, gen, policy, plan, zero, how):
+def test_grad_scaler_skips_like_one_device(gpt, gen, policy, plan, zero, how, monkeypatch):
+    counts = {}
+
+    class Counting:                   # the scaler's collectives, per rank
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def all_reduce(self, t, *args, **kw):
+            counts[dist.get_rank()] = counts.get(dist.get_rank(), 0) + 1
+            return dist.all_reduce(t, *args, **kw)
+    monkeypatch.setattr(grad_scaler, "dist", Counting())
     ref = copy.deepcopy(gpt)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
 
@@ -103,6 +106,7 @@ def test_grad_scaler_skips_like_one_device(gpt, gen, policy, plan, zero, how):
         return losses, scales, pm.gather_params()
 
     out = run_ranks(WORLD, rank_fn)
+    assert counts == {r: STEPS for r in range(WORLD)}, counts     # one per unscale_
     for rank, (_, scales, _) in enumerate(out):
         assert scales == ref_scales, (rank, scales, ref_scales)
     losses = torch.stack([torch.stack(out[u * plan][0]) for u in range(dp)]).mean(0)

@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import models
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import ConfigError
@@ -22,15 +21,6 @@ from nncompile.simulate import run_ranks
 STEPS = 5
 WORLD = 2
 
-
-@pytest.fixture(scope="module")
-def gen(tmp_path_factory):
-    return tmp_path_factory.mktemp("gen")
-
-
-@pytest.fixture(scope="module")
-def gpt():
-    return models.build("gpt")
 
 
 def _batches(n=STEPS):

@@ -10,18 +10,12 @@ import io
 import pytest
 import torch
 
-import models
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import CheckpointError
 from nncompile.simulate import run_ranks
 
 WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def gpt():
-    return models.build("gpt")
 
 
 def _batch():

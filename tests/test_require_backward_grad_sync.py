@@ -9,22 +9,12 @@ import copy
 import pytest
 import torch
 
-import models
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.simulate import run_ranks
 
 STEPS, ACC = 3, 2
 
-
-@pytest.fixture(scope="module")
-def gen(tmp_path_factory):
-    return tmp_path_factory.mktemp("gen")
-
-
-@pytest.fixture(scope="module")
-def gpt():
-    return models.build("gpt")
 
 
 def _micro_batches():
