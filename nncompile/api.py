@@ -109,8 +109,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     traced_text, plain_text = print_graph_texts(graph)
     if graph.meta.get("checkpointed"):  # modules the model checkpoints: recomputed
         config = with_recompute(config, graph.meta["checkpointed"])
-        traced_text += f"# checkpointed in the model: {graph.meta['checkpointed']}\n"
-        plain_text += f"# checkpointed in the model: {graph.meta['checkpointed']}\n"
+        note = f"# checkpointed in the model: {graph.meta['checkpointed']}\n"
+        traced_text, plain_text = traced_text + note, plain_text + note
     if graph.meta.get("eval_error"):    # eval mode refused at run time
         plain_text += "# not traced in eval mode\n"
     if "eval_graph" in graph.meta:      # the forward differs in eval mode: a second program
@@ -145,13 +145,14 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     seconds = {"trace": time.perf_counter() - start}
     cpu_traced = _cpu()
     _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
-    result = run_pipeline(graph, build_pipeline(config, policy), check=check)
+    passes = build_pipeline(config, policy)
+    result = run_pipeline(graph, passes, check=check)
     seconds["passes"] = sum(ms for _, _, ms in result.history) / 1e3
     cpu_passed = _cpu()
     seconds["ilp"] = (result.graph.plan_state.autodist or {}).get("solve_s", 0.0)
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<14} {ms:8.1f} ms")
-    final = eval_program(result.graph, build_pipeline(config, policy), check)
+    final = eval_program(result.graph, passes, check)   # the same passes plan the eval program
     planned = plan_graph(result.history)     # before schedule-only passes: what plan.json shows
     symbolic.warn_if_unsplit(final)
     memory = memory_choice(final, config)

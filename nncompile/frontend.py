@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-import os
 import re
-import sys
 import traceback
 from typing import Any
 
@@ -21,14 +19,11 @@ from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from . import layer_replay, symbolic, user_checkpoint
+from .function_watch import WatchFunctions, user_frame_from_text
 from .errors import ConfigError, TraceError
 from .runtime import arguments
-from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, SourceInfo, TensorMeta, TraceInfo, Value
+from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, TensorMeta, TraceInfo, Value
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in
-                  (__import__("nncompile"), __import__("nncompile.passes").passes,
-                   __import__("nncompile.runtime").runtime))
 # Ops that only assert facts about their input: dropped.
 _DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range",
             "sym_constrain_range_for_size"}
@@ -59,35 +54,6 @@ def normalize_args(module: torch.nn.Module, dummy_args: Any) -> tuple[tuple, dic
         return (dummy_args,), {}
     raise ConfigError("dummy_args must be a dict of forward's keyword arguments or a tuple of "
                       f"its positional arguments, not {type(dummy_args).__name__}")
-
-
-_STDLIB = os.path.dirname(os.__file__) + os.sep
-
-
-def _is_user_file(path: str) -> bool:
-    """Model code: not torch, not nncompile, not the standard library (packages such as
-    transformers count as model code)."""
-    path = os.path.abspath(path)
-    if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or "<" in path:
-        return False
-    return not path.startswith(_STDLIB) or "site-packages" in path
-
-
-def _display_path(path: str) -> str:
-    path = os.path.abspath(path)
-    if "site-packages" + os.sep in path:
-        return path.split("site-packages" + os.sep, 1)[1]
-    rel = os.path.relpath(path)
-    return rel if not rel.startswith("..") else path
-
-
-def _user_frame_from_text(text: str) -> SourceInfo | None:
-    """The innermost `File "...", line N` frame of a stack trace that is user code."""
-    frames = re.findall(r'File "([^"]+)", line (\d+)(?:, in [^\n]*)?\n\s*([^\n]*)', text or "")
-    for path, line, code in reversed(frames):
-        if _is_user_file(path):
-            return SourceInfo(_display_path(path), int(line), code.strip())
-    return None
 
 
 def _meta_of(val: Any, sizes: symbolic.SymbolMap | None = None) -> TensorMeta | None:
@@ -349,7 +315,7 @@ class _Lowering:
 
         multi = isinstance(val, (list, tuple))
         outputs = [make(v) for v in val] if multi else [make(val)]
-        source = _user_frame_from_text(node.meta.get("stack_trace", ""))
+        source = user_frame_from_text(node.meta.get("stack_trace", ""))
         op = Op(target, tuple(args), kwargs, outputs, source, module_path, multi_output=multi)
         if stack:       # (path, class name) from the outermost module in: recompute_modules
             op.module_stack = tuple((path, str(getattr(cls, "__name__", cls))
@@ -447,103 +413,6 @@ def functionalize(ep: ExportedProgram) -> ExportedProgram:
     return ep.run_decompositions({}) if _mutates(ep.graph_module) else ep
 
 
-def _is_registered_function(cls: type) -> bool:
-    """A torch.autograd.Function made an op with nncompile.register_op."""
-    from .custom_ops import REGISTRY
-    return any(getattr(op.impl, "__self__", None) is cls for op in REGISTRY.values())
-
-
-def _function_where(cls: type) -> str:
-    try:
-        path = inspect.getsourcefile(cls)
-        line = inspect.getsourcelines(cls)[1]
-    except (OSError, TypeError):
-        return ""
-    return f" (defined at {_display_path(path)}:{line})" if path else ""
-
-
-class _WatchFunctions:
-    """While exporting, record the torch.autograd.Function subclasses that forward applies to
-    tensors needing a gradient: torch.export (non-strict) inlines their forward as aten ops
-    and drops their custom backward, so the compiled module would train with the forward's
-    autograd instead. Torch's own Functions, nncompile's and those made with register_op
-    (they trace as one torch.ops.nncompile op) are fine, and so is one applied under
-    no_grad or to tensors needing no gradient (no backward ever runs)."""
-
-    def __init__(self) -> None:
-        self.found: dict[type, SourceInfo | None] = {}
-
-    def __enter__(self) -> "_WatchFunctions":
-        base = torch.autograd.function.Function
-        self._orig = base.__dict__["apply"]
-        orig_fn, found = self._orig.__func__, self.found
-
-        def record(cls: Any, args: Any) -> None:
-            if isinstance(cls, type) and cls not in found and torch.is_grad_enabled() \
-                    and _needs_check(cls) and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                  for t in pytree.tree_leaves(args)):
-                found[cls] = next((SourceInfo(_display_path(f.filename), f.lineno or 0,
-                                              (f.line or "").strip())
-                                   for f in reversed(traceback.extract_stack()[:-2])
-                                   if _is_user_file(f.filename)), None)
-
-        def apply(cls, *args, **kwargs):
-            record(cls, (args, kwargs))
-            return orig_fn(cls, *args, **kwargs)
-
-        base.apply = classmethod(apply)
-        # `f = MyFunction.apply` bound before export bypasses the patch above; Function.apply
-        # (torch 2.x) passes its arguments through this helper, whose caller knows `cls`
-        self._utils = getattr(getattr(torch, "_functorch", None), "utils", None)
-        self._unwrap = getattr(self._utils, "unwrap_dead_wrappers", None)
-        if self._unwrap is not None:
-            unwrap = self._unwrap
-
-            def unwrap_dead_wrappers(args):
-                caller = sys._getframe(1)
-                if caller.f_code.co_name == "apply":
-                    record(caller.f_locals.get("cls"), args)
-                return unwrap(args)
-
-            self._utils.unwrap_dead_wrappers = unwrap_dead_wrappers
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.autograd.function.Function.apply = self._orig
-        if self._unwrap is not None:
-            self._utils.unwrap_dead_wrappers = self._unwrap
-
-    def check(self) -> None:
-        if not self.found:
-            return
-        cls, site = next(iter(self.found.items()))
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        at = f" at {site.file}:{site.line}: `{site.code}`" if site else ""
-        others = [c.__qualname__ for c in list(self.found)[1:]]
-        more = f" (also: {', '.join(others)})" if others else ""
-        raise TraceError(
-            f"forward applies the torch.autograd.Function {name}{_function_where(cls)}{at}"
-            f"{more}. torch.export inlines its forward and drops its custom backward, so the "
-            "compiled module would compute different gradients. Register it as one op with "
-            f"nncompile.register_op({cls.__name__}, annotation) (e.g. "
-            f"`{cls.__name__.lower()} = nncompile.register_op({cls.__name__}, \"* d -> * d\")` "
-            "for an elementwise function; see docs/custom_ops.md) and call that in forward, "
-            "or apply it under torch.no_grad() if no gradient flows through it.")
-
-
-def _needs_check(cls: type) -> bool:
-    module = getattr(cls, "__module__", "") or ""
-    if module == "torch" or module.startswith(("torch.", "nncompile.")) or module == "nncompile":
-        return False
-    try:
-        path = inspect.getsourcefile(cls) or ""
-    except TypeError:
-        path = ""
-    if path and os.path.abspath(path).startswith(_OWN_DIRS):
-        return False
-    return not _is_registered_function(cls)
-
-
 def _meta_args(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if any(p.is_meta for p in module.parameters()):
         return _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
@@ -557,7 +426,7 @@ def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
     the lowered graph has none, as a full trace would not). None where it fails, or a
     template writes in place: the caller exports without replay."""
     args, kwargs = _meta_args(module, args, kwargs)
-    watch = _WatchFunctions()
+    watch = WatchFunctions()
     try:
         with watch, user_checkpoint.traced(), layer_replay.installed(runs):
             ep = torch.export.export(module, args, kwargs, strict=False)
@@ -579,7 +448,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
            dynamic_shapes: dict | None = None) -> ExportedProgram:
     """torch.export with errors translated into TraceError naming the user's file:line."""
     args, kwargs = _meta_args(module, args, kwargs)
-    watch = _WatchFunctions()
+    watch = WatchFunctions()
     try:
         with watch, user_checkpoint.traced():
             ep = torch.export.export(module, args, kwargs, strict=False,
@@ -593,7 +462,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
                 f"{type(module).__name__}.forward does not work for every size dynamic_dims "
                 f"allows; narrow the ranges (min/max/multiple_of) or drop the dim. "
                 f"torch.export says:\n{detail}") from e
-        where = _user_frame_from_text(text)
+        where = user_frame_from_text(text)
         data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(e).__name__
         at = f" at {where.file}:{where.line}: `{where.code}`" if where else ""
         if data_dependent and "float(self.num_batches_tracked)" in text:

@@ -20,6 +20,7 @@ import torch
 
 from nncompile.errors import ConfigError, GraphError
 from nncompile.ir import Graph, Value, fmt_literal
+from nncompile.modes import resolve
 from nncompile.pipeline_config import PipelineConfig
 
 from .zero_codegen import zero_forward_body
@@ -150,8 +151,7 @@ def _meta(v) -> tuple[list[int], str]:
 
 def _arg(op, i: int, name: str, default):
     """An argument's value in training mode (a mode argument, modes.ModeArg, read as such)."""
-    x = op.args[i] if len(op.args) > i else op.kwargs.get(name, default)
-    return x.train if isinstance(x, str) and hasattr(x, "train") else x
+    return resolve(op.args[i] if len(op.args) > i else op.kwargs.get(name, default))
 
 
 def stage_draws(sg: Graph) -> list[tuple]:

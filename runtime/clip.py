@@ -21,7 +21,6 @@ torch.nn.utils.get_total_norm over all of such a module's gradients is routed th
 """
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 
@@ -33,6 +32,7 @@ from nncompile.errors import ConfigError
 from .groups import pipe_group
 from .rows import param_rows
 from .state import first_holder
+from .torch_patches import wrap_once
 
 
 def _kept(piece: torch.Tensor, layout, skip: set[str]) -> torch.Tensor:
@@ -302,18 +302,11 @@ def install() -> None:
     global _TORCH_CLIP, _TORCH_TOTAL
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
-    current = clip_grad.clip_grad_norm_
-    if getattr(current, "_nncompile", False):
+    original = wrap_once(clip_grad, "clip_grad_norm_", torch_clip_grad_norm_, also=(utils,))
+    if original is None:
         return
-    _TORCH_CLIP = current
-    wrapper = functools.wraps(current)(torch_clip_grad_norm_)
-    wrapper._nncompile = True
-    clip_grad.clip_grad_norm_ = wrapper
-    utils.clip_grad_norm_ = wrapper
-    total = getattr(utils, "get_total_norm", None)
-    if total is not None:
-        _TORCH_TOTAL = total
-        utils.get_total_norm = functools.wraps(total)(torch_get_total_norm)
-
+    _TORCH_CLIP = original
+    if getattr(utils, "get_total_norm", None) is not None:
+        _TORCH_TOTAL = wrap_once(utils, "get_total_norm", torch_get_total_norm)
 
 install()

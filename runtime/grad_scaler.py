@@ -22,11 +22,12 @@ call) through `unscale_grads_`; optimizers that step no ParallelModule's tensors
 """
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from .torch_patches import wrap_once
 
 _TORCH_UNSCALE = None                             # torch's own GradScaler._unscale_grads_
 
@@ -117,13 +118,8 @@ def install() -> None:
     """Route torch.amp.GradScaler._unscale_grads_ through unscale_grads_ (once)."""
     global _TORCH_UNSCALE
     from torch.amp.grad_scaler import GradScaler
-    current = GradScaler._unscale_grads_
-    if getattr(current, "_nncompile", False):
-        return
-    _TORCH_UNSCALE = current
-    wrapper = functools.wraps(current)(unscale_grads_)
-    wrapper._nncompile = True
-    GradScaler._unscale_grads_ = wrapper
-
+    original = wrap_once(GradScaler, "_unscale_grads_", unscale_grads_)
+    if original is not None:
+        _TORCH_UNSCALE = original
 
 install()

@@ -81,6 +81,8 @@ class ParallelModule(torch.nn.Module):
                            if not t.is_meta), torch.device("cpu"))
         self.device = torch.device(device)
         self._out_spec = pytree.treespec_loads(self.OUT_SPEC) if self.OUT_SPEC else None
+        self._eval_out_spec = pytree.treespec_loads(self.EVAL_OUT_SPEC) \
+            if self.EVAL_OUT_SPEC else self._out_spec
         self._partial_grad = {row.name for row in param_rows(self) if row.partial_grad}
         self.memory = memory_settings(self)
         self.zero: ZeroRuntime | None = None
@@ -246,8 +248,7 @@ class ParallelModule(torch.nn.Module):
             out = self._write_back(out)
         if reducer is not None:
             reducer.watch(out)            # sync mode: reduce when a backward through out ends
-        spec = self._out_spec if not (evaluating and self.EVAL_OUT_SPEC) else \
-            pytree.treespec_loads(self.EVAL_OUT_SPEC)
+        spec = self._eval_out_spec if evaluating else self._out_spec
         if spec is None:
             return out
         return out[0] if spec.is_leaf() and len(out) == 1 else \

@@ -35,6 +35,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from nncompile.errors import CheckpointError, ConfigError
 
+from .torch_patches import wrap_once
+
 # ---- element-wise optimizers --------------------------------------------------------------
 _ELEMENTWISE: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
                            torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
@@ -337,13 +339,11 @@ def _add_param_group(self, param_group):
 
 
 def install() -> None:
-    """Once per process: the step pre-hook and the add_param_group swap."""
-    if getattr(torch.optim.Optimizer, "_nnc_installed", False):
+    """Once per process: the add_param_group swap and the step pre-hook."""
+    if wrap_once(torch.optim.Optimizer, "add_param_group", _add_param_group) is None:
         return
-    torch.optim.Optimizer._nnc_installed = True
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     register_optimizer_step_pre_hook(_pre_step)
-    torch.optim.Optimizer.add_param_group = _add_param_group
 
 
 install()

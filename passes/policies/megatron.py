@@ -35,6 +35,7 @@ import warnings
 from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Partial, Replicate, Shard, Strategy, \
     Value
 from nncompile.rules import replicated, strategies
+from nncompile.symbolic import warn_unsplit_sequence
 
 from ..pipeline_stages import layer_of
 
@@ -208,7 +209,6 @@ def _sequence_parallel(g: Graph, n: int, walk: _Walk,
                 walk.record(op, replicated(op), frozenset())
                 changed = True
     if not sp:
-        from nncompile.symbolic import warn_unsplit_sequence
         warn_unsplit_sequence(g, n, [v.meta.shape[SEQ_DIM] for op in g.ops
                                      if id(op) not in region
                                      and layer_of(op.module_path) is not None
