@@ -14,10 +14,24 @@ batches; the two step in turn, the order alternating every step, so machine nois
 alike. The timed part is forward + backward (what compile changes; AdamW runs untimed), each
 step's time the slowest rank's; medians after --warmup. The first compiled step (tracing and
 inductor's code generation, with an empty inductor cache unless --warm-cache) is reported
-separately. Both start from the same weights, so their
-losses agree to float32 reordering; a difference beyond --loss-rtol fails the run. On one rank
-the eager model itself runs too ("model"), so the table also gives the generated module's
-overhead over it (eager/model).
+separately. On one rank the eager model itself runs too ("model"), so the table also gives the
+generated module's overhead over it (eager/model).
+
+The loss check. In float32 all contenders start from the same weights, so their losses agree
+to float32 reordering: a difference from eager's beyond --loss-rtol (1e-4) fails the run. In
+bfloat16 eager and compiled legitimately part ways: inductor fuses pointwise ops and computes
+them in float32, rounding to bf16 only where a kernel stores, so every step rounds differently
+from eager, and 20-odd AdamW steps on bf16 weights amplify that. The loss itself is a bf16
+number (1/32 apart near 6: 0.4-0.8 % relative), so even the first step, before any update,
+can differ by one such step (measured on a CPU, GPT 4L d256, 23 steps: first losses 6.3125
+eager, 6.28125 compiled, 6.2853 float32; eager vs compiled 1.2e-2 apart over the run, eager
+8.6e-3 from float32, compiled 4.3e-3, while compiled float32 stays within 8e-7 of the float32
+model; on an H100 they were seen 9.6e-2 apart). Comparing them with each other is then the
+wrong test. Instead a float32 reference (the same generated module eager, weights cast to
+float32, same batches and AdamW, untimed) trains beside them, and each contender's drift, its
+largest relative loss difference from the reference over the run, is checked: the compiled
+one (and the model) must drift at most max(2 x eager's drift, --loss-rtol, default 2e-2 in
+bf16). A wrong compiled program drifts far beyond the eager one; bf16 rounding does not.
 
 --device cuda runs on the GPUs with NCCL (one per rank); --dtype bfloat16 casts the model's
 weights (and so the whole step) to bf16; --gpt2-small is GPT-2 small's shape (12 layers,
@@ -50,6 +64,8 @@ from run_record import command, write_atomic  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 CONTENDERS = ("eager", "compiled")
+REFERENCE = "float32 reference"      # low precision: what each contender's drift is measured from
+DRIFT_FACTOR = 2.0                   # a contender may drift this much more than eager does
 
 
 def contenders(world: int) -> tuple[str, ...]:
@@ -57,11 +73,29 @@ def contenders(world: int) -> tuple[str, ...]:
     return ("model",) + CONTENDERS if world == 1 else CONTENDERS
 
 
-def make_model(args) -> GPT:
+def make_model(args, dtype: str | None = None) -> GPT:
     torch.manual_seed(0)
     model = GPT(vocab_size=args.vocab, block_size=args.block, n_layer=args.n_layer,
                 n_head=args.n_head, n_embd=args.n_embd)
-    return model.to(device=args.device, dtype=getattr(torch, args.dtype))
+    return model.to(device=args.device, dtype=getattr(torch, dtype or args.dtype))
+
+
+def drift(losses: list[float], reference: list[float]) -> float:
+    """The largest relative difference of `losses` from `reference` over the run."""
+    ref = torch.tensor(reference, dtype=torch.float64)
+    return float(((torch.tensor(losses, dtype=torch.float64) - ref).abs() / ref.abs()).max())
+
+
+def loss_check(args, losses: dict[str, list[float]]) -> tuple[bool, dict[str, float]]:
+    """(passed, each contender's number): float32, the difference from eager's losses;
+    lower precision, the drift from the float32 reference (the module docstring says why)."""
+    names = [k for k in losses if k != REFERENCE]
+    if REFERENCE not in losses:
+        diff = {k: drift(losses[k], losses["eager"]) for k in names}
+        return all(d <= args.loss_rtol for d in diff.values()), diff
+    off = {k: drift(losses[k], losses[REFERENCE]) for k in names}
+    bound = max(DRIFT_FACTOR * off["eager"], args.loss_rtol)
+    return all(d <= bound for d in off.values()), off
 
 
 def fwd_bwd(pm, batch) -> tuple[float, float]:
@@ -96,9 +130,16 @@ def run_plan(args, policy: str, savedir: str) -> dict:
                                    gen_savedir=savedir, instance_name=f"{policy}_{label}",
                                    device=args.device)
         runs[label] = (pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3))
+    reference = None
+    if args.dtype != "float32":           # untimed: what each contender's drift is measured from
+        pm = nncompile.parallelize(make_model(args, "float32"), batches[0],
+                                   nncompile.ComputeConfig(plan, world), pas_policy=policy,
+                                   gen_savedir=savedir, instance_name=f"{policy}_float32",
+                                   device=args.device)
+        reference = (pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3))
     counters.clear()
     times = {k: [] for k in labels}
-    losses = {k: [] for k in labels}
+    losses = {k: [] for k in labels + ((REFERENCE,) if reference is not None else ())}
     first = {}
     load = os.getloadavg()[0]
     for i in range(args.warmup + args.steps):
@@ -113,6 +154,12 @@ def run_plan(args, policy: str, savedir: str) -> dict:
                 first[label] = t
             elif i >= args.warmup:
                 times[label].append(t)
+        if reference is not None:
+            pm, opt = reference
+            _, loss = fwd_bwd(pm, batches[i % len(batches)])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[REFERENCE].append(loss)
     return {"times": times, "losses": losses, "first": first,
             "graphs": counters["stats"]["unique_graphs"],
             "breaks": sum(counters["graph_break"].values()),
@@ -136,16 +183,19 @@ def summarize(args, results: dict) -> tuple[list[str], bool]:
              f"{'max rel diff':>14}" + (f"{'model ms':>10}{'eager/model':>13}"
                                         if world == 1 else "")]
     same = True
+    drifts = []
     for policy, every in results.items():
         step = {k: [max(r["times"][k][i] for r in every) for i in range(args.steps)]
                 for k in contenders(world)}
         med = {k: statistics.median(v) for k, v in step.items()}
         losses = every[0]["losses"]
-        ref = torch.tensor(losses["eager"], dtype=torch.float64)
-        diff = max(float(((torch.tensor(losses[k], dtype=torch.float64) - ref).abs()
-                          / ref.abs()).max()) for k in contenders(world) if k != "eager")
-        same &= diff <= args.loss_rtol
+        diff = max(drift(losses[k], losses["eager"]) for k in contenders(world) if k != "eager")
+        ok, numbers = loss_check(args, losses)
+        same &= ok
         plan = "dp 1x" if policy == "dp" else f"tp {world}x"
+        if REFERENCE in losses:
+            drifts.append(f"{plan + str(world)}: " + ", ".join(
+                f"{k} {v:.1e}" for k, v in numbers.items()) + f" ({'ok' if ok else 'TOO FAR'})")
         first = max(r["first"]["compiled"] for r in every)
         lines.append(f"{plan + str(world):<10}{med['eager'] * 1e3:10.2f}"
                      f"{med['compiled'] * 1e3:13.2f}{med['eager'] / med['compiled']:9.3f}"
@@ -154,9 +204,15 @@ def summarize(args, results: dict) -> tuple[list[str], bool]:
                      + (f"{med['model'] * 1e3:10.2f}{med['eager'] / med['model']:13.3f}"
                         if world == 1 else ""))
     loads = [r[0]["load"] for r in results.values()]
+    if drifts:
+        check = (f"{args.dtype}: each contender's drift from a float32 reference (max rel loss "
+                 f"diff) {'within' if same else 'NOT within'} max({DRIFT_FACTOR:g} x eager's, "
+                 f"{args.loss_rtol:g}): " + "; ".join(drifts))
+    else:
+        check = (f"losses of all contenders: {'equal' if same else 'MISMATCH'} within "
+                 f"{args.loss_rtol:g}")
     lines.append(f"speedup = eager / compiled median; eager/model = the generated module's "
-                 f"median over the plain model's (one rank); losses of all contenders: "
-                 f"{'equal' if same else 'MISMATCH'} within {args.loss_rtol:g} (rank 0, "
+                 f"median over the plain model's (one rank); {check} (rank 0, "
                  f"{args.warmup + args.steps} AdamW steps each); 1-minute load average "
                  f"{loads[0][0]:.1f} before, {loads[-1][1]:.1f} after")
     return lines, same
@@ -180,7 +236,9 @@ def main() -> None:
     ap.add_argument("--gpt2-small", action="store_true",
                     help="GPT-2 small's shape: 12 layers, d 768, 12 heads, vocab 50257, "
                          "batch 8 x 1024")
-    ap.add_argument("--loss-rtol", type=float, default=1e-4)
+    ap.add_argument("--loss-rtol", type=float, default=1e-4,
+                    help="float32: the largest relative loss difference from eager; bfloat16 "
+                         "(default 2e-2 there): the drift from float32 always allowed")
     ap.add_argument("--results-dir", default=RESULTS)
     ap.add_argument("--no-save", action="store_true", help="do not write a results file")
     ap.add_argument("--warm-cache", action="store_true",
@@ -191,12 +249,10 @@ def main() -> None:
         args.n_layer, args.n_embd, args.n_head, args.vocab = 12, 768, 12, 50257
         args.batch, args.block = 8, 1024
     if args.dtype != "float32" and args.loss_rtol == 1e-4:
-        args.loss_rtol = 2e-2                       # bf16 rounds differently when fused
+        args.loss_rtol = 2e-2                 # the least drift from float32 bf16 may show
     os.environ.setdefault("NNCOMPILE_QUIET", "1")
     torch.set_num_threads(args.threads)
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    nncompile.init_distributed("nccl" if args.device == "cuda" else "gloo")
     world = dist.get_world_size()
     plans = (args.plans or ("dp" if world == 1 else "tp,dp")).split(",")
     if set(plans) - {"tp", "dp"}:
@@ -225,7 +281,10 @@ def main() -> None:
             write_atomic(path, old + "\n".join(block) + "\n")
             print(f"appended to {os.path.relpath(path)}")
         if not same:
-            print("ERROR: eager and compiled losses differ beyond float32 noise", flush=True)
+            print("ERROR: eager and compiled losses differ beyond float32 noise"
+                  if args.dtype == "float32" else
+                  f"ERROR: a contender drifts from the float32 reference beyond "
+                  f"{DRIFT_FACTOR:g} x eager's drift", flush=True)
     dist.destroy_process_group()
     sys.exit(0 if same else 1)
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from . import codegen, layer_replay, symbolic
+from . import activation_memory, codegen, layer_replay, symbolic
 from .batched import batched_inputs
 from .config import ComputeConfig
 from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
@@ -167,6 +167,9 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         for fname, text in codegen.graph_dumps(result.history).items():
             write_text(staging / "graphs" / fname, text)
         plan = codegen.plan_json(planned)
+        predicted = activation_memory.predict_plan(final)   # saved-tensor bytes per rank
+        if predicted is not None:
+            plan["memory"] = {**(plan.get("memory") or {}), **predicted}
         write_text(staging / "plan.json", codegen.json_text(plan))
         if plan.get("autodist"):
             write_text(staging / "plan_report.txt", plan_report(plan))

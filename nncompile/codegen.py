@@ -20,6 +20,7 @@ from .custom_ops import REGISTRY, is_custom_op
 from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, print_graph,
                  shard_slices)
 from .codegen_notes import comm_note, reduction_header
+from .lifetimes import body_frees, closure_io, del_lines, last_uses, statement_frees
 from .ir.printer import fmt_body, op_notes, value_names
 from .symbolic import Sym
 from .runtime.rows import BufferRow, ConstRow, ParamRow
@@ -28,6 +29,8 @@ from .zero_codegen import zero_forward_body, zero_units
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} (plan unit {unit}, shard {shard} of {plan}).
 
 model: {model}   policy: {policy}   fingerprint: {fingerprint}
+`del` lines free each intermediate at its last use, as the model's own frames do (what
+autograd saved for backward stays saved).
 Readable and editable: an edited file runs (with one EditedCodeWarning per process);
 parallelize(..., reuse="override") regenerates it and keeps your version in edited/.
 """
@@ -191,7 +194,9 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         lines.append(f"    def compute_constants(self{', ' + args if args else ''}):")
         lines.append('        """Evaluated once at load time, on full buffers."""')
         lines.append("        DEVICE = self.device")
-        lines += fmt_body(g.const_ops, indent="        ", local_n=n)
+        frees = last_uses([(op.inputs(), op.outputs) for op in g.const_ops], g.consts, ())
+        lines += fmt_body(g.const_ops, indent="        ", local_n=n,
+                          after=[del_lines(f, "        ") for f in frees])
         lines.append("        return {" + ", ".join(f"{v.name!r}: {v.name}"
                                                     for v in g.consts) + "}")
     if pp is not None:
@@ -317,18 +322,10 @@ def runs_of(g: Graph) -> list[tuple[RecomputeMark | None, list]]:
 
 def closure(g: Graph, runs, i: int, indent: str, body: list[str],
             defined_inside: set[int] = frozenset(), param_attrs: bool = True) -> list[str]:
-    """Run i as a checkpointed closure around `body`: its inputs from outside become
-    arguments (parameters too when they are local variables, `param_attrs=False`), except
-    the Values `defined_inside` the body."""
+    """Run i as a checkpointed closure around `body` (closure_io: its arguments and what it
+    returns)."""
     mark, ops = runs[i]
-    inside = {id(v) for op in ops for v in op.outputs} | set(defined_inside)
-    later = [v for _, rest in runs[i + 1:] for op in rest for v in op.inputs()] + \
-        [v for v in g.outputs if isinstance(v, Value)]
-    attrs = {id(v) for v in g.buffers + g.consts + (g.params if param_attrs else [])}
-    args = list({id(v): v for op in ops for v in op.inputs()
-                 if id(v) not in inside and id(v) not in attrs}.values())
-    outs = list({id(v): v for v in later if id(v) in inside and id(v) not in defined_inside}
-                .values())
+    args, outs = closure_io(g, runs, i, defined_inside, param_attrs)
     fn = "recompute_" + mark.module_path.replace(".", "_")
     names = ", ".join(fmt_literal(v) for v in args)
     return [f"{indent}# recompute_modules: {mark.module_path} keeps no activations; "
@@ -342,14 +339,23 @@ def closure(g: Graph, runs, i: int, indent: str, body: list[str],
 def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
     """The forward's ops; runs marked by the recompute pass become checkpointed closures."""
     runs = runs_of(g)
+    frees = statement_frees(g, runs)
     lines: list[str] = []
+    k = 0                               # the top-level statement's index in frees
     with op_notes(comm_note):           # each collective's backward as a comment above it
         for i, (mark, ops) in enumerate(runs):
             if mark is None:
-                lines += fmt_body(ops, indent=indent, local_n=local_n)
+                lines += fmt_body(ops, indent=indent, local_n=local_n,
+                                  after=[del_lines(f, indent) for f in frees[k:k + len(ops)]])
+                k += len(ops)
             else:
+                args, outs = closure_io(g, runs, i)
+                inner = indent + "    "
+                after = [del_lines(f, inner) for f in body_frees(g, ops, args, outs)]
                 lines += closure(g, runs, i, indent,
-                                 fmt_body(ops, indent=indent + "    ", local_n=local_n))
+                                 fmt_body(ops, indent=inner, local_n=local_n, after=after))
+                lines += del_lines(frees[k], indent)
+                k += 1
     return lines
 
 
@@ -395,6 +401,7 @@ def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[
 
 def plan_json(g: Graph) -> dict[str, Any]:
     from .passes.pipeline_stages import pipeline_json
+    from .passes.fuse_attention import attention_rows
     comm = collections.Counter(op.target_name for op in g.ops
                                if op.target_name.startswith("comm."))
     pipeline = pipeline_json(g)         # first: it gives the collectives their stage
@@ -419,6 +426,7 @@ def plan_json(g: Graph) -> dict[str, Any]:
         "ops": ops,
         "autodist": g.plan_state.autodist,
         "pipeline": pipeline,
+        "attention": attention_rows(g),      # passes/fuse_attention.py: what each SDPA runs
     }
 
 

@@ -1,5 +1,6 @@
-"""The comments generated code carries about communication that is not in its lines: what
-each collective's backward runs, and the gradient reduction the runtime does after backward.
+"""The comments generated code carries about what is not in its lines: what each
+collective's backward runs, the gradient reduction the runtime does after backward, and what
+attention each SDPA call runs (passes/fuse_attention.py).
 
     # all_reduce P -> R: sum the partial results (backward: identity)
     h0_mlp_proj_linear_all_reduce = comm.all_reduce(h0_mlp_proj_linear, group=PLAN_GROUP)
@@ -43,10 +44,12 @@ BACKWARD = {
 
 def comm_note(op: Op) -> list[str]:
     """One comment line above a comm op: its kind, placements, what it does and its backward
-    dual; [] for any other op."""
+    dual; above an attention op, what attention it runs (passes/fuse_attention.py); [] for
+    any other op."""
     target = op.target_name
     if not target.startswith("comm."):
-        return []
+        form = op.attrs.get("attention")
+        return [f"attention: {form}"] if form else []
     kind = target[len("comm."):]
     ins, outs = op.tensor_inputs(), [v for v in op.outputs if v.is_tensor]
     move = f" {ins[0].placement!r} -> {outs[0].placement!r}" if ins and outs else ""

@@ -54,27 +54,32 @@ class Divergence:
 
 
 class Capture:
-    """Records the locals of every generated-code frame of `path` that returns while active."""
+    """Records the tensor locals of every generated-code frame of `path` run while active,
+    line by line (the generated code deletes each value after its last use, so a frame's
+    locals at its return are not all of them)."""
 
     def __init__(self, path: str):
         self.path = path
         self.values: dict[str, Any] = {}
         self.grads: dict[str, torch.Tensor] = {}
 
-    def _profile(self, frame, event, arg):
-        if event == "return" and frame.f_code.co_filename == self.path:
+    def _trace(self, frame, event, arg):
+        return self._local if frame.f_code.co_filename == self.path else None
+
+    def _local(self, frame, event, arg):
+        if event in ("line", "return"):
             for k, x in frame.f_locals.items():
                 if isinstance(x, torch.Tensor) and k not in self.values:
                     self.values[k] = x
-        return None
+        return self._local
 
     def __enter__(self):
-        self._old = sys.getprofile()
-        sys.setprofile(self._profile)
+        self._old = sys.gettrace()
+        sys.settrace(self._trace)
         return self
 
     def __exit__(self, *exc):
-        sys.setprofile(self._old)
+        sys.settrace(self._old)
 
     def watch_grads(self) -> None:
         """Hook every captured value that takes part in autograd (call before backward)."""

@@ -215,7 +215,9 @@ def show(path: str | Path) -> str:
     """Per rank: parameters, collectives and gradient reduction per step; the plan summary."""
     p = Instance(path)
     with _garbled(p.dir):
+        attention = _attention(p)
         return "\n".join(_summary(p) + [""] + (_stages(p) + [""] if p.pipeline else [])
+                         + (attention + [""] if attention else [])
                          + _ranks(p) + [""] + _collectives(p) + [""] + _reduction(p))
 
 
@@ -256,6 +258,21 @@ def _summary(p: Instance) -> list[str]:
                      + (f", predicted {step:.3f} ms/step" if step is not None else ""))
     lines.append(f"  nncompile {m.get('nncompile_version', '?')}   fingerprint "
                  f"{str(m['fingerprint'])[:16]}")
+    return lines
+
+
+def _attention(p: Instance) -> list[str]:
+    """What attention each scaled_dot_product_attention call runs (plan.json "attention",
+    passes/fuse_attention.py), layers with the same form on one line."""
+    rows = p.plan.get("attention") or []
+    forms: dict[str, list[str]] = {}
+    for r in rows:
+        forms.setdefault(r["form"], []).append(r["module"] or "top level")
+    lines = ["Attention (scaled_dot_product_attention calls)"] if rows else []
+    for form, modules in forms.items():
+        where = ", ".join(modules) if len(modules) <= 3 else \
+            f"{modules[0]}, ..., {modules[-1]}"
+        lines.append(f"  {len(modules)} x {form}: {where}")
     return lines
 
 

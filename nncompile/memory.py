@@ -243,9 +243,12 @@ def _plan_json(where: Path) -> Path:
 
 
 def load_predicted(predicted: Any) -> dict[str, Any] | None:
-    """{"source", "per_rank_bytes"} from autodist's memory estimate: `predicted` is that dict
-    ({"per_rank_bytes": ...}), the "autodist" dict or plan.json's content holding it, or a path
-    to plan.json, an instance directory or a gen_savedir. None when the plan has no estimate."""
+    """{"source", "per_rank_bytes"} from the plan's memory estimates: `predicted` is such a
+    dict ({"per_rank_bytes": ...}), the "autodist" dict or plan.json's content holding them,
+    or a path to plan.json, an instance directory or a gen_savedir. plan.json holds two:
+    autodist's (key "autodist" -> "memory": every category, when autodist planned) and the
+    activations counted from the compiled graph (key "memory", nncompile/activation_memory.py),
+    which replace autodist's activations (its total follows). None when the plan has neither."""
     source = "autodist"
     if isinstance(predicted, (str, os.PathLike)):
         path = _plan_json(Path(predicted))
@@ -256,16 +259,39 @@ def load_predicted(predicted: Any) -> dict[str, Any] | None:
         source = f"autodist ({path})"
     if not isinstance(predicted, dict):
         raise ConfigError(f"predicted= must be a dict or a path, not {type(predicted).__name__}")
+    graph = None
+    if "per_rank_bytes" not in predicted and "policy" in predicted:    # plan.json's content
+        graph = predicted.get("memory")
+        graph = _per_rank(graph) if isinstance(graph, dict) and "per_rank_bytes" in graph \
+            else None
+        predicted = predicted.get("autodist")
+        if not isinstance(predicted, dict):
+            return None if graph is None else {"source": graph.get("source", "plan.json"),
+                                               "per_rank_bytes": graph["per_rank_bytes"]}
     while "per_rank_bytes" not in predicted:           # plan.json -> "autodist" -> "memory"
-        inner = [predicted[k] for k in ("autodist", "memory") if isinstance(predicted.get(k), dict)]
+        inner = [predicted[k] for k in ("autodist", "memory")
+                 if isinstance(predicted.get(k), dict)]
         if not inner:
-            return None
+            return None if graph is None else {"source": graph.get("source", "plan.json"),
+                                               "per_rank_bytes": graph["per_rank_bytes"]}
         predicted = inner[0]
-    per_rank = predicted["per_rank_bytes"]
+    out = {"source": predicted.get("source", source),
+           "per_rank_bytes": _per_rank(predicted)["per_rank_bytes"]}
+    if graph is not None and "activations" in graph["per_rank_bytes"]:
+        table = out["per_rank_bytes"]
+        new = graph["per_rank_bytes"]["activations"]
+        if "total" in table:
+            table["total"] += new - table.get("activations", 0)
+        table["activations"] = new
+        out["source"] += "; activations: " + graph.get("source", "the compiled graph")
+    return out
+
+
+def _per_rank(d: dict) -> dict[str, Any]:
+    per_rank = d["per_rank_bytes"]
     if not isinstance(per_rank, dict):
         raise ConfigError("predicted['per_rank_bytes'] must map categories to bytes")
-    return {"source": predicted.get("source", source),
-            "per_rank_bytes": {k: int(v) for k, v in per_rank.items() if v is not None}}
+    return {**d, "per_rank_bytes": {k: int(v) for k, v in per_rank.items() if v is not None}}
 
 
 def _default_prediction(pm, optimizer, predicted) -> dict[str, Any] | None:
@@ -275,16 +301,21 @@ def _default_prediction(pm, optimizer, predicted) -> dict[str, Any] | None:
         return load_predicted(predicted)
     gencode = getattr(pm, "gencode_path", None)
     plan = Path(gencode).parent / "plan.json" if gencode else None
+    found = None
     if plan is not None and plan.is_file():
         try:
             found = load_predicted(plan)
         except ConfigError:
             found = None
-        if found is not None:
-            return found
-    return {"source": "tensor shapes (nncompile.memory.predicted_persistent; no autodist "
-                      "estimate in plan.json)",
-            "per_rank_bytes": predicted_persistent(pm, optimizer)}
+    if found is not None and "parameters" in found["per_rank_bytes"]:
+        return found
+    persistent = predicted_persistent(pm, optimizer)
+    if found is None:
+        return {"source": "tensor shapes (nncompile.memory.predicted_persistent; no memory "
+                          "estimate in plan.json)", "per_rank_bytes": persistent}
+    return {"source": "tensor shapes (nncompile.memory.predicted_persistent); activations: "
+                      + found["source"],
+            "per_rank_bytes": {**persistent, **found["per_rank_bytes"]}}
 
 
 # ---- measuring --------------------------------------------------------------------------------
@@ -294,9 +325,11 @@ def profile(pm: torch.nn.Module, step_fn: Callable[[], Any], steps: int = 3,
             ) -> MemoryProfile:
     """Run `step_fn()` `steps` times under torch.profiler and measure this rank's memory.
 
-    predicted: autodist's estimate (see load_predicted); None reads pm's plan.json and falls
-    back to predicted_persistent(pm, optimizer); False for none. gather: under torch.distributed
-    every rank calls profile and rank 0's result holds all ranks (the others hold their own).
+    predicted: the plan's estimate (see load_predicted); None reads pm's plan.json (autodist's
+    estimate, the compiled graph's activations) and predicts what it lacks of parameters,
+    gradients and optimizer state with predicted_persistent(pm, optimizer); False for none.
+    gather: under torch.distributed every rank calls profile and rank 0's result holds all
+    ranks (the others hold their own).
     cuda_snapshot: on CUDA, also record the allocator's history and write its snapshot there
     (open it at https://pytorch.org/memory_viz)."""
     from torch.profiler import ProfilerActivity, record_function

@@ -79,6 +79,14 @@ def _sdpa_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def _sdpa_gqa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _sdpa_gqa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 def _ce(logits, target, reduction):
     return F.cross_entropy(logits, target, reduction=reduction, ignore_index=1)
 
@@ -98,7 +106,13 @@ def model_ops(name: str, g: torch.Generator) -> list[Sample]:
         "scaled_dot_product_attention": [(_sdpa, (r(4, 4, 8, 8), r(4, 4, 8, 8), r(4, 4, 8, 8),
                                                   r(4, 1, 8, 8))),
                                          (_sdpa_causal, (r(4, 4, 8, 8), r(4, 4, 8, 8),
-                                                         r(4, 4, 8, 8)))],
+                                                         r(4, 4, 8, 8))),
+                                         # grouped k/v (passes/fuse_attention.py): 8 q heads,
+                                         # 4 k/v heads, split by 2 and 4
+                                         (_sdpa_gqa, (r(4, 8, 8, 8), r(4, 4, 8, 8),
+                                                      r(4, 4, 8, 8))),
+                                         (_sdpa_gqa_causal, (r(4, 8, 8, 8), r(4, 4, 8, 8),
+                                                             r(4, 4, 8, 8)))],
         "sum": [(lambda x: x.sum(1), (r(4, 8, 4),)), (lambda x: x.sum(), (r(4, 8),)),
                 (lambda x: x.sum(-1, keepdim=True), (r(4, 8),))],
         "mean": [(lambda x: x.mean(0), (r(4, 8, 4),)), (lambda x: x.mean(), (r(4, 8),))],

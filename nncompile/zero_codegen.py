@@ -15,6 +15,9 @@ After (use_zero=3: one flat shard per unit, gathered right before its first use)
     ...
     del h_0_ln_w, h_0_ln_b, h_0_fc_w                   # after the unit's last use
 
+Activations are deleted at their last use as in any forward (lifetimes.py), on their own
+`del` line before the unit's.
+
 A unit is a block of a ModuleList (the path up to its first numeric component, like
 `transformer.h.3`), else the module owning the parameter; its parameters are split further by
 dtype, trainability and placement so that one flat tensor has one reduction. A unit used only
@@ -65,7 +68,10 @@ def zero_forward_body(g: Graph, units, indent: str, local_n: int) -> list[str]:
     """The forward with each unit gathered before its first use, the next unit prefetched,
     and the unit's names deleted after its last use (see the module docstring)."""
     from .codegen import closure, runs_of
+    from .lifetimes import body_frees, closure_io, del_lines, statement_frees
     runs = runs_of(g)
+    frees = statement_frees(g, runs, param_attrs=False)    # activations (lifetimes.py)
+    k = 0                                                   # top-level statement index
     run_of: dict[int, int] = {}
     index = 0
     for r, (_, ops) in enumerate(runs):
@@ -125,9 +131,13 @@ def zero_forward_body(g: Graph, units, indent: str, local_n: int) -> list[str]:
                     lines += gather(u, indent) + prefetch(nxt.get(u))
                 lines += fmt_body([op], indent=indent, local_n=local_n,
                                   source=op.source != (g.ops[i - 1].source if i else None))
+                lines += del_lines(frees[k], indent)
+                k += 1
                 for u in ends.get(i, []):
                     lines += free(u)
             continue
+        args, outs = closure_io(g, runs, r, param_attrs=False)
+        inner = body_frees(g, ops, args, outs)
         body, defined = [], set()
         for i, op in zip(range(lo, hi), ops):
             for u in starts.get(i, []):
@@ -139,7 +149,10 @@ def zero_forward_body(g: Graph, units, indent: str, local_n: int) -> list[str]:
                     lines += gather(u, indent) + prefetch(nxt.get(u))
             body += fmt_body([op], indent=indent + "    ", local_n=local_n,
                              source=op.source != (g.ops[i - 1].source if i else None))
+            body += del_lines(inner[i - lo], indent + "    ")
         lines += closure(g, runs, r, indent, body, defined_inside=defined, param_attrs=False)
+        lines += del_lines(frees[k], indent)
+        k += 1
         for i in range(lo, hi):
             for u in ends.get(i, []):
                 if u not in inside:

@@ -1,7 +1,11 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
-    trace -> constant_fold -> dce -> [pipeline_stages] -> plan(policy) -> sink_gathers
-          -> insert_comm -> [recompute] -> localize -> overlap_grad_sync -> codegen
+    trace -> constant_fold -> dce -> fuse_attention -> [pipeline_stages] -> plan(policy)
+          -> sink_gathers -> insert_comm -> [recompute] -> localize -> overlap_grad_sync
+          -> codegen
+
+fuse_attention turns a constant causal mask into SDPA's `is_causal=True` and repeat_kv copies
+into `enable_gqa=True` (passes/fuse_attention.py).
 
 Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
@@ -24,6 +28,7 @@ from nncompile.ir import Graph, verify
 from .constant_fold import constant_fold
 from .contract import contract, produces_of, requires_of
 from .dce import dce
+from .fuse_attention import FuseAttention, fuse_attention
 from .insert_comm import insert_comm
 from .localize import localize
 from .overlap_grad_sync import overlap_grad_sync
@@ -61,6 +66,7 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
     return [p for p in [
         constant_fold if config.constant_folding else None,
         dce,
+        FuseAttention(config.plan_ngpus),
         PartitionStages(config, autodist=policy is POLICIES["autodist"])
         if config.pipeline.enabled else None,
         Plan(policy, config),
@@ -134,5 +140,6 @@ def _stages(stages) -> str:
     return ", ".join(f"{s.name} ({s.value})" for s in stages)
 
 
-__all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce", "Plan", "sink_gathers", "insert_comm",
+__all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce",
+           "fuse_attention", "FuseAttention", "Plan", "sink_gathers", "insert_comm",
            "localize", "overlap_grad_sync", "plan_graph", "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]

@@ -11,17 +11,41 @@ import os
 import torch
 import torch.distributed as dist
 
+from nncompile.errors import ConfigError
+
 DEFAULT_TIMEOUT_S = 1800.0
+
+
+def _check_gpu(local_rank: int) -> None:
+    """NCCL runs one process per GPU: local rank i takes cuda:i, which must exist."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 <= local_rank < count:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    sees = f"{count} GPU{'' if count == 1 else 's'}" + (
+        f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+    fewer = (f"start at most {count} process{'' if count == 1 else 'es'} per node "
+             f"(torchrun --nproc_per_node={count}), make more GPUs visible with "
+             f"CUDA_VISIBLE_DEVICES, or " if count else "")
+    raise ConfigError(
+        f"init_distributed: local rank {local_rank} (LOCAL_RANK={local_rank}) asks for GPU "
+        f"cuda:{local_rank} for the NCCL backend, but this process sees {sees}; NCCL runs "
+        f"one process per GPU, so {fewer}run on CPUs with "
+        f"init_distributed(backend=\"gloo\")")
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
     """Initialize torch.distributed from torchrun's environment (NCCL on GPUs, gloo on CPUs);
-    timeout_s defaults to $NNCOMPILE_TIMEOUT_S or 30 minutes. Returns (rank, world size)."""
+    timeout_s defaults to $NNCOMPILE_TIMEOUT_S or 30 minutes. Returns (rank, world size).
+    With NCCL, local rank i runs on cuda:i; a local rank without its GPU (more processes per
+    node than visible GPUs) raises ConfigError saying what to do."""
     if not dist.is_initialized():
         if timeout_s is None:
             timeout_s = float(os.environ.get("NNCOMPILE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            _check_gpu(local)
+            torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()

@@ -9,24 +9,36 @@ units (one all-reduce over the world for partial gradients when both apply):
 
 Gradients are packed in reverse parameter order into buckets of about `bucket_cap_mb`, one
 flat all-reduce per bucket (in async mode the first closes at 1 MiB, as DDP's does). Each
-gradient is multiplied by `scale` as it is copied into its bucket (one pass, as DDP divides
-by the world size before its all-reduce; a scale of 1 is a plain copy), so nothing is left to
-do to a bucket once its all-reduce ends.
+bucket is multiplied by `scale` just before its all-reduce (in place; a gradient held outside
+the bucket is scaled as it is copied in), as DDP divides by the world size before it, so
+nothing is left to do to a bucket once its all-reduce ends.
 
-When to reduce. With `async_=True` every parameter has a post-accumulate-grad hook, and a
-bucket is launched as soon as its last gradient is accumulated, overlapping communication
-with the rest of backward. Otherwise (sync) there are no per-parameter hooks: `watch(outputs)`,
-called on every forward's outputs, puts one pre-hook on their autograd nodes, and the first
-backward through them that reaches a parameter's gradient queues one callback that reduces
-all buckets once backward ends (a backward that does not pass through the module's outputs,
-or `torch.autograd.grad` for inputs only, reduces nothing). Either way buckets launch in index
-order on every rank so the collectives match, and a callback queued on the autograd engine
-waits for them before `loss.backward()` returns.
+Gradients land in their buckets once (DDP's gradient_as_bucket_view). Each parameter has a
+post-accumulate-grad hook: a fresh `.grad` (the first backward, or any after
+`zero_grad(set_to_none=True)`) is copied into the parameter's view of its bucket's flat buffer
+and `.grad` becomes that view, so the fresh tensor is freed as soon as it was accumulated and
+a gradient never exists twice; a later backward (accumulation, with or without no_sync)
+accumulates into the view in place and nothing is copied:
 
-Each bucket keeps one flat buffer; after reduction `.grad` is a view into it (as DDP's
-gradient_as_bucket_view), so the reduced values are not copied back, and a gradient
-accumulated in place into its view is not copied in either (only scaled). The buffer is
-reused by the next backward: clone a `.grad` you want to keep across steps.
+    before:  backward: p.grad = g (fresh, every parameter)  end: bucket <- copy of every g
+    now:     backward: p.grad = g -> bucket view <- g, p.grad = view (g freed)   end: nothing
+
+Where gradients are reduced in another dtype (`reduce_dtype`) `.grad` cannot be a view: it
+stays a tensor of the parameter's dtype, copied into the bucket when the bucket launches.
+
+When to reduce. With `async_=True` the same hook launches a bucket as soon as its last
+gradient is accumulated, overlapping communication with the rest of backward. Otherwise
+(sync) the hooks only land gradients: `watch(outputs)`, called on every forward's outputs,
+puts one pre-hook on their autograd nodes, and the first backward through them that reaches
+a parameter's gradient queues one callback that reduces all buckets once backward ends (a
+backward that does not pass through the module's outputs, or `torch.autograd.grad` for inputs
+only, reduces nothing). Either way buckets launch in index order on every rank so the
+collectives match, and a callback queued on the autograd engine waits for them before
+`loss.backward()` returns.
+
+Each bucket keeps one flat buffer; after reduction `.grad` is still a view into it, so the
+reduced values are not copied back. The buffer is reused by the next backward: clone a
+`.grad` you want to keep across steps.
 
 A gradient no rank of the group computed (a parameter unused in this step) stays None, as in
 DDP: each bucket carries one flag per parameter after its gradients, summed with them, and a
@@ -41,8 +53,9 @@ the parameter applies it.
 
 `reduce_now()` reduces every bucket from the current `.grad` at once (a pipeline schedule
 runs its backwards under no_sync, then calls it); `reset()` forgets a backward that raised;
-`sink` (ZeRO-2) takes each reduced bucket instead of `.grad`; `overlapped` counts the buckets
-the last backward launched before it ended (0 in sync mode). With a single bucket there is
+`sink` (ZeRO-2) takes each reduced bucket instead of `.grad` (the buffer is then freed, and
+allocated again when the next gradient lands); `overlapped` counts the buckets the last
+backward launched before it ended (0 in sync mode). With a single bucket there is
 nothing to overlap, and async mode runs the sync trigger.
 """
 from __future__ import annotations
@@ -108,6 +121,7 @@ class Reducer:
         first_cap = min(cap, FIRST_BUCKET_MB * 2 ** 20) if async_ else cap
         open_: dict[tuple, Bucket] = {}
         limit: dict[tuple, float] = {}     # the open bucket's size limit, per key
+        index: dict[int, int] = {}         # id(param) -> its place in its bucket
         self._acc_nodes = []       # sync: the parameters' AccumulateGrad nodes (kept alive)
         for param, group, size, scale in reversed(params):
             dtype = reduce_dtype or param.dtype
@@ -117,18 +131,27 @@ class Reducer:
                 limit[key] = first_cap if b is None else cap
                 b = open_[key] = Bucket([], group, scale, dtype)
                 self.buckets.append(b)
+            index[id(param)] = len(b.params)
             b.params.append(param)
             b.numel += param.numel()
             self._where[id(param)] = b
         # one bucket overlaps nothing (it is ready when backward ends): the sync trigger then
-        # does the same without a Python hook per parameter
+        # does the same, and the per-parameter hook only lands the gradient in its bucket
         self.async_ = async_ = async_ and len(self.buckets) > 1
         for param, group, size, scale in reversed(params):
+            b = self._where[id(param)]
+            # a gradient of the bucket's dtype lives in its bucket (gradient_as_bucket_view);
+            # one reduced in another dtype is copied (and converted) when its bucket launches
+            land = self._lander(b, index[id(param)]) if b.dtype == param.dtype else None
             if async_:
-                param.register_post_accumulate_grad_hook(self._on_grad)
-            elif _will_execute is not None:
-                with torch.enable_grad():
-                    self._acc_nodes.append(param.view_as(param).grad_fn.next_functions[0][0])
+                param.register_post_accumulate_grad_hook(
+                    self._on_grad if land is None else self._landing_trigger(land))
+            else:
+                if land is not None:
+                    param.register_post_accumulate_grad_hook(land)
+                if _will_execute is not None:
+                    with torch.enable_grad():
+                        self._acc_nodes.append(param.view_as(param).grad_fn.next_functions[0][0])
             prescale = 1.0 / (size * scale)
             if abs(prescale - 1.0) > 1e-12:
                 self._prescaled.add(id(param))
@@ -155,6 +178,33 @@ class Reducer:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         return None
+
+    # ---- gradients land in their buckets ---------------------------------------------------
+    @staticmethod
+    def _lander(b: Bucket, i: int):
+        """The post-accumulate-grad hook of parameter `i` of bucket `b`: a fresh `.grad` is
+        copied into its view of the bucket (allocated if the bucket was freed) and `.grad`
+        becomes that view, so the fresh tensor dies at once and later backwards accumulate
+        into the view in place; a `.grad` that already is the view is left alone."""
+        def land(p: torch.nn.Parameter) -> None:
+            g = p.grad
+            if b.buffer is None:
+                b.allocate()
+            view = b.views[i]
+            if g is view or g.dtype != view.dtype:   # in place already / module cast since
+                return
+            view.copy_(g.detach() if g.requires_grad else g)    # (create_graph=True)
+            p.grad = view
+        return land
+
+    def _landing_trigger(self, land):
+        """Async mode's hook: land the gradient, then launch the buckets that are ready."""
+        on_grad = self._on_grad
+
+        def hook(p: torch.nn.Parameter) -> None:
+            land(p)
+            on_grad(p)
+        return hook
 
     def _prescale_hook(self, param: torch.nn.Parameter, c: float):
         pid = id(param)

@@ -39,8 +39,8 @@ def test_generated_files(tmp_path):
     names = {p.name for p in out.iterdir()}
     assert {"gencode0.py", "gencode3.py", "manifest.json", "plan.json", "graphs"} <= names
     assert [p.name for p in sorted((out / "graphs").iterdir())] == [
-        "00_trace.py", "01_constant_fold.py", "02_dce.py", "03_plan.py", "04_sink_gathers.py",
-        "05_insert_comm.py", "06_localize.py", "07_overlap_grad_sync.py"]
+        "00_trace.py", "01_constant_fold.py", "02_dce.py", "03_fuse_attention.py", "04_plan.py",
+        "05_sink_gathers.py", "06_insert_comm.py", "07_localize.py", "08_overlap_grad_sync.py"]
     code = (out / "gencode1.py").read_text()
     ast.parse(code)
     assert "# examples/gpt.py:" in code and "x = x + self.attn(self.ln_1(x))" in code

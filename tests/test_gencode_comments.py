@@ -73,7 +73,9 @@ def test_inserted_collective_sits_under_the_op_it_serves(tmp_path):
     assert "mlp_proj" in src, src
     # an all_reduce of a linear's partial output stays under the linear's line
     j = next(i for i, ln in enumerate(lines) if "h0_mlp_proj_linear_all_reduce = comm" in ln)
-    assert "h0_mlp_proj_linear = aten.linear" in lines[j - 2]
+    prev = [ln for ln in lines[:j] if not ln.strip().startswith(("#", "del "))][-1]
+    assert "h0_mlp_proj_linear = aten.linear" in prev and \
+        "# all_reduce" in lines[j - 1] and not re.match(r"\s+# \S+\.py:\d+", lines[j - 2])
 
 
 def _header(text: str) -> list[str]:

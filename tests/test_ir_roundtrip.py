@@ -36,8 +36,9 @@ def roundtrip(g):
 @pytest.mark.parametrize("name", ["mlp", "gpt", "hf_llama", "custom"])
 def test_every_stage_parses_back_equal(name):
     stages = history(name)
-    assert [s for s, _, _ in stages] == ["trace", "constant_fold", "dce", "plan", "sink_gathers",
-                                         "insert_comm", "localize", "overlap_grad_sync"]
+    assert [s for s, _, _ in stages] == ["trace", "constant_fold", "dce", "fuse_attention",
+                                         "plan", "sink_gathers", "insert_comm", "localize",
+                                         "overlap_grad_sync"]
     for stage, graph, _ in stages:
         roundtrip(graph)
 

@@ -161,7 +161,10 @@ def test_table_puts_autodist_prediction_next_to_measured(run, tmp_path):
     lines = {ln.split()[0]: ln for ln in table.splitlines()[3:] if ln.strip()}
     assert set(memory.CATEGORIES) <= set(lines) and "total" in lines
     assert lines["parameters"].split()[-1] == "1.00"       # max / predicted
-    assert lines["activations"].split()[1] == "-"          # nothing predicted
+    ours = json.loads((run.tmp / "gen" / "GPT" / "plan.json").read_text())["memory"]
+    act = ours["per_rank_bytes"]["activations"]             # counted from the compiled graph
+    assert run.prof.predicted["per_rank_bytes"]["activations"] == act
+    assert lines["activations"].split()[1] != "-"
     per_rank = {"parameters": m.tensors["parameters"], "gradients": m.tensors["gradients"],
                 "optimizer_state": m.tensors["optimizer_state"], "activations": 2 * MiB,
                 "communication_buffers": 0, "total": 4 * MiB}
@@ -170,13 +173,16 @@ def test_table_puts_autodist_prediction_next_to_measured(run, tmp_path):
     plan = json.loads((run.tmp / "gen" / "GPT" / "plan.json").read_text())
     plan["autodist"] = {"memory": {"choice": {"zero": 0}, "per_rank_bytes": per_rank}}
     (inst / "plan.json").write_text(json.dumps(plan))
+    replaced = {**per_rank, "activations": act, "total": 4 * MiB - 2 * MiB + act}
     for where in (tmp_path / "gen", inst, inst / "plan.json", plan, plan["autodist"]):
-        got = memory.load_predicted(where)
-        assert got["per_rank_bytes"] == per_rank, where
+        got = memory.load_predicted(where)          # the compiled graph's activations
+        assert got["per_rank_bytes"] == (per_rank if where is plan["autodist"] else replaced), \
+            where
     table = dataclasses.replace(run.prof, predicted=memory.load_predicted(inst)).table()
     assert f"predicted: autodist ({inst / 'plan.json'})" in table
     total = next(ln for ln in table.splitlines() if ln.startswith("total / peak"))
-    assert "4.00 MiB" in total and f"{m.peak_bytes / (4 * MiB):.2f}" in total
+    want = replaced["total"]
+    assert memory._fmt(want) in total and f"{m.peak_bytes / want:.2f}" in total
     assert memory.load_predicted({"policy": "tp", "autodist": None}) is None
     assert "predicted: none" in dataclasses.replace(run.prof, predicted=None).table()
     (tmp_path / "gen" / "Other").mkdir()

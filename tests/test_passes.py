@@ -11,7 +11,8 @@ from nncompile.errors import ConfigError
 from nncompile.frontend import trace
 from nncompile.ir import (Stage, assert_graph_equal, parse_graph, print_graph, run_graph,
                           verify)
-from nncompile.passes import (Plan, build_pipeline, constant_fold, dce, get_policy, insert_comm,
+from nncompile.passes import (Plan, build_pipeline, constant_fold, dce, fuse_attention,
+                              get_policy, insert_comm,
                               overlap_grad_sync,
                               localize, run_pipeline)
 
@@ -41,8 +42,8 @@ def test_pipeline_is_the_documented_list():
     cfg = ComputeConfig(plan_ngpus=2)
     names = [getattr(p, "name", getattr(p, "__name__", "")) for p in
              build_pipeline(cfg, get_policy("tp"))]
-    assert names == ["constant_fold", "dce", "plan", "sink_gathers", "insert_comm", "localize",
-                     "overlap_grad_sync"]
+    assert names == ["constant_fold", "dce", "fuse_attention", "plan", "sink_gathers",
+                     "insert_comm", "localize", "overlap_grad_sync"]
     cfg = ComputeConfig(plan_ngpus=2, constant_folding=False)
     assert "constant_fold" not in [getattr(p, "__name__", "") for p in
                                    build_pipeline(cfg, get_policy("tp"))]
@@ -97,7 +98,8 @@ def test_passes_are_idempotent(name):
     g = dict((n, gr) for n, gr, _ in result.history)
     cfg = ComputeConfig(plan_ngpus=2)
     plan = Plan(get_policy("tp"), cfg)
-    cases = [(constant_fold, g["constant_fold"]), (dce, g["dce"]), (plan, g["plan"]),
+    cases = [(constant_fold, g["constant_fold"]), (dce, g["dce"]),
+             (fuse_attention, g["fuse_attention"]), (plan, g["plan"]),
              (insert_comm, g["insert_comm"]), (localize, g["localize"])]
     for p, graph in cases:
         again = verify(p(graph))

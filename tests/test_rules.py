@@ -47,3 +47,23 @@ def test_splitting_the_softmax_dim_is_caught(monkeypatch):
     report = check_rules(["softmax"], cases=_cases("softmax"))
     assert not report.ok
     assert any("softmax [split dim" in f for f in report.failures), report
+
+
+def test_grouped_attention_heads_left_whole_on_kv_is_caught(monkeypatch):
+    """enable_gqa: splitting q's heads while k and v stay whole pairs each rank's q heads with
+    the wrong k/v groups; the samples with grouped k/v (rule_samples.py) catch it."""
+    from nncompile.ir import Replicate, Shard
+    from nncompile.rules.registry import make
+
+    def q_heads_only(op, n):
+        q, k, v = op.args[:3]
+        return [make(op, {q: Shard(1), k: Replicate(), v: Replicate()}, [Shard(1)],
+                     "split q heads")] if q.meta.shape[1] % n == 0 else []
+    cases = [c for c in _cases("scaled_dot_product_attention")
+             if c.op.kwargs.get("enable_gqa")]
+    assert len(cases) >= 2
+    assert check_rules(["scaled_dot_product_attention"], cases=cases).ok
+    monkeypatch.setitem(RULES, "scaled_dot_product_attention", q_heads_only)
+    report = check_rules(["scaled_dot_product_attention"], cases=cases)
+    assert not report.ok
+    assert any("split q heads" in f for f in report.failures), report

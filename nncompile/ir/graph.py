@@ -101,7 +101,8 @@ class Op:
         self.module_stack: tuple[tuple[str, str], ...] = ()   # (module path, class), outermost first
         self.recompute: RecomputeMark | None = None
         self.stage: int | None = None      # pipeline stage (passes/pipeline_stages.py)
-        self.attrs: dict[str, Any] = {}    # free for user passes; unread by nncompile
+        self.attrs: dict[str, Any] = {}    # free for user passes; nncompile reads only
+        # 'attention' (passes/fuse_attention.py: what an SDPA op runs, for the plan report)
         for v in outputs:
             v.producer = self
 

@@ -241,9 +241,9 @@ def fmt_op(op: Op, indent: str = "    ", local_n: int | None = None,
 
 
 def fmt_body(ops: list[Op], indent: str = "    ", local_n: int | None = None,
-             source: bool = True) -> list[str]:
+             source: bool = True, after: list[list[str]] | None = None) -> list[str]:
     """Ops as code, with a source comment wherever the user's line changes (none without
-    `source`)."""
+    `source`); `after[i]`: lines printed right after op i (codegen's `del` lines)."""
     lines, last = [], None
     for i, op in enumerate(ops):
         if source and op.source is None and op.target_name.startswith("comm."):
@@ -252,6 +252,8 @@ def fmt_body(ops: list[Op], indent: str = "    ", local_n: int | None = None,
                 lines.append(_source_comment(served.source, indent))
                 last = served.source
         lines += fmt_op(op, indent, local_n, source=source and op.source != last)
+        if after is not None:
+            lines += after[i]
         last = op.source or last        # inserted collectives (no source) do not repeat it
     return lines
 

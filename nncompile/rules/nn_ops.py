@@ -22,20 +22,31 @@ def embedding(op: Op, n: int):
 
 @register("scaled_dot_product_attention")
 def sdpa(op: Op, n: int):
-    """Split batch or heads; q, k, v and the mask follow (a size-1 mask dim replicates)."""
+    """Split batch or heads; q, k, v and the mask follow (a size-1 mask dim replicates).
+    With `enable_gqa=True` k and v have fewer heads than q (a group of q heads per k/v head):
+    splitting heads gives each rank q's and k/v's heads in the same contiguous chunks, so both
+    head counts must divide by n and every rank keeps whole groups. `is_causal` needs no
+    placement (the causal mask is over L and S, never split)."""
     q, k, v = op.args[:3]
     mask = op.args[3] if len(op.args) > 3 else op.kwargs.get("attn_mask")
+    gqa = bool(op.args[7] if len(op.args) > 7 else op.kwargs.get("enable_gqa", False))
     out = op.outputs[0]
     strategies = []
-    for d in range(len(q.meta.shape) - 2):
+    rank = len(q.meta.shape)
+    for d in range(rank - 2):
         if not all(divisible(t, d, n) for t in (q, k, v)):
             continue
+        if d == rank - 3 and k.meta.shape[d] != q.meta.shape[d] and not (
+                gqa and q.meta.shape[d] % k.meta.shape[d] == 0):
+            continue                    # heads that broadcast, not grouped: not split
         places = {q: Shard(d), k: Shard(d), v: Shard(d)}
         if mask is not None and hasattr(mask, "meta"):
             a = d - (len(q.meta.shape) - len(mask.meta.shape))
             places[mask] = Shard(a) if a >= 0 and mask.meta.shape[a] > 1 else Replicate()
-        strategies.append(make(op, places, [Shard(d)], "split heads" if d == 1 else
-                               f"split dim {d}"))
+        note = "split heads" if d == 1 else f"split dim {d}"
+        if d == rank - 3 and k.meta.shape[d] != q.meta.shape[d]:
+            note += f" (q {q.meta.shape[d]} / kv {k.meta.shape[d]} heads, grouped)"
+        strategies.append(make(op, places, [Shard(d)], note))
     return strategies
 
 

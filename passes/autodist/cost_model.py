@@ -74,6 +74,15 @@ def nbytes(v: Value, placement: Placement | None = None, n: int = 1) -> float:
     return float(math.prod(shape)) * v.meta.dtype.itemsize
 
 
+def _arg(op: Op, name: str):
+    """An aten op's argument by schema name, given by position or by name (None if absent)."""
+    if name in op.kwargs:
+        return op.kwargs[name]
+    names = [a.name for a in getattr(getattr(op.target, "_schema", None), "arguments", ())]
+    i = names.index(name) if name in names else len(op.args)
+    return op.args[i] if i < len(op.args) else None
+
+
 def flops(op: Op) -> float:
     """Forward FLOPs of the op on full tensors."""
     name = opname(op)
@@ -88,7 +97,7 @@ def flops(op: Op) -> float:
     if name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
                 "_scaled_dot_product_efficient_attention"):
         q, k = op.tensor_inputs()[:2]
-        causal = 0.5 if op.kwargs.get("is_causal") else 1.0
+        causal = 0.5 if _arg(op, "is_causal") is True else 1.0      # half the scores
         return 4.0 * q.meta.numel * k.meta.shape[-2] * causal
     if name in VIEWS or name == "embedding":
         return 0.0
