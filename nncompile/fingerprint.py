@@ -14,7 +14,9 @@ Covered (a change here gives another fingerprint):
                of pas_config["load_plan_path"]
     custom_ops the register_op annotation of each custom op the graph calls (the string, or a
                callable rule's source)
-    version    the nncompile version
+    version    the nncompile version and a hash of the compiler's own source (nncompile/ and
+               its passes, not the runtime), so an upgraded compiler that writes other code
+               regenerates even where the version number did not change
 Not covered: the working directory, the model file's path, line numbers and source text
 (comments only), the training-runtime fields of ComputeConfig (config.RUNTIME_FIELDS), and
 code that does not change the traced graph (e.g. the body of a custom op).
@@ -100,8 +102,24 @@ def fingerprint_inputs(graph: Graph, config: ComputeConfig, pas_policy: Any,
         "policy": pas_policy if isinstance(pas_policy, str) else source_text(pas_policy),
         "device": _device(config) if autodist else "",
         "custom_ops": _custom_ops(graph),
-        "version": __version__,
+        "version": f"{__version__} {compiler_digest()}",
     }
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_digest() -> str:
+    """A hash of the source files that decide the generated code: the nncompile package and
+    its passes, without the runtime (which runs the code and does not write it)."""
+    from . import passes
+    root = Path(__file__).resolve().parent
+    dirs = {root, Path(passes.__file__).resolve().parent}
+    files = sorted({f.resolve() for d in dirs for f in d.rglob("*.py")
+                    if "runtime" not in f.relative_to(d).parts[:1]})
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def compute_fingerprint(graph: Graph, config: ComputeConfig, pas_policy: Any,
