@@ -4,6 +4,7 @@ training step, side by side, for Hugging Face Llama, Qwen2, Mistral, GPT-2 and G
     python benchmarks/vs_plain.py [--models llama,qwen2,...] [--hidden 512 --layers 4 --batch 8 --seq 1024]
     python benchmarks/vs_plain.py --device cuda --dtype bfloat16 --hidden 1024 --layers 8
     python benchmarks/vs_plain.py --zero          # adds ZeRO-3 beside FSDP2 at world 1 and 2
+    python benchmarks/vs_plain.py --without fuse_attention,free_at_last_use   # what each buys
 
 Each run is its own process (so one model's memory never hides in another's): it builds the
 model from a config (seed 0, no download), and for the generated program compiles it with
@@ -22,6 +23,10 @@ Peak memory, three ways:
 --zero adds, at world 1 and 2 (torchrun, gloo on CPU / NCCL on CUDA), nncompile ZeRO-3
 (`use_zero=3`) and FSDP2 (`fully_shard` on every decoder layer, then the root) on the same
 model and batch; memory is the largest rank's.
+
+--without compiles the generated program once more per named part with that part of the
+compiler turned off (the `fuse_attention` pass; the `del` lines of free-at-last-use), so the
+table says what each one is worth.
 
 Every run prints its losses; the parent checks the plain and generated losses agree (float32:
 1e-4 relative; bfloat16: 5e-2) so the comparison is between the same computations. The table
@@ -109,6 +114,7 @@ def run_child(args) -> None:
     if args.variant in ("generated", "zero3"):
         os.environ.setdefault("NNCOMPILE_QUIET", "1")
         import nncompile
+        turn_off(args.without)
         with tempfile.TemporaryDirectory() as savedir:
             cfg = nncompile.ComputeConfig(plan_ngpus=1, runtime_ngpus=world,
                                           use_zero=3 if args.variant == "zero3" else 0)
@@ -163,6 +169,27 @@ def run_child(args) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+PARTS = ("fuse_attention", "free_at_last_use")
+
+
+def turn_off(parts: str) -> None:
+    """Compile without the named parts of the compiler (an ablation: what each one buys)."""
+    import nncompile.api
+    import nncompile.codegen
+    import nncompile.lifetimes
+    for part in filter(None, parts.split(",")):
+        if part == "fuse_attention":
+            build = nncompile.api.build_pipeline
+            nncompile.api.build_pipeline = lambda config, policy: [
+                p for p in build(config, policy) if getattr(p, "name", None) != part]
+        elif part == "free_at_last_use":
+            def keep_all(statements, keep, skip):
+                return [[] for _ in statements]
+            nncompile.lifetimes.last_uses = nncompile.codegen.last_uses = keep_all
+        else:
+            raise SystemExit(f"--without {part!r}: pick from {', '.join(PARTS)}")
+
+
 def layers_of(model):
     inner = model.model
     body = getattr(inner, "model", None) or getattr(inner, "transformer", None)
@@ -190,8 +217,9 @@ def _status(field: str) -> int | None:
 
 
 # ---- the parent -------------------------------------------------------------------------------
-def spawn(args, model: str, variant: str, world: int) -> dict:
+def spawn(args, model: str, variant: str, world: int, without: str = "") -> dict:
     child = [__file__, "--child", "--model", model, "--variant", variant,
+             *([f"--without={without}"] if without else []),
              *[f"--{k.replace('_', '-')}={v}" for k, v in
                [("device", args.device), ("dtype", args.dtype), ("hidden", args.hidden),
                 ("layers", args.layers), ("batch", args.batch), ("seq", args.seq),
@@ -234,6 +262,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--zero", action="store_true", help="add ZeRO-3 and FSDP2 at world 1 and 2")
+    ap.add_argument("--without", default="", help="also compile without each of these parts "
+                    f"(comma list of {', '.join(PARTS)}): what each one buys")
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -242,7 +272,7 @@ def main() -> None:
     if args.child:
         return run_child(args)
 
-    rows, records = [], []
+    rows, records, ablations = [], [], []
     tol = 1e-4 if args.dtype == "float32" else 5e-2
     # runs in increasing memory order would leave `outside` blank; plain first, then ours,
     # so a larger generated program always shows
@@ -252,6 +282,11 @@ def main() -> None:
         diff = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(plain["losses"], gen["losses"]))
         records += [plain, gen]
         rows.append((model, plain, gen, diff))
+        for part in filter(None, args.without.split(",")):
+            off = spawn(args, model, "generated", 1, without=part)
+            off["without"] = part
+            records.append(off)
+            ablations.append((model, part, plain, off))
         print(f"{model}: plain {plain['median_ms']:.1f} ms, generated {gen['median_ms']:.1f} ms; "
               f"step peak {gib(plain['step_hwm'])} vs {gib(gen['step_hwm'])} GiB "
               f"(before the steps {gib(plain['base_rss'])} vs {gib(gen['base_rss'])}); "
@@ -278,6 +313,10 @@ def main() -> None:
                      f"{g['median_ms'] / p['median_ms']:6.3f}  {gib(pm):>9} {gib(gm):>9} "
                      f"{gm / pm:6.3f}  {gib(p['outside']):>10} / {gib(g['outside']):<9}  "
                      f"{diff:.1e}{'  (DIFFERENT)' if diff > tol else ''}")
+    for model, part, p, g in ablations:
+        pm, gm = p["cuda_peak"] or p["step_hwm"], g["cuda_peak"] or g["step_hwm"]
+        lines.append(f"{model:<8} without {part}: {g['median_ms']:.1f} ms ({g['median_ms'] / p['median_ms']:.3f} "
+                     f"of plain), {gib(gm)} GiB ({gm / pm:.3f} of plain)")
     for model, world, z, f in zero_rows:
         zm, fm = z["cuda_peak"] or z["step_hwm"], f["cuda_peak"] or f["step_hwm"]
         lines.append(f"{model:<8} world {world}: ZeRO-3 {z['median_ms']:.1f} ms {gib(zm)} GiB, "

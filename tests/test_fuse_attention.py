@@ -217,7 +217,8 @@ class TinyAttention(nn.Module):
         self.k = nn.Linear(d, kv_heads * self.hd, bias=False)
         self.v = nn.Linear(d, kv_heads * self.hd, bias=False)
 
-    def forward(self, x):
+    def qkv(self, x):
+        """q, and k, v repeated to q's heads (repeat_kv's unsqueeze/expand/reshape)."""
         B, T, _ = x.shape
         q = self.q(x).view(B, T, self.h, self.hd).transpose(1, 2)
         k = self.k(x).view(B, T, self.kv, self.hd).transpose(1, 2)
@@ -225,8 +226,12 @@ class TinyAttention(nn.Module):
         r = self.h // self.kv
         k = k[:, :, None].expand(B, self.kv, r, T, self.hd).reshape(B, self.h, T, self.hd)
         v = v[:, :, None].expand(B, self.kv, r, T, self.hd).reshape(B, self.h, T, self.hd)
+        return q, k, v
+
+    def forward(self, x):
+        T = x.shape[1]
         mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+        out = F.scaled_dot_product_attention(*self.qkv(x), attn_mask=mask, scale=0.3)
         return out.sum()
 
 
@@ -315,17 +320,12 @@ def test_kv_heads_that_do_not_split_over_the_plan_keep_their_copies():
 
 class TinyDropout(TinyAttention):
     def forward(self, x):
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.h, self.hd).transpose(1, 2)
-        k = self.k(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        v = self.v(x).view(B, T, self.kv, self.hd).transpose(1, 2)
-        r = self.h // self.kv
-        k = k[:, :, None].expand(B, self.kv, r, T, self.hd).reshape(B, self.h, T, self.hd)
-        v = v[:, :, None].expand(B, self.kv, r, T, self.hd).reshape(B, self.h, T, self.hd)
+        T = x.shape[1]
         mask = torch.zeros(T, T).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1),
                                              torch.finfo(torch.float32).min)
         p = 0.25 if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=0.3)
+        out = F.scaled_dot_product_attention(*self.qkv(x), attn_mask=mask, dropout_p=p,
+                                             scale=0.3)
         return out.square().mean()
 
 
