@@ -12,7 +12,9 @@ For every rule in `nncompile.rules.RULES` and every split strategy it offers at 
                 localized like generated code (passes/localize.py: size arguments, local ops)
     combine     outputs by their placement (S cat, P sum, R each rank whole) and compare with
                 the unsplit op; then backward with one upstream gradient: S inputs' gradients
-                cat, R inputs' gradients sum (partial), P inputs' gradients whole on each rank
+                cat, R inputs' gradients sum (partial), P inputs' gradients whole on each rank;
+                complex tensors (a rotary's view_as_complex) get complex upstream gradients
+                and compare as (real, imaginary) pairs
 
     report = check_rules()          # or check_rules(["linear", "softmax"])
     print(report)                   # ops x strategies checked, and every failure
@@ -176,7 +178,7 @@ def collect_cases(rules: list[str] | None = None, opinfo_limit: int = 4, seed: i
 def _pieces(x: torch.Tensor, p, n: int, g: torch.Generator) -> list[torch.Tensor]:
     if isinstance(p, Shard):
         return [c.clone() for c in x.chunk(n, dim=p.dim)]
-    if isinstance(p, Partial) and x.is_floating_point():
+    if isinstance(p, Partial) and _differentiable(x):
         parts = [torch.randn(x.shape, generator=g, dtype=x.dtype) for _ in range(n - 1)]
         return parts + [x - sum(parts)]
     return [x.clone() for _ in range(n)]
@@ -185,7 +187,12 @@ def _pieces(x: torch.Tensor, p, n: int, g: torch.Generator) -> list[torch.Tensor
 def _upstream(op: Op, seed: int) -> list[torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(v.meta.shape, generator=g, dtype=v.meta.dtype)
-            if v.is_tensor and v.meta.dtype.is_floating_point else None for v in op.outputs]
+            if v.is_tensor and (v.meta.dtype.is_floating_point or v.meta.dtype.is_complex)
+            else None for v in op.outputs]
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    return x.is_floating_point() or x.is_complex()
 
 
 def _call(op: Op, local: bool, tensors: list[torch.Tensor]):
@@ -254,9 +261,25 @@ def _reference(case: Case, seed: int):
                              _upstream(case.op, seed + 1))
 
 
+_NO_GRAD_ARGS = {"running_mean", "running_var"}     # batch norm's running statistics
+
+
+def _no_grad_inputs(op: Op) -> set[int]:
+    """Positions (among op.tensor_inputs()) of inputs autograd gives no gradient to."""
+    schema = getattr(op.target, "_schema", None)
+    if schema is None or any(isinstance(a, (list, tuple)) for a in op.args):
+        return set()
+    names = [a.name for a in schema.arguments]
+    tensors = [(names[k] if k < len(names) else None) for k, a in enumerate(op.args)
+               if isinstance(a, Value) and a.is_tensor]
+    return {i for i, name in enumerate(tensors) if name in _NO_GRAD_ARGS}
+
+
 def _forward_backward(op: Op, local: bool, inputs: list[torch.Tensor], ups: list):
     """(outputs, input gradients) of `op` with upstream gradients `ups` (None: no gradient)."""
-    leaves = [x.requires_grad_(x.is_floating_point()) for x in inputs]
+    fixed = _no_grad_inputs(op)
+    leaves = [x.requires_grad_(_differentiable(x) and i not in fixed)
+              for i, x in enumerate(inputs)]
     outs = _call(op, local, leaves)
     pairs = [(o, u) for o, u in zip(outs, ups)
              if u is not None and isinstance(o, torch.Tensor) and o.requires_grad]
@@ -274,6 +297,8 @@ def _forward_backward(op: Op, local: bool, inputs: list[torch.Tensor], ups: list
 def _close(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if a.shape != b.shape:
         return f"shape {list(a.shape)} != {list(b.shape)}"
+    if a.is_complex() and b.is_complex():          # compared as (real, imaginary) pairs
+        a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
     if not b.is_floating_point():
         return None if torch.equal(a, b) else "values differ"
     if b.numel() == 0:

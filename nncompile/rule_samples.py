@@ -40,7 +40,8 @@ _UNARY_FN = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "softplus": F.s
              "full_like": lambda x: torch.full_like(x, 3.0),
              "logical_not": lambda x: torch.logical_not(x > 0),
              "bitwise_not": lambda x: torch.bitwise_not(x > 0),
-             "triu": lambda x: torch.triu(x), "tril": lambda x: torch.tril(x, -1)}
+             "triu": lambda x: torch.triu(x), "tril": lambda x: torch.tril(x, -1),
+             "relu6": F.relu6, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid}
 _POSITIVE = {"log", "sqrt", "rsqrt", "reciprocal", "log1p"}
 _BINARY_FN = {"rsub": lambda a, b: torch.rsub(a, b),
               "where": lambda a, b: torch.where(a > 0, a, b),
@@ -91,6 +92,66 @@ def _ce(logits, target, reduction):
     return F.cross_entropy(logits, target, reduction=reduction, ignore_index=1)
 
 
+_conv = torch.ops.aten.convolution.default
+_bn_train = torch.ops.aten._native_batch_norm_legit_functional.default
+_bn_eval = torch.ops.aten._native_batch_norm_legit_no_training.default
+
+
+def conv_ops(name: str, g: torch.Generator) -> list[Sample]:
+    """Convolutions (ordinary, grouped, depthwise, transposed, unbatched) and batch norm."""
+    r = lambda *s: _r(*s, g=g)                                                  # noqa: E731
+    pos = lambda *s: _pos(*s, g=g)                                              # noqa: E731
+    table: dict[str, list[Sample]] = {
+        "convolution": [
+            (lambda x, w, b: _conv(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+             (r(4, 8, 6, 6), r(8, 8, 3, 3), r(8))),
+            (lambda x, w, b: _conv(x, w, b, [2, 2], [1, 1], [1, 1], False, [0, 0], 4),
+             (r(4, 8, 6, 6), r(8, 2, 3, 3), r(8))),                 # grouped
+            (lambda x, w: _conv(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8),
+             (r(4, 8, 6, 6), r(16, 1, 3, 3))),                      # depthwise, multiplier 2
+            (lambda x, w, b: _conv(x, w, b, [2, 2], [1, 1], [1, 1], True, [1, 1], 1),
+             (r(4, 8, 5, 5), r(8, 4, 3, 3), r(4))),                 # transposed
+            (lambda x, w: _conv(x, w, None, [1, 1], [0, 0], [1, 1], True, [0, 0], 4),
+             (r(4, 8, 5, 5), r(8, 2, 3, 3)))],                      # transposed, grouped
+        "conv1d": [(lambda x, w, b: F.conv1d(x, w, b, padding=1), (r(4, 8, 10), r(8, 8, 3),
+                                                                     r(8))),
+                   (lambda x, w: F.conv1d(x, w, groups=8), (r(4, 8, 10), r(8, 1, 3)))],
+        "conv2d": [(lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1),
+                    (r(4, 8, 6, 6), r(8, 8, 3, 3), r(8))),
+                   (lambda x, w, b: F.conv2d(x, w, b, padding="same", groups=4),
+                    (r(4, 8, 6, 6), r(8, 2, 3, 3), r(8))),
+                   (lambda x, w: F.conv2d(x, w, padding=1), (r(8, 6, 6), r(8, 8, 3, 3)))],
+        "conv3d": [(lambda x, w, b: F.conv3d(x, w, b, padding=1),
+                    (r(4, 8, 4, 4, 4), r(8, 8, 3, 3, 3), r(8)))],
+        "conv_transpose1d": [(lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2),
+                              (r(4, 8, 6), r(8, 4, 3), r(4)))],
+        "conv_transpose2d": [(lambda x, w, b: F.conv_transpose2d(x, w, b, padding=1),
+                              (r(4, 8, 5, 5), r(8, 4, 3, 3), r(4))),
+                             (lambda x, w: F.conv_transpose2d(x, w, groups=4),
+                              (r(4, 8, 5, 5), r(8, 2, 3, 3)))],
+        "conv_transpose3d": [(lambda x, w: F.conv_transpose3d(x, w),
+                              (r(4, 8, 3, 3, 3), r(8, 4, 2, 2, 2)))],
+        "pad": [(lambda x: F.pad(x, (1, 1, 0, 2)), (r(4, 8, 6, 6),)),
+                (lambda x: F.pad(x, (1, 2), mode="reflect"), (r(4, 8, 6),))],
+        "constant_pad_nd": [(lambda x: torch.constant_pad_nd(x, (1, 1, 2, 0), 0.5),
+                             (r(4, 8, 6, 6),))],
+        "_native_batch_norm_legit_functional": [
+            (lambda x, w, b, m, v: _bn_train(x, w, b, m, v, True, 0.1, 1e-5),
+             (r(4, 8, 5, 5), r(8), r(8), r(8), pos(8))),
+            (lambda x, w, b, m, v: _bn_train(x, w, b, m, v, True, 0.3, 1e-5),
+             (r(8, 8), r(8), r(8), r(8), pos(8)))],
+        "_native_batch_norm_legit_no_training": [
+            (lambda x, w, b, m, v: _bn_eval(x, w, b, m, v, 0.1, 1e-5),
+             (r(4, 8, 5, 5), r(8), r(8), r(8), pos(8)))],
+        "batch_norm": [
+            (lambda x, w, b, m, v: F.batch_norm(x, m, v, w, b, training=False),
+             (r(4, 8, 5, 5), r(8), r(8), r(8), pos(8))),
+            (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+             (r(4, 8, 6), r(8), r(8)))],
+    }
+    return table.get(name, [])
+
+
 def model_ops(name: str, g: torch.Generator) -> list[Sample]:
     """Samples of contraction, model-level, reduction and layout ops."""
     r = lambda *s: _r(*s, g=g)                                                  # noqa: E731
@@ -101,7 +162,10 @@ def model_ops(name: str, g: torch.Generator) -> list[Sample]:
         "addmm": [(torch.addmm, (r(8), r(4, 8), r(8, 8)))],
         "mm": [(torch.mm, (r(4, 8), r(8, 4)))],
         "bmm": [(torch.bmm, (r(4, 8, 4), r(4, 4, 8)))],
-        "matmul": [(torch.matmul, (r(4, 4, 8), r(4, 8, 4)))],
+        "matmul": [(torch.matmul, (r(4, 4, 8), r(4, 8, 4))),
+                   (lambda x, w: x @ w.T, (r(4, 4, 8), r(8, 8)))],        # FalconLinear
+        "einsum": [(lambda x, w: torch.einsum("...k,nk->...n", x, w), (r(4, 4, 8), r(4, 8))),
+                   (lambda a, b: torch.einsum("bij,bjk->bik", a, b), (r(4, 4, 8), r(4, 8, 4)))],
         "embedding": [(lambda i, w: F.embedding(i, w), (idx, r(8, 8)))],
         "scaled_dot_product_attention": [(_sdpa, (r(4, 4, 8, 8), r(4, 4, 8, 8), r(4, 4, 8, 8),
                                                   r(4, 1, 8, 8))),
@@ -139,6 +203,7 @@ def model_ops(name: str, g: torch.Generator) -> list[Sample]:
         "transpose": [(lambda x: x.transpose(0, 2), (r(4, 8, 4),))],
         "swapaxes": [(lambda x: torch.ops.aten.swapaxes.default(x, 1, 2), (r(4, 8, 4),))],
         "t": [(lambda x: x.t(), (r(4, 8),))],
+        "numpy_T": [(lambda x: x.T, (r(4, 8),))],
         "permute": [(lambda x: x.permute(2, 0, 1), (r(4, 8, 4),))],
         "unsqueeze": [(lambda x: x.unsqueeze(1), (r(4, 8),))],
         "squeeze": [(lambda x: x.squeeze(1), (r(4, 1, 8),))],
@@ -158,13 +223,58 @@ def model_ops(name: str, g: torch.Generator) -> list[Sample]:
     return table.get(name, [])
 
 
+def _c(*shape, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=torch.complex128)
+
+
+def _bool_mask(*shape, g: torch.Generator) -> torch.Tensor:
+    mask = torch.rand(*shape, generator=g) > 0.4
+    mask[..., 0] = True                             # every query sees at least one key
+    return mask
+
+
+def _rotary(x, freqs):
+    """Meta's / torchtitan's Llama rotary: pairs as complex numbers times freqs_cis."""
+    xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs).flatten(3)
+
+
+def head_ops(name: str, g: torch.Generator) -> list[Sample]:
+    """Samples of the ops a split by heads goes through: complex rotary, `view` with -1, a
+    relative position bias table indexed by positions, attention masks with a heads dim."""
+    r = lambda *s: _r(*s, g=g)                                                  # noqa: E731
+    c = lambda *s: _c(*s, g=g)                                                  # noqa: E731
+    pos = torch.randint(0, 16, (8, 8), generator=g)
+    table: dict[str, list[Sample]] = {
+        "view_as_complex": [(torch.view_as_complex, (r(4, 8, 4, 2),)),
+                            (_rotary, (r(4, 8, 4, 8), c(1, 8, 1, 4)))],
+        "view_as_real": [(torch.view_as_real, (c(4, 8, 4),)),
+                         (_rotary, (r(4, 8, 4, 8), c(1, 8, 1, 4)))],
+        "mul": [(torch.mul, (c(4, 8, 4, 4), c(1, 8, 1, 4))),          # complex, broadcast
+                (torch.mul, (c(4, 8, 4), c(4, 8, 4)))],
+        "view": [(lambda x: x.view(4, 8, 4, -1), (r(4, 8, 8),)),      # heads, -1 head dim
+                 (lambda x: x.view(-1, 8, 2), (r(4, 4, 8, 2),))],     # batch x heads merged
+        "index": [(lambda t, i: t[i], (r(16, 4), pos)),                # bias table[positions]
+                  (lambda x, i: x[:, i], (r(4, 16, 4), pos[0]))],
+        "scaled_dot_product_attention": [
+            (_sdpa, (r(4, 4, 8, 8), r(4, 4, 8, 8), r(4, 4, 8, 8), r(1, 4, 8, 8))),  # per head
+            (_sdpa, (r(4, 4, 8, 8), r(4, 4, 8, 8), r(4, 4, 8, 8),
+                     _bool_mask(4, 4, 8, 8, g=g))),                                  # boolean
+            (_sdpa, (r(2, 4, 4, 8, 8), r(2, 4, 4, 8, 8), r(2, 4, 4, 8, 8),
+                     r(4, 4, 8, 8)))],                       # windows x heads (Swin), 5-D
+    }
+    return table.get(name, [])
+
+
 def samples(name: str, g: torch.Generator) -> list[Sample]:
     """Hand-written samples of the rule registered under `name` (an op name, maybe with an
     overload: 'split.Tensor')."""
     from .rules.pointwise import BINARY, UNARY
     base = name.split(".")[0]
     if base in UNARY:
-        return unary(base, g)
-    if base in BINARY:
-        return binary(base, g)
-    return model_ops(base, g)
+        out = unary(base, g)
+    elif base in BINARY:
+        out = binary(base, g)
+    else:
+        out = model_ops(base, g)
+    return out + head_ops(base, g) + conv_ops(base, g)

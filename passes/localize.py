@@ -4,7 +4,9 @@ Before (tp, plan_ngpus=2):                     After:
     v = aten.view.default(x, [8, 16, 4, 8])        v = aten.view.default(x, [8, 16, 2, 8])
       # f32[8, 16, 4, 8] S(2)                        # f32[8, 16, 2, 8] of [8, 16, 4, 8] S(2)
 
-Size arguments (view, reshape, expand, new_zeros, full, ...) become the local shape; ops whose
+Size arguments (view, reshape, expand, new_zeros, full, ...) become the local shape, and a
+rule's LOCAL_ARGS hook rewrites other arguments (a grouped convolution split by groups passes
+groups // n); ops whose
 strategy names a local implementation (e.g. the row-split mean cross-entropy) call it. `view`
 becomes `reshape` (a view wherever the layout allows): tracing drops `.contiguous()` calls
 that were no-ops on the traced layout, a shard produced by a collective may be laid out
@@ -29,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from nncompile.ir import PLAN_GROUP, Graph, Shard, Stage
-from nncompile.rules import RANDOM_LOCAL, draws_random
+from nncompile.rules import LOCAL_ARGS, RANDOM_LOCAL, draws_random
 
 from .contract import contract
 
@@ -63,6 +65,8 @@ def localize_op(op, n: int) -> None:
         op.kwargs = {**op.kwargs, "dim": out.dim if isinstance(out, Shard) else None,
                      "group": PLAN_GROUP}
         return
+    if n > 1 and name in LOCAL_ARGS:
+        LOCAL_ARGS[name](op, n)       # e.g. a grouped convolution's groups // n
     if name in ("view", "_unsafe_view"):
         op.target, name = torch.ops.aten.reshape.default, "reshape"
     idx = _SIZE_ARG.get(name)

@@ -139,8 +139,12 @@ def _reference(model, kind, opt_name, units):
 
 
 def _local_buffers(pm) -> dict[str, torch.Tensor]:
+    """This unit's buffers by FQN, whole: a plan that splits a batch norm's channels splits
+    its running statistics too (gathered along the plan unit here)."""
+    from conformance import full_buffers
     local = pm.local_tensors()
-    return {fqn: local[name].detach().clone() for name, fqn, *_ in pm.BUFFERS}
+    return {fqn: local[name].detach().clone() for name, fqn, *_ in pm.BUFFERS} | \
+        full_buffers(pm)
 
 
 def _train(model, kind, policy, plan, world, opt_name, savedir, use_zero=0, save=None):

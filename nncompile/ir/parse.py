@@ -294,6 +294,11 @@ class _Parser:
                 and isinstance(node.args[0], ast.Constant) \
                 and node.args[0].value in ("inf", "-inf", "nan"):
             return float(node.args[0].value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "complex" and len(node.args) == 2 and not node.keywords:
+            parts = [self.literal(a, line) for a in node.args]
+            if all(type(p) in (int, float) for p in parts):
+                return complex(*parts)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.value.id == "torch":
             x = getattr(torch, node.attr, None)

@@ -109,6 +109,8 @@ def fmt_literal(x: Any) -> str:
         return repr(x)
     if isinstance(x, (int, str)):
         return repr(x)
+    if isinstance(x, complex):           # a small complex constant (a rotary's freqs_cis)
+        return f"complex({fmt_literal(x.real)}, {fmt_literal(x.imag)})"
     if isinstance(x, (torch.dtype, torch.layout, torch.memory_format)):
         return str(x)
     if isinstance(x, torch.device):

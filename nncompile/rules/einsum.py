@@ -103,8 +103,43 @@ def bmm(op: Op, n: int):
 @register("matmul")
 def matmul(op: Op, n: int):
     a, b = op.args[:2]
+    if len(a.meta.shape) >= 2 and len(b.meta.shape) == 2:       # x @ w.T: leading dims batch
+        return einsum_strategies(op, [a, b], "* m k+, k+ n -> * m n", n)
     if len(a.meta.shape) < 2 or len(a.meta.shape) != len(b.meta.shape):
         return []
     if a.meta.shape[:-2] != b.meta.shape[:-2]:
         return []
     return einsum_strategies(op, [a, b], "* m k+, * k+ n -> * m n", n)
+
+
+@register("einsum")
+def einsum(op: Op, n: int):
+    """torch.einsum("...k,nk->...n", x, w): the equation read as this file's annotation (a
+    label absent from the output is contracted). Equations this cannot say (a label twice in
+    one operand, `...` not leading or broadcast to more dims) get no split."""
+    equation, operands = op.args[0], op.args[1]
+    if "->" not in equation or not all(isinstance(v, Value) for v in operands):
+        return []
+    lhs, rhs = equation.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != len(operands):
+        return []
+    out_rank = len(op.outputs[0].meta.shape)
+    ellipsis = out_rank - len(rhs.replace("...", "")) if "..." in rhs else 0
+    letters = [t.replace("...", "") for t in terms + [rhs]]
+    if any(len(set(t)) != len(t) for t in letters):
+        return []
+    for t, v in zip(terms + [rhs], list(operands) + [op.outputs[0]]):
+        if "..." in t and (not t.startswith("...") or len(v.meta.shape) - len(t) + 3
+                           != ellipsis):
+            return []
+    contracted = {c for t in letters[:-1] for c in t if c not in rhs}
+
+    def spec(term: str) -> str:
+        names = ["*"] if term.startswith("...") else []
+        return " ".join(names + [c + ("+" if c in contracted else "")
+                                 for c in term.replace("...", "")])
+
+    annotation = ", ".join(spec(t) for t in terms) + " -> " + spec(rhs)
+    return einsum_strategies(op, list(operands), annotation, n)
+

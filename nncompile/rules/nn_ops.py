@@ -22,7 +22,9 @@ def embedding(op: Op, n: int):
 
 @register("scaled_dot_product_attention")
 def sdpa(op: Op, n: int):
-    """Split batch or heads; q, k, v and the mask follow (a size-1 mask dim replicates).
+    """Split batch or heads; q, k, v and the mask follow (a size-1 mask dim replicates): an
+    additive or boolean mask with a heads dim (a per-head bias, Swin's relative position bias
+    [1, H, L, S] or [nW, H, L, S] under 5-D q) splits with the heads.
     With `enable_gqa=True` k and v have fewer heads than q (a group of q heads per k/v head):
     splitting heads gives each rank q's and k/v's heads in the same contiguous chunks, so both
     head counts must divide by n and every rank keeps whole groups. `is_causal` needs no
@@ -30,7 +32,6 @@ def sdpa(op: Op, n: int):
     q, k, v = op.args[:3]
     mask = op.args[3] if len(op.args) > 3 else op.kwargs.get("attn_mask")
     gqa = bool(op.args[7] if len(op.args) > 7 else op.kwargs.get("enable_gqa", False))
-    out = op.outputs[0]
     strategies = []
     rank = len(q.meta.shape)
     for d in range(rank - 2):
@@ -42,8 +43,13 @@ def sdpa(op: Op, n: int):
         places = {q: Shard(d), k: Shard(d), v: Shard(d)}
         if mask is not None and hasattr(mask, "meta"):
             a = d - (len(q.meta.shape) - len(mask.meta.shape))
-            places[mask] = Shard(a) if a >= 0 and mask.meta.shape[a] > 1 else Replicate()
-        note = "split heads" if d == 1 else f"split dim {d}"
+            if a >= 0 and mask.meta.shape[a] > 1:
+                if not divisible(mask, a, n):
+                    continue
+                places[mask] = Shard(a)
+            else:
+                places[mask] = Replicate()
+        note = "split heads" if d == rank - 3 and rank >= 4 else f"split dim {d}"
         if d == rank - 3 and k.meta.shape[d] != q.meta.shape[d]:
             note += f" (q {q.meta.shape[d]} / kv {k.meta.shape[d]} heads, grouped)"
         strategies.append(make(op, places, [Shard(d)], note))
@@ -106,7 +112,7 @@ def cross_entropy(op: Op, n: int):
     return [make(op, places, [P], "split rows", local_target="comm.cross_entropy_rows")]
 
 
-# Batch norm (batch_norm, _native_batch_norm_legit_functional) has no rule on purpose: it runs
-# replicated, so a plan that splits its input gathers it first and the statistics (and the
-# running statistics written back) are over the unit's whole batch, as on one device. A batch
-# split would normalize each rank with its own rows' statistics.
+# Batch norm's rule (conv.py) splits channels only in training (each channel's statistics stay
+# whole, its running statistics split with it), never the batch: a batch split would normalize
+# each rank with its own rows' statistics. A plan that splits its batch gathers it first, so
+# the statistics (and the running statistics written back) are the unit's whole batch's.

@@ -12,7 +12,8 @@ UNARY = ["abs", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sig
          "detach", "lift_fresh_copy", "to", "_to_copy", "type_as", "dropout", "logical_not",
          "bitwise_not", "clamp", "clamp_min", "clamp_max", "softplus", "mish", "leaky_relu",
          "hardtanh", "elu", "native_dropout", "floor", "ceil", "round", "sign", "log1p", "expm1",
-         "zeros_like", "ones_like", "full_like", "empty_like", "triu", "tril"]
+         "zeros_like", "ones_like", "full_like", "empty_like", "triu", "tril", "relu6",
+         "hardswish", "hardsigmoid"]
 BINARY = ["add", "sub", "mul", "div", "where", "masked_fill", "maximum", "minimum", "eq", "ne",
           "lt", "le", "gt", "ge", "logical_and", "logical_or", "bitwise_and", "bitwise_or",
           "rsub", "fmod", "remainder", "lerp", "addcmul", "addcdiv", "atan2", "copysign"]

@@ -41,6 +41,11 @@ def register(*names: str) -> Callable[[Rule], Rule]:
     return deco
 
 
+# op name -> fn(op, n) that rewrites a localized op's non-size arguments for one rank's
+# shards (passes/localize.py), e.g. a grouped convolution split by groups runs groups // n
+LOCAL_ARGS: dict[str, Callable[[Op, int], None]] = {}
+
+
 # (op, its tensor inputs) while strategies(op) runs: the rules ask for them once per strategy
 _CURRENT: list = [None, None]
 

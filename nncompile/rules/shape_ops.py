@@ -1,10 +1,14 @@
 """View and layout ops: a split follows the dim it lands on; partial sums pass through.
 
 view/reshape map dims by grouping sizes: (B, T, C) -> (B, T, H, D) groups C with (H, D), so
-S(2) in becomes S(2) out when H divides by n. Localize rewrites their size arguments to
-local shapes.
+S(2) in becomes S(2) out when H divides by n (a -1 in the size is already resolved in the
+traced output shape). Only the first dim of a group can carry a split: merging batch and heads
+(B, H, T, D) -> (B*H, T, D), as DeBERTa does, leaves each rank's heads strided through the
+merged dim, so a heads split stops there. Localize rewrites size arguments to local shapes.
 """
 from __future__ import annotations
+
+import torch
 
 from ..ir import P, Op, Shard
 from .registry import divisible, make, register
@@ -70,7 +74,7 @@ def transpose(op: Op, n: int):
     return _follow(op, {i: (d1 if i == d0 else d0 if i == d1 else i) for i in range(r)}, n)
 
 
-@register("t")
+@register("t", "numpy_T")
 def t(op: Op, n: int):
     r = len(op.args[0].meta.shape)
     return _follow(op, {i: r - 1 - i for i in range(r)}, n)
@@ -147,6 +151,40 @@ def cat(op: Op, n: int):
     if out.meta.dtype.is_floating_point and tensors:
         strategies.append(make(op, {t: P for t in tensors}, [P], "keep partial"))
     return strategies
+
+
+@register("view_as_complex")
+def view_as_complex(op: Op, n: int):
+    """(..., 2) real -> (...) complex (the rotary of Meta's and torchtitan's Llama): every dim
+    but the last pair follows."""
+    x = op.args[0]
+    return _follow(op, {i: i for i in range(len(x.meta.shape) - 1)}, n, partial=False)
+
+
+@register("view_as_real")
+def view_as_real(op: Op, n: int):
+    """(...) complex -> (..., 2) real: every dim follows; the new last pair stays whole."""
+    x = op.args[0]
+    return _follow(op, {i: i for i in range(len(x.meta.shape))}, n, partial=False)
+
+
+@register("index.Tensor")
+def index(op: Op, n: int):
+    """x[i] / x[:, i]: the dims no index tensor reads follow (index tensors replicate). Swin's
+    relative position bias `table[index]` ([(2W-1)^2, heads] table) keeps its heads split.
+    Index tensors on dims that are not next to each other put the result's dims first in
+    torch: not split."""
+    x, indices = op.args[0], op.args[1]
+    used = [i for i, t in enumerate(indices) if t is not None]
+    if not used or used != list(range(used[0], used[-1] + 1)) or any(
+            indices[i].meta.dtype in (torch.bool, torch.uint8) for i in used):
+        return []                       # a boolean mask reads as many dims as it has
+    p, q = used[0], used[-1] + 1
+    rank = len(x.meta.shape)
+    gathered = len(op.outputs[0].meta.shape) - (rank - (q - p))
+    dim_map = {i: i for i in range(p)}
+    dim_map.update({i: i - (q - p) + gathered for i in range(q, rank)})
+    return _follow(op, dim_map, n)
 
 
 @register("repeat_interleave.self_int")

@@ -57,6 +57,8 @@ from .profiles import DeviceProfile
 VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "unsqueeze",
          "squeeze", "select", "slice", "split", "split_with_sizes", "chunk", "unsafe_split", "t",
          "alias", "detach", "unflatten", "flatten", "as_strided", "contiguous", "clone"}
+CONVOLUTIONS = {"convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                "conv_transpose2d", "conv_transpose3d"}
 OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 0.0, "sgd_momentum": 4.0,
                          "none": 0.0}
 
@@ -99,6 +101,12 @@ def flops(op: Op) -> float:
         q, k = op.tensor_inputs()[:2]
         causal = 0.5 if _arg(op, "is_causal") is True else 1.0      # half the scores
         return 4.0 * q.meta.numel * k.meta.shape[-2] * causal
+    if name in CONVOLUTIONS:        # 2 * each output (transposed: input) element * w[0].numel
+        x, w = op.tensor_inputs()[:2]
+        transposed = name.startswith("conv_transpose") or (
+            name == "convolution" and bool(_arg(op, "transposed")))
+        per = math.prod(w.meta.shape[1:])
+        return 2.0 * (x.meta.numel if transposed else out.meta.numel) * per
     if name in VIEWS or name == "embedding":
         return 0.0
     if is_custom_op(op.target):
@@ -331,10 +339,13 @@ def step_cost(g: Graph, model: CostModel, recompute=(), memory=None,
             est.memory += mm.state(v, p, memory).device
             est.grad_reduce += mm.param_time(v, p, memory)
             est.optimizer += mm.optimizer_time(v, p, memory)
-    for v in g.outputs:
+    nupd = len(g.trace_info.buffer_updates)       # new buffer values: into the buffer's shard
+    wants = [Replicate()] * (len(g.outputs) - nupd) + [
+        _placed(g, b) for f in g.trace_info.buffer_updates for b in g.buffers if b.fqn == f]
+    for v, want in zip(g.outputs, wants):
         if isinstance(v, Value) and v.is_tensor and (v.producer is not None
                                                      or v.kind in FREE_KINDS):
-            est.comm += model.transition(v, _placed(g, v), Replicate(), False)[0]
+            est.comm += model.transition(v, _placed(g, v), want, False)[0]
     return est
 
 

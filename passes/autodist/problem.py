@@ -292,8 +292,33 @@ def _edge_costs(g: Graph, prob: Problem) -> None:
     for vid, rs in readers.items():
         cv = synced[vid]
         prob.syncs.append((model.grad_sync(cv) * len(actual[vid]), sorted(rs, key=repr)))
+    # a buffer's new value (BatchNorm's running statistics, the last outputs) is written back
+    # into the buffer's shard: converted to the buffer's placement
+    nupd = len(g.trace_info.buffer_updates)
+    buffers = {v.fqn: v for v in g.buffers}
+    for fqn, v in zip(g.trace_info.buffer_updates, g.outputs[len(g.outputs) - nupd:]):
+        if not (isinstance(v, Value) and v.is_tensor):
+            continue
+        cv, a = _source(prob, v)
+        bv, b = _source(prob, buffers[fqn])
+        if a is None and b is None:
+            continue
+        rows = range(len(choices[a].options)) if a is not None else [0]
+        cols = range(len(choices[b].options)) if b is not None else [0]
+        table = [[model.transition(cv, _place(prob, cv, a, ka), _place(prob, bv, b, kb),
+                                   False)[0] for kb in cols] for ka in rows]
+        if a is None or b is None or a == b:
+            owner = choices[b if a is None else a]
+            for k in range(len(owner.options)):
+                owner.comm[k] += table[0][k] if a is None else \
+                    table[k][0] if b is None else table[k][k]
+        else:
+            acc = prob.pairs.setdefault((a, b), [[0.0] * len(cols) for _ in rows])
+            for ka, row in enumerate(table):
+                for kb, t in enumerate(row):
+                    acc[ka][kb] += t
     # outputs are returned replicated
-    for v in g.outputs:
+    for v in g.outputs[:len(g.outputs) - nupd]:
         if isinstance(v, Value) and v.is_tensor:
             cv, a = _source(prob, v)
             if a is not None:

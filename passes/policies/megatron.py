@@ -14,10 +14,14 @@ the backward all-reduce before the region (Megatron's `f`) is insert_comm's `syn
     h = h + o                               R        h = h + all_reduce(o)                R
 
 Which linears start regions is found, not named: every single-use 2-D weight op with a
-replicated input is tried as a column split; when a split cannot reach a row-split linear
+replicated input is tried as a column split (a weight seen through `w.T`, a transpose or a
+reshape counts as the weight, so `x @ w.T + b`, `addmm(b, x, w.t())` and an einsum over `w`
+split as `linear(x, w, b)` does); when a split cannot reach a row-split linear
 without communication (the embedding, a tied or untied lm_head feeding the loss, a fused qkv
 weight whose rows interleave heads, heads not divisible by the plan), the column splits it
-came from are vetoed and the walk runs again, until every region closes.
+came from are vetoed and the walk runs again, until every region closes. Linears of the layer
+blocks left replicated are named in one warning, a line per layer kind with the reason found
+(where the split stopped; head counts only where they do not divide).
 
 `tp_sp` adds Megatron's sequence parallelism: ops of the layer blocks outside regions (norms,
 residual adds, dropout) run split on the sequence dim (dim 1), so the region's entry becomes an
@@ -54,18 +58,40 @@ class _Walk:
         self.choice: dict[int, Strategy] = {}
         self.failed: set[str] = set()
         self.stopped_at: dict[str, Op] = {}         # column op -> where its split stopped
+        self.views = weight_views(g, uses)
 
     # ---- placements ------------------------------------------------------------------------
+    def is_free(self, v: Value) -> bool:
+        """A parameter, buffer or constant, or a weight seen through layout ops (`w.T`): its
+        placement is chosen by its first user."""
+        return v.kind in FREE_KINDS or id(v) in self.views
+
     def current(self, v: Value):
-        if v.kind in FREE_KINDS:
+        if self.is_free(v):
             return self.free.get(id(v))
         return self.place.get(id(v), Replicate())
+
+    def _view_chain(self, v: Value, want):
+        """[(layout op, its strategy)] that give the weight view `v` placement `want`, from
+        `v` up to its parameter, and the parameter's placement; None where no rule can."""
+        chain = []
+        while id(v) in self.views:
+            op = self.views[id(v)]
+            s = next((s for s in self.cands[id(op)] if s.outputs[0] == want), None)
+            if s is None:
+                return None
+            chain.append((op, s))
+            v, want = op.tensor_inputs()[0], s.inputs[0]
+        return chain, v, want
 
     def _free_ok(self, v: Value, want) -> bool:
         placed = self.free.get(id(v))
         if isinstance(want, Partial):
             return not isinstance(placed, Shard)        # to_partial of a replicated value
         if placed is None:
+            if id(v) in self.views and isinstance(want, Shard) \
+                    and self._view_chain(v, want) is None:
+                return False
             return isinstance(want, Replicate) or self.uses[id(v)] == 1 or not v.requires_grad
         if placed == want:
             return True
@@ -73,8 +99,8 @@ class _Walk:
             and not v.requires_grad                     # a local chunk, no backward traffic
 
     def _weight_split(self, op: Op, s: Strategy) -> bool:
-        return any(v.kind == PARAM and len(v.meta.shape) >= 2 and isinstance(p, Shard)
-                   for v, p in zip(op.tensor_inputs(), s.inputs))
+        return any((v.kind == PARAM or id(v) in self.views) and len(v.meta.shape) >= 2
+                   and isinstance(p, Shard) for v, p in zip(op.tensor_inputs(), s.inputs))
 
     # ---- choices ---------------------------------------------------------------------------
     def column(self, op: Op) -> Strategy | None:
@@ -85,7 +111,7 @@ class _Walk:
             if len(s.outputs) != 1 or not isinstance(s.outputs[0], Shard) \
                     or not self._weight_split(op, s):
                 continue
-            if all(self._free_ok(v, p) if v.kind in FREE_KINDS else isinstance(p, Replicate)
+            if all(self._free_ok(v, p) if self.is_free(v) else isinstance(p, Replicate)
                    for v, p in zip(op.tensor_inputs(), s.inputs)):
                 return s
         return None
@@ -102,7 +128,7 @@ class _Walk:
             chunks = 0
             for v, want in zip(op.tensor_inputs(), s.inputs):
                 have = self.current(v)
-                if v.kind in FREE_KINDS:
+                if self.is_free(v):
                     if not self._free_ok(v, want):
                         break
                 elif isinstance(have, Shard):
@@ -125,17 +151,31 @@ class _Walk:
     def record(self, op: Op, s: Strategy, prov: frozenset) -> None:
         self.choice[id(op)] = s
         for v, want in zip(op.tensor_inputs(), s.inputs):
-            if v.kind in FREE_KINDS and id(v) not in self.free:
+            if self.is_free(v) and id(v) not in self.free:
                 self.free[id(v)] = want if isinstance(want, Shard) else Replicate()
+                if id(v) in self.views:
+                    self._place_view(v, self.free[id(v)])
         for v, p in zip(op.outputs, s.outputs):
             self.place[id(v)] = p if v.is_tensor else Replicate()
             if v.is_tensor and not isinstance(p, Replicate):
                 self.prov[id(v)] = prov
 
+    def _place_view(self, v: Value, want) -> None:
+        """The layout ops between a parameter and its view `v` take the strategies that give
+        `v` its placement; the parameter takes the placement they need."""
+        chain, root, root_want = self._view_chain(v, want) or self._view_chain(v, Replicate())
+        for op, s in chain:
+            self.choice[id(op)] = s
+            self.place[id(op.outputs[0])] = s.outputs[0]
+        self.free[id(root)] = root_want
+
     def run(self) -> set[str]:
         for op in self.g.ops:
+            if op.outputs and id(op.outputs[0]) in self.views:
+                self.choice[id(op)] = replicated(op)    # until its user places the view
+                continue
             ins = op.tensor_inputs()
-            split = [v for v in ins if v.kind not in FREE_KINDS
+            split = [v for v in ins if not self.is_free(v)
                      and isinstance(self.current(v), Shard)]
             prov = frozenset().union(*(self.prov.get(id(v), frozenset()) for v in split))
             s = None
@@ -150,22 +190,157 @@ class _Walk:
                 if s is not None:
                     prov = frozenset([op.name])
             self.record(op, s or replicated(op), prov)
-        for v in self.g.outputs:
+        nupd = len(self.g.trace_info.buffer_updates)     # new buffer values: into their shards
+        for v in self.g.outputs[:len(self.g.outputs) - nupd]:
             if isinstance(v, Value) and isinstance(self.place.get(id(v)), Shard):
                 self.failed |= self.prov.get(id(v), frozenset())
         return self.failed
 
 
-def _where(stops: dict[str, Op], vetoed: list[Op]) -> str:
-    """Where the first vetoed linear's split stopped, with the source line."""
-    for col in vetoed:
-        op = stops.get(col.name)
-        if op is not None:
-            src = f" ({op.source})" if op.source else ""
-            return (f" The split of {col.module_path or col.name} stopped at {op.target_name} in "
-                    f"{op.module_path or 'the model'}{src}: no rule takes its inputs split as "
-                    "they arrive.")
-    return ""
+# layout ops through which a weight still reads as a weight: `w.T`, `w.t()`, a transpose,
+# a reshape or a cast (FalconLinear's `x @ self.weight.T`, an einsum over a reshaped weight)
+WEIGHT_VIEW_OPS = {"t", "numpy_T", "transpose", "permute", "view", "reshape", "_unsafe_view",
+                   "alias", "contiguous", "clone", "_to_copy", "to"}
+
+
+def weight_views(g: Graph, uses: dict[int, int]) -> dict[int, Op]:
+    """{id of a value: the layout op producing it} for a 2-D or larger parameter seen through
+    WEIGHT_VIEW_OPS, each link used once: `x @ w.T + b` then splits as `linear(x, w, b)`
+    does, the parameter split on the dim the view's user splits."""
+    views: dict[int, Op] = {}
+    for op in g.ops:
+        ins = op.tensor_inputs()
+        if getattr(op.target, "_opname", None) not in WEIGHT_VIEW_OPS or len(ins) != 1 \
+                or len(op.outputs) != 1 or not op.outputs[0].is_tensor:
+            continue
+        v = ins[0]
+        if uses.get(id(v)) == 1 and (id(v) in views or v.kind == PARAM
+                                      and len(v.meta.shape) >= 2):
+            views[id(op.outputs[0])] = op
+    return views
+
+
+def _kind(path: str) -> str:
+    """`transformer.h.3.attn.c_attn` -> `attn.c_attn`: the same layer in every block."""
+    layer = layer_of(path)
+    return path[len(layer) + 1:] if layer and path.startswith(layer + ".") else path
+
+
+def _head_counts(g: Graph, layer: str) -> list[int]:
+    """Head counts in `layer`: the heads dim of reshapes `[b, t, C] -> [b, t, H, ...]` and of
+    attention's q, k and v."""
+    attention, reshapes = [], []
+    for op in g.ops:
+        if layer_of(op.module_path) != layer or not op.outputs or not op.outputs[0].is_tensor:
+            continue
+        name = getattr(op.target, "_opname", None)
+        ins, out = op.tensor_inputs(), op.outputs[0].meta.shape
+        if name == "scaled_dot_product_attention":
+            attention += [v.meta.shape[-3] for v in ins[:3] if len(v.meta.shape) >= 3]
+        elif name in ("view", "reshape", "_unsafe_view") and ins:
+            shape = ins[0].meta.shape
+            if len(shape) == 3 and len(out) >= 4 and tuple(out[:2]) == tuple(shape[:2]) \
+                    and _numel(out[2:]) == shape[2]:
+                reshapes.append(out[2])
+    return attention or reshapes
+
+
+def _numel(shape) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _fed_by(col: Op, stop: Op, replicated_linears: dict[int, int]) -> list[Op]:
+    """The replicated linears of `col`'s block that its input comes from, when its column
+    split stopped where it meets the residual stream (`stop` adds a replicated activation):
+    such a linear closes a region as a row split, once the linears before it split."""
+    if getattr(stop.target, "_opname", None) not in ("add", "sub"):
+        return []
+    stream = {id(v) for v in stop.tensor_inputs() if v.requires_grad and v.kind not in FREE_KINDS
+              and len(v.meta.shape) == len(stop.outputs[0].meta.shape)}
+    layer, found, seen = layer_of(col.module_path), [], set()
+    todo = [v for v in col.tensor_inputs() if v.kind not in FREE_KINDS]
+    while todo:
+        v = todo.pop()
+        op = v.producer
+        if id(v) in stream or op is None or id(op) in seen or layer_of(op.module_path) != layer:
+            continue
+        seen.add(id(op))
+        if id(op) in replicated_linears:
+            found.append(op)
+            continue
+        todo += [u for u in op.tensor_inputs() if u.kind not in FREE_KINDS]
+    return sorted(found, key=lambda op: replicated_linears[id(op)])
+
+
+def _why(g: Graph, n: int, col: Op, stop: Op | None, replicated_linears: dict[int, int]
+         ) -> str:
+    """Why the column split of `col` was undone: the reason actually found."""
+    if stop is None:
+        return "its split reaches the model's output still split"
+    src = f" ({stop.source})" if stop.source else ""
+    where = f"{stop.target_name} in {stop.module_path or 'the model'}{src}"
+    feeds = _fed_by(col, stop, replicated_linears)
+    if feeds:
+        names = ", ".join(dict.fromkeys(_kind(op.module_path or op.name) for op in feeds))
+        return (f"its input comes from {names}, which run replicated (a row split needs it "
+                f"split); as a column split its output would meet the residual stream at "
+                f"{where}")
+    shapes = [v.meta.shape for v in stop.tensor_inputs() + stop.outputs if v.is_tensor]
+    layer = layer_of(col.module_path)
+    heads = sorted(set(_head_counts(g, layer)), reverse=True) if layer else []
+    if any(len(sh) >= 4 for sh in shapes) and any(h % n for h in heads):
+        return (f"heads not divisible by {n} ({' / '.join(map(str, heads))} heads in "
+                f"{layer}); its split stopped at {where}")
+    return f"its split stopped at {where}: no rule takes its inputs split as they arrive"
+
+
+def _stop_alone(g: Graph, n: int, col: Op, vetoed: set[str], cands, uses) -> Op | None:
+    """Where the column split of `col` stops with every other veto kept: its own reason, not
+    that of a split it was undone with."""
+    walk = _Walk(g, n, vetoed - {col.name}, cands, uses)
+    walk.run()
+    return walk.stopped_at.get(col.name)
+
+
+def _replicated_warning(g: Graph, n: int, ops: list[Op], stops: dict[str, Op]) -> str:
+    """One line per layer kind (`attn.c_attn` of every block), in graph order, with the
+    reason found for its first block (`stops`: where each one's split stopped)."""
+    kinds: dict[str, list[Op]] = {}
+    for op in ops:
+        kinds.setdefault(_kind(op.module_path or op.name), []).append(op)
+    lines = []
+    for kind, members in kinds.items():
+        blocks = [layer_of(op.module_path) or op.name for op in members]
+        shown = ", ".join(blocks[:3]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 3
+                                         else "")
+        first = next((op for op in members if op.name in stops), members[0])
+        why = _why(g, n, first, stops.get(first.name), {id(op): i for i, op in enumerate(ops)})
+        lines.append(f"  {kind} ({shown}): {why}.")
+    text = "\n".join(lines)
+    hint = ""
+    if "heads not divisible" in text:
+        hint = (" A single key/value head cannot be split by any plan size."
+                if " / 1 heads in " in text or "(1 heads in " in text else
+                " Pick a plan size that divides the head counts to split them.")
+    return (f"tp at plan {n}: {len(ops)} linear(s) in the layer blocks run replicated, "
+            f"because splitting them would need extra communication:\n{text}{hint}")
+
+
+def split_share(graph: Graph) -> float:
+    """Share of the layer blocks' weight elements (parameters of 2 or more dims inside
+    numbered blocks, `h.3.attn.c_attn.weight`) that a planned graph splits: 1.0 for a full
+    Megatron plan, 0.0 when every block runs replicated."""
+    total = split = 0
+    for v in graph.params:
+        if len(v.meta.shape) < 2 or layer_of(v.fqn or "") is None:
+            continue
+        total += _numel(v.meta.shape)
+        if isinstance(v.placement, Shard):
+            split += _numel(v.meta.shape)
+    return split / total if total else 0.0
 
 
 def _sequence_parallel(g: Graph, n: int, walk: _Walk,
@@ -179,14 +354,15 @@ def _sequence_parallel(g: Graph, n: int, walk: _Walk,
         if id(op) in region or layer_of(op.module_path) is None:
             continue
         ins = op.tensor_inputs()
-        acts = [v for v in ins if v.kind not in FREE_KINDS]
+        acts = [v for v in ins if not walk.is_free(v)]
         seq = [v for v in acts if isinstance(place.get(id(v)), (Shard, Partial))]
         if not seq and not any(v.requires_grad for v in acts):
             continue                         # masks, positions: not the residual stream
         for s in cands[id(op)]:
             outs = [p for v, p in zip(op.outputs, s.outputs) if v.is_tensor]
             if outs and all(p == Shard(SEQ_DIM) for p in outs) and all(
-                    _seq_input_ok(v, place.get(id(v)), want) for v, want in zip(ins, s.inputs)):
+                    _seq_input_ok(v, place.get(id(v)), want, walk.is_free(v))
+                    for v, want in zip(ins, s.inputs)):
                 walk.record(op, s, frozenset())
                 sp.add(id(op))
                 break
@@ -216,11 +392,11 @@ def _sequence_parallel(g: Graph, n: int, walk: _Walk,
                                      if v.is_tensor and len(v.meta.shape) > SEQ_DIM])
 
 
-def _seq_input_ok(v: Value, have, want) -> bool:
+def _seq_input_ok(v: Value, have, want, free: bool) -> bool:
     """An input of a sequence-split op: parameters stay replicated (their gradients are summed
     over the unit), split values keep their split, partial sums are reduce-scattered and
     replicated activations chunked (Megatron-SP's scatter; its backward gathers)."""
-    if v.kind in FREE_KINDS:
+    if free:
         return isinstance(want, Replicate)
     if isinstance(have, Shard):
         return want == have
@@ -253,15 +429,13 @@ def megatron(graph: Graph, config, sequence_parallel: bool = False) -> Graph:
     in_block_ops = [op for op in g.ops
                     if op.name in vetoed and layer_of(op.module_path) is not None
                     and not walk._weight_split(op, walk.choice[id(op)])]
-    in_blocks = [op.module_path or op.name for op in in_block_ops]
-    if in_blocks:
-        warnings.warn(f"tp at plan {n}: {len(in_blocks)} linear(s) in the layer blocks run "
-                      f"replicated, because splitting them would need extra communication "
-                      f"(heads or key/value heads not divisible by {n}, or a fused weight "
-                      f"whose rows interleave heads): {', '.join(sorted(set(in_blocks))[:6])}"
-                      f"{' ...' if len(set(in_blocks)) > 6 else ''}. Pick a plan size that "
-                      f"divides the head counts to split them.{_where(stops, in_block_ops)}",
-                      stacklevel=2)
+    if in_block_ops:
+        firsts = {}
+        for op in in_block_ops:
+            firsts.setdefault(_kind(op.module_path or op.name), op)
+        own = {op.name: _stop_alone(g, n, op, vetoed, cands, uses) for op in firsts.values()}
+        stops.update({k: v for k, v in own.items() if v is not None})
+        warnings.warn(_replicated_warning(g, n, in_block_ops, stops), stacklevel=2)
     if sequence_parallel:
         _sequence_parallel(g, n, walk, cands)
     for op in g.ops:
