@@ -269,3 +269,36 @@ def test_tp_splits_inverted_residual_blocks_with_one_all_reduce_each(tmp_path):
                                        msg=lambda m, fqn=fqn: f"{fqn}: {m}")
         for fqn, b in ref.named_buffers():
             torch.testing.assert_close(buffers[fqn], b, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+
+
+class _CumsumBlock(nn.Module):
+    """Two convolutions with an op between them that no split passes (cumsum over channels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(4, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.b(self.a(x).cumsum(1))
+
+
+class _CumsumNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_CumsumBlock(), _CumsumBlock()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_tp_warning_names_convolutions_and_where_their_split_stops(tmp_path):
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"tp at plan 2: 4 convolution\(s\) in the layer blocks "
+                      r"run replicated(.|\n)*a \(layers.0, layers.1\): its split stopped at "
+                      r"aten.cumsum.default"):
+        nncompile.parallelize(_CumsumNet(), {"x": torch.randn(2, 4, 8, 8)},
+                              nncompile.ComputeConfig(2), pas_policy="tp",
+                              gen_savedir=str(tmp_path), load_module=False)

@@ -325,7 +325,10 @@ def _replicated_warning(g: Graph, n: int, ops: list[Op], stops: dict[str, Op]) -
         hint = (" A single key/value head cannot be split by any plan size."
                 if " / 1 heads in " in text or "(1 heads in " in text else
                 " Pick a plan size that divides the head counts to split them.")
-    return (f"tp at plan {n}: {len(ops)} linear(s) in the layer blocks run replicated, "
+    convs = sum("conv" in op.target_name for op in ops)
+    what = ("convolution(s)" if convs == len(ops) else "linear(s)" if not convs
+            else "linear(s) and convolution(s)")
+    return (f"tp at plan {n}: {len(ops)} {what} in the layer blocks run replicated, "
             f"because splitting them would need extra communication:\n{text}{hint}")
 
 
