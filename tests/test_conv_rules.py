@@ -149,6 +149,18 @@ def _full_buffers(pm) -> dict[str, torch.Tensor]:
     return out
 
 
+def _train(model, opt, batches) -> list[float]:
+    """SGD steps over `batches`; the losses."""
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_cnn_under_a_memory_limit_splits_conv_weights_and_trains_like_one_device(tmp_path):
     torch.manual_seed(0)
     model = CNN()
@@ -160,26 +172,12 @@ def test_cnn_under_a_memory_limit_splits_conv_weights_and_trains_like_one_device
     config = ComputeConfig(2, 2, pas_config={"device": "cpu", "mem_limit_gb": limit})
 
     ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ref_losses = []
-    for x, y in batches:
-        loss = ref(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), batches)
 
     def rank_fn(rank):
         pm = nncompile.parallelize(copy.deepcopy(model), batches[0], config,
                                    pas_policy="autodist", gen_savedir=tmp_path)
-        popt = nncompile.build_optimizer(pm, torch.optim.SGD, lr=0.1)
-        losses = []
-        for x, y in batches:
-            loss = pm(x, y)
-            loss.backward()
-            popt.step()
-            popt.zero_grad()
-            losses.append(loss.item())
+        losses = _train(pm, nncompile.build_optimizer(pm, torch.optim.SGD, lr=0.1), batches)
         return losses, pm.gather_params(), _full_buffers(pm)
 
     out = run_ranks(2, rank_fn)
