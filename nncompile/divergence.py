@@ -168,8 +168,17 @@ def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Diverg
     for op in graph.ops:
         for v in op.inputs():
             users.setdefault(v.name, []).append(op.target_name)
+    # an uninitialized tensor, and a slice of one written into (`z = x.new_empty(...);
+    # z[..., :d].copy_(y)`): the part not yet written holds whatever memory held
+    undefined: set[str] = set()
+    for op in graph.ops:
+        name = getattr(op.target, "_opname", "")
+        base = op.args[0] if op.args else None
+        if name in _UNDEFINED or name == "slice_scatter" and isinstance(base, Value) \
+                and base.name in undefined:
+            undefined |= {v.name for v in op.outputs}
     order: list[Value] = [v for op in graph.ops if not op.target_name.startswith("comm.")
-                          and getattr(op.target, "_opname", "") not in _UNDEFINED
+                          and not any(o.name in undefined for o in op.outputs)
                           for v in op.outputs if v.is_tensor and v.name in ref.values]
 
     def make(phase, v, hit):

@@ -219,6 +219,9 @@ def model_ops(name: str, g: torch.Generator) -> list[Sample]:
         "narrow": [(lambda x: x.narrow(2, 1, 2), (r(4, 8, 4),))],
         "select": [(lambda x: x[:, 3], (r(4, 8, 4),))],
         "cat": [(lambda a, b: torch.cat([a, b], 1), (r(4, 8, 4), r(4, 4, 4)))],
+        "new_empty": [(lambda x: x.new_empty(4, 8, 2), (r(4, 8, 4),))],
+        "slice_scatter": [(lambda x, y: torch.slice_scatter(x, y, dim=2, start=1, end=3),
+                           (r(4, 8, 4), r(4, 8, 2)))],
     }
     return table.get(name, [])
 

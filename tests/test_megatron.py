@@ -441,3 +441,46 @@ def test_split_share_of_a_full_plan_and_of_multi_query_falcon():
     qkv, dense, mlp = 32 * (32 + 2 * 8), 32 * 32, 2 * 32 * 64
     assert split_share(g) == pytest.approx(mlp / (qkv + dense + mlp))
     print(f"\nsplit share at plan 2: HF Llama 1.00, multi-query Falcon {split_share(g):.2f}")
+
+
+def _deepseek_v3() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV3Config"):
+        pytest.skip("transformers without DeepSeek-V3")
+    torch.manual_seed(0)
+    return _CausalLM(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+        max_position_embeddings=32, rope_scaling=None)))
+
+
+def test_deepseek_v3_mla_splits_heads_after_the_low_rank_up_projection(tmp_path):
+    """DeepSeek-V3's multi-head latent attention: the down-projections and their norms stay
+    replicated, q_b_proj and kv_b_proj split by heads (the rotary key shared by every head
+    broadcast to the local ones), o_proj split by rows: 2 forward all-reduces per block,
+    equal to one device."""
+    model = _deepseek_v3()
+    batch = {"input_ids": torch.randint(0, 64, (2, 8))}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)       # no "linears run replicated"
+        g = _plan(tp, model, batch)
+    notes = {v.fqn.split("self_attn.")[1]: str(v.placement) for v in g.params
+             if ".layers.1.self_attn." in v.fqn}
+    assert notes == {"q_a_proj.weight": "R", "q_a_layernorm.weight": "R",
+                     "q_b_proj.weight": "S(0)", "kv_a_proj_with_mqa.weight": "R",
+                     "kv_a_layernorm.weight": "R", "kv_b_proj.weight": "S(0)",
+                     "o_proj.weight": "S(1)"}, notes
+    attn = [v for v in g.params if ".self_attn." in v.fqn and len(v.meta.shape) == 2]
+    split = sum(v.meta.numel for v in attn if str(v.placement) != "R")
+    assert split / sum(v.meta.numel for v in attn) == pytest.approx(
+        (48 * 16 + 64 * 16 + 32 * 32) / (16 * 32 + 48 * 16 + 20 * 32 + 64 * 16 + 32 * 32))
+    cfg = nncompile.ComputeConfig(2, 2)
+    report = nncompile.verify(model, batch, cfg, pas_policy="tp", gen_savedir=str(tmp_path))
+    assert report.ok, report
+    counts = json.loads((tmp_path / "verify__CausalLM" / "plan.json").read_text())[
+        "collectives"]
+    assert counts["comm.all_reduce"] == 2 * 2, counts
+    assert not {k for k in counts} - {"comm.all_reduce", "comm.sync_grad", "comm.to_partial"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import P, Op, Shard
+from ..ir import P, Op, Replicate, Shard
 from .registry import divisible, make, register
 
 
@@ -104,7 +104,38 @@ def expand(op: Op, n: int):
     x, out = op.args[0], op.outputs[0]
     off = len(out.meta.shape) - len(x.meta.shape)
     keep = {i: i + off for i, s in enumerate(x.meta.shape) if s == out.meta.shape[i + off]}
-    return _follow(op, keep, n)
+    found = _follow(op, keep, n)
+    # a size-1 dim broadcast into a split one (MLA's shared rotary key to the local heads):
+    # each rank expands its whole copy to its part; the gradient, a sum over it, is partial
+    for i, s in enumerate(x.meta.shape):
+        if s == 1 and out.meta.shape[i + off] != 1 and divisible(out, i + off, n):
+            found.append(make(op, {x: Replicate()}, [Shard(i + off)],
+                              f"broadcast into split dim {i + off}"))
+    return found
+
+
+@register("new_empty")
+def new_empty(op: Op, n: int):
+    """An uninitialized tensor shaped like its input on the dims it keeps: split alike."""
+    x, out = op.args[0], op.outputs[0]
+    if len(x.meta.shape) != len(out.meta.shape):
+        return []
+    return [make(op, {x: Shard(d)}, [Shard(d)], f"split dim {d}")
+            for d in range(len(x.meta.shape))
+            if x.meta.shape[d] == out.meta.shape[d] and divisible(x, d, n)]
+
+
+@register("slice_scatter")
+def slice_scatter(op: Op, n: int):
+    """`z[..., a:b] = y`: z and y split alike on a dim other than the sliced one."""
+    x, src = op.args[0], op.args[1]
+    cut = _cut_dim(op, 2)
+    found = [make(op, {x: Shard(d), src: Shard(d)}, [Shard(d)], f"split dim {d}")
+             for d in range(len(x.meta.shape))
+             if d != cut and divisible(x, d, n) and divisible(src, d, n)]
+    if x.meta.dtype.is_floating_point:
+        found.append(make(op, {x: P, src: P}, [P], "keep partial"))
+    return found
 
 
 def _cut_dim(op: Op, pos: int = 1, default: int = 0) -> int:

@@ -23,6 +23,11 @@ came from are vetoed and the walk runs again, until every region closes. Linears
 blocks left replicated are named in one warning, a line per layer kind with the reason found
 (where the split stopped; head counts only where they do not divide).
 
+A low-rank down-projection normed before its up-projection (DeepSeek's MLA: q_a_proj ->
+q_a_layernorm -> q_b_proj) runs replicated, so the up-projection starts the column split, and a
+replicated activation broadcast into the heads (`expand` of MLA's shared rotary key) enters the
+region split like a column output (its backward is Megatron's `f`).
+
 `tp_sp` adds Megatron's sequence parallelism: ops of the layer blocks outside regions (norms,
 residual adds, dropout) run split on the sequence dim (dim 1), so the region's entry becomes an
 all_gather whose backward is a reduce-scatter, and its exit a reduce-scatter:
@@ -58,6 +63,7 @@ class _Walk:
         self.choice: dict[int, Strategy] = {}
         self.failed: set[str] = set()
         self.stopped_at: dict[str, Op] = {}         # column op -> where its split stopped
+        self.entries: set[str] = set()              # expands that start a split
         self.views = weight_views(g, uses)
 
     # ---- placements ------------------------------------------------------------------------
@@ -113,6 +119,19 @@ class _Walk:
                 continue
             if all(self._free_ok(v, p) if self.is_free(v) else isinstance(p, Replicate)
                    for v, p in zip(op.tensor_inputs(), s.inputs)):
+                return s
+        return None
+
+    def entry(self, op: Op) -> Strategy | None:
+        """A replicated activation broadcast into a split dim (`expand` of a size-1 dim): MLA's
+        rotary key, shared by every head, expanded to the local heads of a region."""
+        if not is_entry(op) or op.name in self.vetoed \
+                or not all(v.requires_grad and not self.is_free(v) for v in op.tensor_inputs()):
+            return None
+        for s in self.cands[id(op)]:
+            if isinstance(s.outputs[0], Shard) \
+                    and all(isinstance(p, Replicate) for p in s.inputs if p is not None):
+                self.entries.add(op.name)
                 return s
         return None
 
@@ -182,11 +201,13 @@ class _Walk:
             if split:
                 s = self.follow(op)
                 if s is None:
-                    self.failed |= prov           # the split cannot close here: undo its source
+                    # the split cannot close here: undo its source, a broadcast entry last
+                    prov = frozenset(p for p in prov if p not in self.entries) or prov
+                    self.failed |= prov
                     for name in prov:
                         self.stopped_at.setdefault(name, op)
             else:
-                s = self.column(op)
+                s = self.column(op) or self.entry(op)
                 if s is not None:
                     prov = frozenset([op.name])
             self.record(op, s or replicated(op), prov)
@@ -218,6 +239,49 @@ def weight_views(g: Graph, uses: dict[int, int]) -> dict[int, Op]:
                                       and len(v.meta.shape) >= 2):
             views[id(op.outputs[0])] = op
     return views
+
+
+def is_entry(op: Op) -> bool:
+    """An op that may start a split with no weight: an `expand`."""
+    return getattr(op.target, "_opname", None) == "expand"
+
+
+# reductions over the features of a norm: a down-projection normed before its up-projection
+NORM_REDUCTIONS = {"mean", "var", "rms_norm", "layer_norm", "native_layer_norm"}
+
+
+def _low_rank_downs(g: Graph) -> set[str]:
+    """Names of the block linears whose whole output is normed before anything else reads it
+    (MLA's q_a_proj -> q_a_layernorm, kv_a_proj_with_mqa -> split -> kv_a_layernorm): small
+    down-projections that run replicated, so the up-projection after the norm starts the
+    column split (Megatron's plan for DeepSeek's attention).
+
+        q = q_b_proj(q_a_layernorm(q_a_proj(x)))   ->   q_a_proj, the norm: R; q_b_proj: S(0)
+    """
+    users: dict[int, list[Op]] = {}
+    for op in g.ops:
+        for v in op.tensor_inputs():
+            users.setdefault(id(v), []).append(op)
+    found = set()
+    for op in g.ops:
+        if layer_of(op.module_path) is None or len(op.outputs) != 1 \
+                or not any(v.kind == PARAM and len(v.meta.shape) == 2
+                           for v in op.tensor_inputs()):
+            continue
+        todo, depth = [op.outputs[0]], 0
+        while todo and depth < 4 and op.name not in found:
+            nxt = []
+            for v in todo:
+                for u in users.get(id(v), []):
+                    acts = [w for w in u.tensor_inputs() if w.kind not in FREE_KINDS]
+                    if len(acts) != 1 or any(o.is_tensor and len(o.meta.shape) != 3
+                                             for o in u.outputs):
+                        continue
+                    if getattr(u.target, "_opname", None) in NORM_REDUCTIONS:
+                        found.add(op.name)
+                    nxt += [o for o in u.outputs if o.is_tensor]
+            todo, depth = nxt, depth + 1
+    return found
 
 
 def _kind(path: str) -> str:
@@ -418,7 +482,8 @@ def megatron(graph: Graph, config, sequence_parallel: bool = False) -> Graph:
     for op in g.ops:
         for v in op.tensor_inputs():
             uses[id(v)] = uses.get(id(v), 0) + 1
-    vetoed: set[str] = set()
+    low_rank = _low_rank_downs(g)               # stay replicated, as Megatron keeps them
+    vetoed: set[str] = set(low_rank)
     stops: dict[str, Op] = {}                   # vetoed column op -> where its split stopped
     while True:
         walk = _Walk(g, n, vetoed, cands, uses)
@@ -431,6 +496,7 @@ def megatron(graph: Graph, config, sequence_parallel: bool = False) -> Graph:
         vetoed |= failed
     in_block_ops = [op for op in g.ops
                     if op.name in vetoed and layer_of(op.module_path) is not None
+                    and not is_entry(op) and op.name not in low_rank
                     and not walk._weight_split(op, walk.choice[id(op)])]
     if in_block_ops:
         firsts = {}
