@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 
 from nncompile.custom_ops import is_custom_op
 from nncompile.ir import PARAM, USER_INPUT, Graph, Op, Value
+from nncompile.ir.interpret import run_ops
 from nncompile.ir.printer import DEVICE, Symbol
 from nncompile.modes import resolve
 from nncompile.symbolic import Sym
@@ -212,25 +213,9 @@ def _evaluate(g: Graph, mask: Value) -> Any:
     if mask.meta is not None and mask.meta.numel > _MAX_MASK_ELEMENTS:
         return f"constant mask of {mask.meta.numel:,} elements (not evaluated)"
     env: dict[int, Any] = {}
-
-    def get(x: Any) -> Any:
-        if isinstance(x, Value):
-            return env[id(x)]
-        if isinstance(x, torch.device) or (isinstance(x, Symbol) and x == DEVICE):
-            return torch.device("cpu")
-        return x
-
     try:
         with torch.no_grad():
-            for op in g.const_ops + g.ops:
-                if id(op) not in need:
-                    continue
-                args, kwargs = pytree.tree_map(get, (op.args, op.kwargs))
-                out = op.target(*args, **kwargs)
-                if op.multi_output:
-                    env.update({id(v): o for v, o in zip(op.outputs, out)})
-                else:
-                    env[id(op.outputs[0])] = out
+            run_ops([op for op in g.const_ops + g.ops if id(op) in need], env)
     except Exception as e:                # e.g. an op without a CPU kernel: the mask stays
         return f"constant mask not evaluated at compile time ({type(e).__name__})"
     t = env[id(mask)]

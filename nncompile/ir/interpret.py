@@ -27,18 +27,32 @@ def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any],
     for v in graph.params + graph.buffers:
         env[id(v)] = state[v.fqn]
 
-    def get(x: Any) -> Any:
-        if isinstance(x, Value):
-            return env[id(x)]
-        if isinstance(x, Symbol):
-            if hasattr(x, "train"):        # a mode argument (nncompile/modes.py): training
-                return x.train
-            return torch.device("cpu") if x == DEVICE else None
-        if isinstance(x, torch.device):
-            return torch.device("cpu")
-        return x
+    run_ops(graph.const_ops + graph.ops, env)
+    if record is not None:
+        names = {id(v): v.name for v in graph.values()}
+        record.update({names[k]: x for k, x in env.items() if k in names})
+    return [_get(env, v) for v in graph.outputs]
 
-    for op in graph.const_ops + graph.ops:
+
+def _get(env: dict[int, Any], x: Any) -> Any:
+    if isinstance(x, Value):
+        return env[id(x)]
+    if isinstance(x, Symbol):
+        if hasattr(x, "train"):        # a mode argument (nncompile/modes.py): training
+            return x.train
+        return torch.device("cpu") if x == DEVICE else None
+    if isinstance(x, torch.device):
+        return torch.device("cpu")
+    return x
+
+
+def run_ops(ops: list, env: dict[int, Any]) -> None:
+    """Run `ops` in order on CPU, reading their inputs from and writing their outputs to
+    `env` (id(Value) -> value); collectives are identities."""
+    def get(x: Any) -> Any:
+        return _get(env, x)
+
+    for op in ops:
         args, kwargs = pytree.tree_map(get, (op.args, op.kwargs))
         if isinstance(op.target, str):                 # a collective: identity on full tensors
             out = args[0]
@@ -53,7 +67,3 @@ def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any],
                 env[id(v)] = o
         elif op.outputs:
             env[id(op.outputs[0])] = out
-    if record is not None:
-        names = {id(v): v.name for v in graph.values()}
-        record.update({names[k]: x for k, x in env.items() if k in names})
-    return [get(v) for v in graph.outputs]
