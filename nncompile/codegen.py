@@ -17,8 +17,8 @@ from typing import Any, Iterator
 from . import __version__
 from .comm_stats import collective_rows
 from .custom_ops import REGISTRY, is_custom_op
-from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, print_graph,
-                 shard_slices)
+from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, part_slices,
+                 print_graph, shard_slices)
 from .codegen_notes import comm_note, reduction_header
 from .lifetimes import body_frees, closure_io, del_lines, last_uses, statement_frees
 from .ir.printer import fmt_body, op_notes, value_names
@@ -60,6 +60,8 @@ class GenModel(ParallelModule):
     SIGNATURE = {signature!r}  # forward's positional parameters
     DEFAULTS = {defaults!r}  # untraced arguments' defaults
     PARAMS = [  # ParamRow: local name, FQN, full shape, placement, this rank's slices, partial grad
+    # and, for a part "w[i/k]" of a fused parameter, (source FQN, source shape, view): its slices
+    # are then this rank's box of the source viewed as view (passes/unfuse_projections.py)
 {params}
     ]
     FROZEN = {frozen!r}  # parameters with requires_grad=False: no gradient, no optimizer state
@@ -94,16 +96,28 @@ def rank_tables(g: Graph, rank: int) -> dict[str, list[tuple]]:
     partial = set(g.plan_state.partial_grad_params)
 
     def sl(v: Value):
+        if v.part is not None:          # a part: this rank's box of the source's view
+            return part_slices(v.part, v.meta.shape, v.placement, shard, n)
         return tuple(tuple(s) for s in shard_slices(v.meta.shape, v.placement, shard, n))
 
+    def part(v: Value):
+        p = v.part
+        return None if p is None else (p.source, tuple(p.source_shape), tuple(p.view))
+
     return {
-        "params": [ParamRow(v.name, v.fqn, tuple(v.meta.shape), v.placement, sl(v),
-                            v.name in partial).plain() for v in g.params],
+        "params": [_param_row(ParamRow(v.name, v.fqn, tuple(v.meta.shape), v.placement, sl(v),
+                                       v.name in partial, part(v))) for v in g.params],
         "buffers": [BufferRow(v.name, v.fqn, tuple(v.meta.shape), v.placement, sl(v)).plain()
                     for v in g.buffers],
         "consts": [ConstRow(v.name, tuple(v.meta.shape), v.placement, sl(v)).plain()
                    for v in g.consts],
     }
+
+
+def _param_row(row: ParamRow) -> tuple:
+    """As the file prints it: 6 fields for an ordinary parameter, 7 for a part."""
+    plain = row.plain()
+    return plain if row.part is not None else plain[:6]
 
 
 PIPELINE_HEADER = '''    # pipeline parallelism (runtime/pipeline.py runs the stages on torch.distributed.pipelining)
@@ -379,11 +393,13 @@ def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[
         ranks[str(r)] = {
             "file": f"gencode{r}.py",
             "params": [{"local": name, "fqn": fqn, "full_shape": list(shape),
-                        "dtype": dtypes[fqn], "placement": place,
+                        "dtype": dtypes[fqn], "placement": repr(place),
                         "slices": [list(s) for s in slices],
                         "partial_sum_count": g.plan_ngpus if partial else 1,
-                        "trainable": name not in frozen}
-                       for name, fqn, shape, place, slices, partial in t["params"]],
+                        "trainable": name not in frozen,
+                        **({"part": {"source": part[0], "view": list(part[2])}} if part else {})}
+                       for name, fqn, shape, place, slices, partial, part
+                       in (ParamRow.of(r) for r in t["params"])],
         }
     return {
         "nncompile_version": __version__,
@@ -420,6 +436,10 @@ def plan_json(g: Graph) -> dict[str, Any]:
         "policy": g.plan_state.policy,
         "plan_ngpus": g.plan_ngpus,
         "params": {v.fqn: repr(v.placement) for v in g.params},
+        # parameters held as parts of a fused one (passes/unfuse_projections.py), by their key
+        "param_parts": {v.fqn: {"source": v.part.source, "view": list(v.part.view),
+                                "box": [list(b) for b in v.part.box]}
+                        for v in g.params if v.part is not None},
         "partial_grad_params": list(g.plan_state.partial_grad_params),
         "collectives": dict(comm),
         "collective_ops": collective_rows(g),

@@ -49,7 +49,8 @@ def comm_note(op: Op) -> list[str]:
     target = op.target_name
     if not target.startswith("comm."):
         form = op.attrs.get("attention")
-        return [f"attention: {form}"] if form else []
+        part = op.attrs.get("unfused")             # passes/unfuse_projections.py
+        return [f"attention: {form}"] if form else [part] if part else []
     kind = target[len("comm."):]
     ins, outs = op.tensor_inputs(), [v for v in op.outputs if v.is_tensor]
     move = f" {ins[0].placement!r} -> {outs[0].placement!r}" if ins and outs else ""
@@ -64,6 +65,12 @@ def comm_note(op: Op) -> list[str]:
     if linears:                # passes/overlap_grad_sync.py
         move = f" {ins[0].placement!r} -> R"
         what += f", then the {len(linears)} column-split linear(s) it feeds"
+        parts: dict[str, list[str]] = {}      # passes/unfuse_projections.py: per piece
+        for w, *_ in linears:
+            if getattr(w, "part", None) is not None:
+                parts.setdefault(w.part.source, []).append(w.fqn[len(w.part.source):])
+        for source, idx in parts.items():
+            what += f"; parts {', '.join(idx)} of the fused {source}"
         back = f"{back} of the input gradient, overlapped with the weight gradients"
     if not grad:
         return [f"{kind}{move}: {what} (no backward: no gradient flows here)"]
@@ -98,7 +105,7 @@ def reduction_header(g: Graph, params: list[tuple], runtime_ngpus: int, pipe_ran
     trainable = {v.name for v in g.params if v.requires_grad}
     groups: dict[tuple, dict[str, Any]] = {}
     cap = DEFAULT_BUCKET_CAP_MB * 2 ** 20
-    for name, _fqn, _shape, _place, slices, partial in reversed(params):
+    for name, _fqn, _shape, _place, slices, partial, *_ in reversed(params):
         red = grad_reduction(mesh, bool(partial), name in trainable)
         if red is None:
             continue

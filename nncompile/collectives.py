@@ -29,7 +29,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from nncompile.ir import Partial, Placement, Replicate, Shard
+from nncompile.ir import Partial, Placement, Replicate, Shard, StridedShard
 
 PlacementType = type
 
@@ -133,7 +133,9 @@ def transition(src: Placement | PlacementType, dst: Placement | PlacementType
                ) -> Collective | None:
     """The one collective that turns placement (type) `src` into `dst`, if any; of several,
     the one registered last."""
-    pair = tuple(p if isinstance(p, type) else type(p) for p in (src, dst))
+    # a strided split moves the bytes a plain one does (insert_comm runs it on an unmerged view)
+    pair = tuple(Shard if isinstance(p, Shard) or p is StridedShard else
+                 p if isinstance(p, type) else type(p) for p in (src, dst))
     for c in reversed(TABLE.values()):
         if pair in c.transitions and not c.syncs_grad:
             return c

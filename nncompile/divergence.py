@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .ir import Graph, Partial, Shard, Value
+from .ir import Graph, Partial, Shard, Value, join_pieces
 from .ir.interpret import run_graph
 
 # intermediate values: generous enough for float32 reordering, far below real plan bugs
@@ -115,7 +115,7 @@ def reference_run(graph: Graph, module: torch.nn.Module, inputs: list[Any],
 def _unit_value(pieces: list, placement) -> Any:
     """A plan unit's pieces of one value, combined: S(d) cat, P sum, R the first piece."""
     if isinstance(placement, Shard):
-        return torch.cat(pieces, dim=placement.dim)
+        return join_pieces(pieces, placement)          # a strided split interleaves them
     if isinstance(placement, Partial):
         return torch.stack(pieces).sum(0)
     return pieces[0]
@@ -125,11 +125,12 @@ def _error(a: torch.Tensor, ref: torch.Tensor) -> float | None:
     """Max abs error, or None when within tolerance (exact for non-float)."""
     if a.shape != ref.shape:
         return float("inf")
-    if not ref.is_floating_point():
+    if not (ref.is_floating_point() or ref.is_complex()):
         return None if torch.equal(a, ref) else float((a.detach().double() - ref.double()).abs().max())
     if ref.numel() == 0:
         return None
-    err = float((a.detach().double() - ref.detach().double()).abs().max())
+    wide = torch.complex128 if ref.is_complex() else torch.float64     # complex: |difference|
+    err = float((a.detach().to(wide) - ref.detach().to(wide)).abs().max())
     bound = VALUE_ATOL + VALUE_RTOL * float(ref.detach().abs().max())
     return None if err <= bound and err == err else err
 

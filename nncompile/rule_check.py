@@ -5,8 +5,8 @@ For every rule in `nncompile.rules.RULES` and every split strategy it offers at 
     sample      PyTorch's OpInfo samples (op_db) where the op has an entry, plus hand-written
                 ones (nncompile/rule_samples.py) whose dims divide by 2 and 4
     trace       fn(*sample) with nncompile's own frontend: the op as the rules see it
-    split       each input as the strategy says: S(d) chunks, R copies, P random pieces that
-                sum to the input
+    split       each input as the strategy says: S(d) chunks, S(d|o) chunks of each of the o
+                blocks of dim d, R copies, P random pieces that sum to the input
     run         the op on each simulated rank's pieces (threads over the threaded process group,
                 so ops whose local form communicates, e.g. comm.cross_entropy_rows, run too),
                 localized like generated code (passes/localize.py: size arguments, local ops)
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from .custom_ops import REGISTRY, is_custom_op
-from .ir import Op, Partial, Replicate, Shard, Strategy, Value
+from .ir import Op, Partial, Replicate, Shard, Strategy, Value, join_pieces, piece_of
 from .ir.interpret import run_graph
-from .rules import RULES, draws_random, strategies
+from .rules import RULES, draws_random, strategies, strided_splits
 
 NS = (2, 4)
 RTOL, ATOL = 1e-7, 1e-9                       # float64 samples: reordering errors ~1e-15
@@ -176,8 +176,8 @@ def collect_cases(rules: list[str] | None = None, opinfo_limit: int = 4, seed: i
 # ---- running one strategy on simulated ranks -----------------------------------------------
 
 def _pieces(x: torch.Tensor, p, n: int, g: torch.Generator) -> list[torch.Tensor]:
-    if isinstance(p, Shard):
-        return [c.clone() for c in x.chunk(n, dim=p.dim)]
+    if isinstance(p, Shard):                    # a strided split S(d|o) too
+        return [piece_of(x, p, r, n).clone() for r in range(n)]
     if isinstance(p, Partial) and _differentiable(x):
         parts = [torch.randn(x.shape, generator=g, dtype=x.dtype) for _ in range(n - 1)]
         return parts + [x - sum(parts)]
@@ -253,7 +253,7 @@ def _run_rank(case: Case, s: Strategy, n: int, rank: int, seed: int):
 
 
 def _local_grad(u: torch.Tensor, p, n: int, rank: int) -> torch.Tensor:
-    return u.chunk(n, dim=p.dim)[rank] if isinstance(p, Shard) else u
+    return piece_of(u, p, rank, n) if isinstance(p, Shard) else u
 
 
 def _reference(case: Case, seed: int):
@@ -316,7 +316,7 @@ def _compare_outputs(case, s, n, ranks, ref) -> str | None:
             continue
         pieces = [r[0][i] for r in ranks]
         if isinstance(p, Shard):
-            why = _close(torch.cat(pieces, p.dim), want)
+            why = _close(join_pieces(pieces, p), want)
         elif isinstance(p, Partial):
             why = _close(torch.stack(pieces).sum(0), want)
         else:
@@ -336,7 +336,7 @@ def _compare_grads(case, s, n, ranks, ref) -> str | None:
         if any(x.shape != pieces[0].shape for x in pieces):
             return f"input {i} gradient: shapes differ across ranks"
         if isinstance(p, Shard):
-            why = _close(torch.cat(pieces, p.dim), want)
+            why = _close(join_pieces(pieces, p), want)
         elif isinstance(p, Partial):
             why = next((w for w in (_close(x, want) for x in pieces) if w), None)
         else:                                        # replicated input: partial gradients
@@ -348,10 +348,11 @@ def _compare_grads(case, s, n, ranks, ref) -> str | None:
 
 def check_rules(rules: list[str] | None = None, ns: tuple[int, ...] = NS,
                 opinfo_limit: int = 4, cases: list[Case] | None = None,
-                samples: dict[str, list[tuple[Callable, tuple]]] | None = None) -> RuleReport:
+                samples: dict[str, list[tuple[Callable, tuple]]] | None = None,
+                strided: bool = True) -> RuleReport:
     """Check every split strategy of `rules` (default: every built-in rule) at each n in
     `ns`; `samples` adds calls per rule, e.g. `{"nncompile::my_linear": [(my_linear, (x, w))]}`
-    for a rule given to register_op."""
+    for a rule given to register_op. `strided`: the strided splits (S(d|o)) too."""
     from .simulate import run_ranks
     cases = collect_cases(rules, opinfo_limit, extra=samples) if cases is None else cases
     report = RuleReport(cases=len(cases))
@@ -361,7 +362,8 @@ def check_rules(rules: list[str] | None = None, ns: tuple[int, ...] = NS,
         work = []
         for k, c in enumerate(cases):
             try:
-                offered = strategies(c.op, n)
+                with strided_splits(strided):
+                    offered = strategies(c.op, n)
             except Exception as e:      # noqa: BLE001 - a rule that crashes is a failure
                 report.failures.append(f"{c.rule} n={n} ({c.origin}, {_shapes(c)}): the rule "
                                        f"raised {type(e).__name__}: {e}")

@@ -176,7 +176,12 @@ def model_ops(name: str, g: torch.Generator) -> list[Sample]:
                                          (_sdpa_gqa, (r(4, 8, 8, 8), r(4, 4, 8, 8),
                                                       r(4, 4, 8, 8))),
                                          (_sdpa_gqa_causal, (r(4, 8, 8, 8), r(4, 4, 8, 8),
-                                                             r(4, 4, 8, 8)))],
+                                                             r(4, 4, 8, 8))),
+                                         # multi-query: one k/v head, broadcast or grouped
+                                         (_sdpa_causal, (r(4, 8, 8, 8), r(4, 1, 8, 8),
+                                                         r(4, 1, 8, 8))),
+                                         (_sdpa_gqa, (r(4, 8, 8, 8), r(4, 1, 8, 8),
+                                                      r(4, 1, 8, 8)))],
         "sum": [(lambda x: x.sum(1), (r(4, 8, 4),)), (lambda x: x.sum(), (r(4, 8),)),
                 (lambda x: x.sum(-1, keepdim=True), (r(4, 8),))],
         "mean": [(lambda x: x.mean(0), (r(4, 8, 4),)), (lambda x: x.mean(), (r(4, 8),))],
@@ -269,6 +274,27 @@ def head_ops(name: str, g: torch.Generator) -> list[Sample]:
     return table.get(name, [])
 
 
+def strided_ops(name: str, g: torch.Generator) -> list[Sample]:
+    """Samples of the ops a strided split goes through (heads inside a merged batch-and-heads
+    dim, DeBERTa's attention): the merge and its undoing, `repeat` of a split dim, `gather`
+    with an index expanded over the merged dim, bmm over it."""
+    r = lambda *s: _r(*s, g=g)                                                  # noqa: E731
+    idx = torch.randint(0, 16, (1, 8, 8), generator=g)
+    table: dict[str, list[Sample]] = {
+        "view": [(lambda x: x.view(-1, 4, 8, 8), (r(16, 8, 8),)),      # (B*H) -> (B, H)
+                 (lambda x: x.view(16, 8), (r(2, 8, 8),))],
+        "repeat": [(lambda x: x.repeat(2, 1, 1), (r(4, 8, 4),)),       # per-batch copies
+                   (lambda x: x.repeat(3, 2, 1), (r(4, 8, 4),)),
+                   (lambda x: x.repeat(2, 1, 1), (r(8, 4),))],         # a new leading dim
+        "gather": [(lambda x, i: torch.gather(x, -1, i.expand(8, 8, 8)), (r(8, 8, 16), idx)),
+                   (lambda x, i: torch.gather(x, 0, i), (r(8, 4),
+                                                        torch.randint(0, 8, (4, 4), generator=g)))],
+        "expand": [(lambda i: i.expand(8, 8, 8), (idx,))],
+        "bmm": [(torch.bmm, (r(8, 4, 4), r(8, 4, 4)))],
+    }
+    return table.get(name, [])
+
+
 def samples(name: str, g: torch.Generator) -> list[Sample]:
     """Hand-written samples of the rule registered under `name` (an op name, maybe with an
     overload: 'split.Tensor')."""
@@ -280,4 +306,4 @@ def samples(name: str, g: torch.Generator) -> list[Sample]:
         out = binary(base, g)
     else:
         out = model_ops(base, g)
-    return out + head_ops(base, g) + conv_ops(base, g)
+    return out + head_ops(base, g) + conv_ops(base, g) + strided_ops(base, g)

@@ -1,11 +1,15 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
-    trace -> constant_fold -> dce -> fuse_attention -> [pipeline_stages] -> plan(policy)
-          -> sink_gathers -> insert_comm -> [recompute] -> localize -> overlap_grad_sync
-          -> codegen
+    trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections]
+          -> [pipeline_stages] -> plan(policy) -> sink_gathers -> insert_comm -> [recompute]
+          -> localize -> overlap_grad_sync -> codegen
 
 fuse_attention turns a constant causal mask into SDPA's `is_causal=True` and repeat_kv copies
-into `enable_gqa=True` (passes/fuse_attention.py).
+into `enable_gqa=True` (passes/fuse_attention.py). unfuse_projections (plan_ngpus > 1) cuts a
+fused projection whose output is only split into pieces (nanoGPT's `c_attn` then `.split`)
+into one projection per piece over parts of the fused parameter, so the plan splits q, k and
+v by heads (passes/unfuse_projections.py); it is in the history (and graphs/) only when it
+cut one.
 
 Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
@@ -29,6 +33,7 @@ from .constant_fold import constant_fold
 from .contract import contract, produces_of, requires_of
 from .dce import dce
 from .fuse_attention import FuseAttention, fuse_attention
+from .unfuse_projections import UnfuseProjections, unfuse_projections
 from .insert_comm import insert_comm
 from .localize import localize
 from .overlap_grad_sync import overlap_grad_sync
@@ -67,6 +72,7 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         constant_fold if config.constant_folding else None,
         dce,
         FuseAttention(config.plan_ngpus),
+        UnfuseProjections(config.plan_ngpus) if config.plan_ngpus > 1 else None,
         PartitionStages(config, autodist=policy is POLICIES["autodist"])
         if config.pipeline.enabled else None,
         Plan(policy, config),
@@ -115,6 +121,7 @@ def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> Pipel
             raise PassError(f"pass {pass_name(p)!r} requires {_stages(missing)}, which no pass "
                             f"before it produced (ran: {done}); put the pass that produces it "
                             "earlier in the pipeline")
+        before = result.graph
         try:
             result.graph = p(result.graph)
             if check:
@@ -128,6 +135,8 @@ def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> Pipel
             done = [name for name, _, _ in result.history]
             raise PassError(f"pass {pass_name(p)!r} failed after {done}: "
                             f"{type(e).__name__}: {e}") from e
+        if getattr(p, "quiet_when_unchanged", False) and result.graph is before:
+            continue        # nothing to do on this graph: not in the history (nor graphs/)
         unmet = [s for s in produces_of(p) if s not in result.graph.stages]
         if unmet:
             raise PassError(f"pass {pass_name(p)!r} declares it produces {_stages(unmet)}, but "
@@ -141,5 +150,5 @@ def _stages(stages) -> str:
 
 
 __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce",
-           "fuse_attention", "FuseAttention", "Plan", "sink_gathers", "insert_comm",
+           "fuse_attention", "FuseAttention", "unfuse_projections", "UnfuseProjections", "Plan", "sink_gathers", "insert_comm",
            "localize", "overlap_grad_sync", "plan_graph", "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]

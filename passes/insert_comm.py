@@ -12,14 +12,23 @@ split op that reads a replicated input leaves only a partial gradient for it on 
 that use goes through `sync_grad`, Megatron's `f`. A replicated parameter whose every use is
 like that skips `sync_grad`: the runtime sums its gradient over the plan unit instead
 (`partial_grad` in the manifest), together with the data-parallel reduction.
-Each distinct (value, placement) conversion is made once and shared by its users.
+Each distinct (value, placement) conversion is made once and shared by its users. A conversion
+from or to a strided split S(d|o) runs on the value viewed with dim d unmerged into (o, rest),
+where the split is a plain S(d + 1):
+
+    x: f32[8, 16] S(0|2)   ->   x_view = reshape(x, [2, 4, 16])        # S(1)
+                                x_view_gather = comm.all_gather(x_view, dim=1)
+                                x_view_gather_view = reshape(x_view_gather, [8, 16])   # R
 Precondition: plan. Idempotent: yes (a second run finds nothing to convert).
 """
 from __future__ import annotations
 
+import torch
+
 from .contract import contract
 from nncompile.collectives import by_name, grad_sync_collective, of_target, route
-from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Replicate, Stage, Strategy, Value
+from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Partial, Replicate, Shard, Stage, \
+    Strategy, StridedShard, TensorMeta, Value
 
 GROUPS = {"plan": PLAN_GROUP}      # a Collective's group -> the name generated code uses
 
@@ -45,8 +54,40 @@ class _Inserter:
         self.new_ops.append(op)
         return out
 
+    def reshape(self, v: Value, shape: tuple[int, ...], placement) -> Value:
+        """A layout op (no data moves): `v` viewed as `shape`, placed as `placement`."""
+        out = Value(self.g.fresh_name(f"{v.name}_view"), TensorMeta(tuple(shape), v.meta.dtype),
+                    requires_grad=v.requires_grad)
+        out.placement = placement
+        op = Op(torch.ops.aten.reshape.default, (v, list(shape)), {}, [out],
+                module_path=v.producer.module_path if v.producer else "")
+        op.strategy = Strategy((v.placement,), (placement,), "unmerge strided split")
+        self.new_ops.append(op)
+        return out
+
+    def strided(self, v: Value, want, sync: bool) -> Value:
+        """A conversion from or to StridedShard(d, o): through v viewed with dim d unmerged
+        into (o, size // o), where the split is a plain S(d + 1)."""
+        if isinstance(v.placement, StridedShard):
+            d, o = v.placement.dim, v.placement.outer
+            shape = v.meta.shape
+            wide = shape[:d] + (o, shape[d] // o) + shape[d + 1:]
+            full = self.reshape(self.convert(self.reshape(v, wide, Shard(d + 1)), Replicate()),
+                                shape, Replicate())
+            return self.convert(full, want, sync)
+        if not isinstance(v.placement, (Replicate, Partial)):
+            return self.convert(self.convert(v, Replicate()), want, sync)
+        d, o = want.dim, want.outer
+        shape = v.meta.shape
+        wide = shape[:d] + (o, shape[d] // o) + shape[d + 1:]
+        split = self.convert(self.reshape(v, wide, v.placement), Shard(d + 1), sync)
+        return self.reshape(split, shape, want)
+
     def convert(self, v: Value, want, sync: bool = False) -> Value:
         key = (id(v), want, sync)
+        if key not in self.cache and v.placement != want and any(
+                isinstance(p, StridedShard) for p in (v.placement, want)):
+            self.cache[key] = self.strided(v, want, sync)
         if key not in self.cache:
             out = v
             for kind, kwargs, dst in transition(v.placement, want, sync):

@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar
 
 from nncompile.errors import PolicyError
 from nncompile.ir import Graph, Partial, Replicate, Stage
-from nncompile.rules import replicated, strategies
+from nncompile.rules import replicated, strategies, strided_splits
 
 from .pipeline_stages import stage_config
 
@@ -49,7 +49,8 @@ class Plan:
         for op in g.ops:
             if op.strategy is None:
                 op.strategy = replicated(op)
-            legal = {(s.inputs, s.outputs): s for s in strategies(op, n)}
+            with strided_splits():      # a policy may choose them; insert_comm converts
+                legal = {(s.inputs, s.outputs): s for s in strategies(op, n)}
             chosen = legal.get((op.strategy.inputs, op.strategy.outputs))
             if chosen is None:
                 raise PolicyError(f"policy chose an illegal strategy for {op.name} "

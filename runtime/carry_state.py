@@ -19,8 +19,8 @@ import torch
 
 from nncompile.errors import ConfigError
 
-from .param_handles import local_name
-from .rows import param_rows
+from .param_handles import local_names
+from .rows import param_rows, take
 
 
 def _refuse(what: str) -> ConfigError:
@@ -42,30 +42,35 @@ def carried_state(pm, inst: torch.optim.Optimizer, pieces: bool) -> dict[str, di
             st = inst.state.get(p)
             if not st:
                 continue
-            name = local_name(pm, p)
-            if name is None or name not in rows:
-                continue                 # a parameter this rank does not hold
-            if getattr(p, "_nnc_span", None) is not None:
-                raise _refuse(f"the state of {name!r} was kept for a ZeRO-3 piece")
-            row = rows[name]
-            local, shape = tuple(row.local_shape), tuple(p.shape)
-            whole = local == tuple(row.shape)
-            new: dict[str, Any] = {}
-            for k, v in st.items():
-                if not torch.is_tensor(v) or v.dim() == 0:
-                    new[k] = v.clone() if torch.is_tensor(v) else v
-                elif tuple(v.shape) == shape and (shape == local or shape == tuple(row.shape)):
-                    if shape != local:          # the original's full tensor: this rank's slice
-                        v = v[tuple(slice(a, b) for a, b in row.slices)]
-                    new[k] = v.detach().clone()
-                elif whole and not pieces:
-                    new[k] = v.detach().clone()  # the parameter is whole: exact as it is
-                else:
-                    raise _refuse(f"its state {k!r} of {row.fqn!r} has shape "
-                                  f"{list(v.shape)}, not the parameter's {list(shape)}, and "
-                                  f"this plan steps a part of that parameter")
-            out[name] = new
+            for name in local_names(pm, p):   # an original held as parts: each part
+                if name not in rows:
+                    continue                 # a parameter this rank does not hold
+                if getattr(p, "_nnc_span", None) is not None:
+                    raise _refuse(f"the state of {name!r} was kept for a ZeRO-3 piece")
+                out[name] = _cut(rows[name], tuple(p.shape), st, pieces)
     return out
+
+
+def _cut(row, shape: tuple, st: dict[str, Any], pieces: bool) -> dict[str, Any]:
+    """One parameter's state kept for a tensor of `shape` (pm's local one, or the original's
+    full one) as the state of this rank's local tensor of `row`."""
+    local = tuple(row.local_shape)
+    whole = local == tuple(row.shape) and row.part is None
+    new: dict[str, Any] = {}
+    for k, v in st.items():
+        if not torch.is_tensor(v) or v.dim() == 0:
+            new[k] = v.clone() if torch.is_tensor(v) else v
+        elif tuple(v.shape) == shape and (shape == local or shape == row.source_shape):
+            if shape != local or row.part is not None:  # the original's full tensor: the slice
+                v = take(row, v) if shape == row.source_shape else v
+            new[k] = v.detach().clone()
+        elif whole and not pieces:
+            new[k] = v.detach().clone()  # the parameter is whole: exact as it is
+        else:
+            raise _refuse(f"its state {k!r} of {row.source!r} has shape "
+                          f"{list(v.shape)}, not the parameter's {list(shape)}, and "
+                          f"this plan steps a part of that parameter")
+    return new
 
 
 def carry(pm, inst: torch.optim.Optimizer, opt: torch.optim.Optimizer) -> None:
@@ -82,20 +87,26 @@ def carry(pm, inst: torch.optim.Optimizer, opt: torch.optim.Optimizer) -> None:
                         for k, v in st.items()}
 
 
-def adopted_state(p, new: torch.Tensor, st: dict[str, Any]) -> dict[str, Any]:
+def adopted_state(p, new: torch.Tensor, st: dict[str, Any], name: str | None = None
+                  ) -> dict[str, Any]:
     """The state an optimizer kept for `p` (the original module's parameter, or a handle) as
-    the state of `new`, what pm steps instead (its tp shard, or a ZeRO-3 segment): tensors
-    shaped like `p` are cut to this rank's slice and run; others are refused."""
+    the state of `new` (local name `name`), what pm steps instead (its tp shard, a part of
+    it, or a ZeRO-3 segment): tensors shaped like `p` are cut to this rank's slice and run;
+    others are refused."""
     tag = getattr(p, "_nnc_origin", None) or getattr(p, "_nnc_handle", None)
     pm = tag[0]() if tag is not None else None
-    row = next((r for r in param_rows(pm) if r.name == tag[1]), None) if pm is not None else None
+    name = name if name is not None else (tag[1] if tag is not None else None)
+    row = next((r for r in param_rows(pm) if r.name == name), None) if pm is not None else None
+    parts = row is not None and row.part is not None
     span = getattr(new, "_nnc_span", None)
     out: dict[str, Any] = {}
     for k, v in st.items():
-        if not torch.is_tensor(v) or v.dim() == 0 or v.shape == new.shape:
-            out[k] = v
+        if not torch.is_tensor(v) or v.dim() == 0 or (v.shape == new.shape and not parts):
+            out[k] = v.clone() if parts and torch.is_tensor(v) else v   # one step per part
         elif row is not None and tuple(v.shape) == tuple(p.shape):
-            if tuple(p.shape) == tuple(row.shape) and row.local_shape != tuple(row.shape):
+            if parts:
+                v = take(row, v)                                    # this rank's part
+            elif tuple(p.shape) == tuple(row.shape) and row.local_shape != tuple(row.shape):
                 v = v[tuple(slice(a, b) for a, b in row.slices)]   # this rank's tp slice
             if span is not None:
                 v = v.reshape(-1)[span[1]:span[2]]                  # this rank's ZeRO-3 run

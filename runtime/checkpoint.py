@@ -40,6 +40,7 @@ from nncompile.fileio import replace_dir, write_json
 from .dcp import load_dcp, load_state, read_metadata, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
 from .merge import load_merged_state_dict, merge_state_dicts, merged_optimizer
+from .rows import param_rows
 from .state import (GROUP_FQNS, describe, group_fqns, hyper, plan_info, plan_mismatch,
                     with_members, without_members)
 
@@ -332,6 +333,9 @@ def _all_members(pm, optimizer) -> list[dict]:
     """The optimizer's groups' hyper-parameters with the members of every rank, by FQN in
     the module's parameter order (a collective)."""
     fqns = group_fqns(pm, optimizer)
+    if fqns is not None:        # parts of a fused parameter: the original's FQN, once
+        sources = {row.fqn: row.source for row in param_rows(pm)}
+        fqns = [list(dict.fromkeys(sources.get(f, f) for f in g)) for g in fqns]
     every = [fqns]
     if dist.is_initialized():
         every = [None] * dist.get_world_size()

@@ -195,7 +195,9 @@ def _tagged_owner(p):
 
 def _check_all_given(pm, given: list) -> None:
     ids = {id(p) for p in given}
-    names = {n for n in (_local_name(pm, p) for p in given) if n is not None}
+    names = set()
+    for n in (_local_name(pm, p) for p in given):      # a tuple: an original held as parts
+        names.update(n if isinstance(n, tuple) else () if n is None else (n,))
     missing = [n for n, p in pm.named_parameters() if p.requires_grad and id(p) not in ids
                and n not in names
                and (p.grad is not None or pm.zero is not None or pm._grad_shards is not None)]

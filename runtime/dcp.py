@@ -14,6 +14,13 @@ weight held by two stages); the checkpoint holds the union, and any plan reads f
 Optimizer state tensors shaped like their parameter are sharded the same way; other entries
 (AdamW's step) are plain tensors. ZeRO state is gathered over its group before saving.
 
+A parameter the plan holds as parts (runtime/rows.py: nanoGPT's fused `c_attn.weight` as q, k,
+v rows split by heads) is no box of the original, so no one DTensor describes it: its parts are
+assembled over the plan unit (runtime/parts.py) and stored whole, replicated, under the
+original FQN, so any plan reads it; a plan with parts reads it whole and takes its parts:
+
+    saved under tp with parts:  "model.h.0.attn.c_attn.weight"  DTensor [96, 32], (R, R)
+
 Reading never runs code from the checkpoint: DCP's reader unpickles `.metadata` with plain
 pickle and its planner loads non-tensor items with torch.load(weights_only=False), so
 nncompile reads through `SafeReader` (an unpickler that only builds DCP's own metadata
@@ -41,7 +48,8 @@ from nncompile.errors import CheckpointError
 from nncompile.mesh import Mesh, PP, param_placements
 from nncompile.ir.placement import Shard as ShardPlacement
 
-from .rows import BufferRow, ParamRow, param_rows, state_rows
+from .parts import assemble_sources, sources_of
+from .rows import BufferRow, ParamRow, param_rows, state_rows, take
 from .state import load_local_optimizer_state, local_optimizer_state
 
 _SAFE_GLOBALS = {
@@ -153,9 +161,56 @@ def _dtensor(pm, local: torch.Tensor, row: ParamRow | BufferRow) -> DTensor:
                               run_check=False, shape=shape, stride=stride)
 
 
-def _model_state(pm) -> dict[str, DTensor]:
+def _whole(pm, full: torch.Tensor) -> DTensor:
+    """A full tensor every rank holds alike as a replicated DTensor."""
+    names = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS).names
+    return DTensor.from_local(full.contiguous(), _mesh(pm), [Replicate() for _ in names],
+                              run_check=False)
+
+
+def _model_state(pm, gather: bool = True) -> dict[str, DTensor]:
+    """By FQN: this rank's shards as DTensors, a parameter held as parts whole (assembled over
+    the plan unit when `gather`, else zeros to load into)."""
     local = pm.local_tensors()
-    return {row.fqn: _dtensor(pm, local[row.name].detach(), row) for row in state_rows(pm)}
+    rows = state_rows(pm)
+    parts = sources_of(param_rows(pm))
+    if gather:
+        full = assemble_sources(pm, param_rows(pm), local)
+    else:
+        full = {src: local[rs[0].name].new_zeros(rs[0].source_shape) for src, rs in parts.items()}
+    out = {}
+    for row in rows:
+        if row.part is None:
+            out[row.fqn] = _dtensor(pm, local[row.name].detach(), row)
+        elif row.source not in out:
+            out[row.source] = _whole(pm, full[row.source].detach())
+    return out
+
+
+def _optimizer_state(pm, local: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """By FQN: each parameter's optimizer state, tensors shaped like the parameter as DTensors
+    (a parameter held as parts: whole, assembled over the plan unit; a collective)."""
+    optim: dict[str, dict[str, Any]] = {}
+    rows = param_rows(pm)
+    for row in rows:
+        if row.part is None:
+            optim[row.fqn] = {k: _dtensor(pm, v, row)
+                              if torch.is_tensor(v) and tuple(v.shape) == row.local_shape
+                              and v.dim() else v
+                              for k, v in local.get(row.name, {}).items()}
+    for source, parts in sources_of(rows).items():
+        first = local.get(parts[0].name, {})
+        entry: dict[str, Any] = {}
+        for k, v in first.items():
+            if torch.is_tensor(v) and v.dim() and tuple(v.shape) == parts[0].local_shape:
+                full = assemble_sources(pm, parts, {r.name: local.get(r.name, {}).get(k)
+                                                    for r in parts})[source]
+                if full is not None:
+                    entry[k] = _whole(pm, full)
+            else:
+                entry[k] = v            # a per-parameter scalar (step): the same for every part
+        optim[source] = entry
+    return optim
 
 
 def save_dcp(directory: str, pm, optimizer=None) -> None:
@@ -163,13 +218,7 @@ def save_dcp(directory: str, pm, optimizer=None) -> None:
     state: dict[str, Any] = {"model": _model_state(pm)}
     if optimizer is not None:
         local = local_optimizer_state(pm, optimizer)["state"]
-        optim = {}
-        for row in param_rows(pm):
-            optim[row.fqn] = {k: _dtensor(pm, v, row)
-                              if torch.is_tensor(v) and tuple(v.shape) == row.local_shape
-                              and v.dim() else v
-                              for k, v in local.get(row.name, {}).items()}
-        state["optim"] = optim
+        state["optim"] = _optimizer_state(pm, local)
     # a tensor several ranks hold alike is stored from the lowest of them: data-parallel units'
     # buffers (BatchNorm statistics) may differ, and the checkpoint keeps the first unit's
     dcp.save(state, checkpoint_id=directory,
@@ -179,7 +228,7 @@ def save_dcp(directory: str, pm, optimizer=None) -> None:
 def load_dcp(directory: str, pm, optimizer=None) -> None:
     """Fill this rank's shards (and optimizer state) from a DCP checkpoint of any plan."""
     metadata = read_metadata(directory)
-    model = _model_state(pm)
+    model = _model_state(pm, gather=False)
     missing = [f"model.{k}" for k in model if f"model.{k}" not in metadata]
     if missing:
         raise CheckpointError(f"the checkpoint in {directory} has no {missing[:3]}; it was saved "
@@ -188,26 +237,37 @@ def load_dcp(directory: str, pm, optimizer=None) -> None:
     if optimizer is not None:
         optim: dict[str, dict[str, Any]] = {}
         for row in param_rows(pm):
-            prefix = f"optim.{row.fqn}."
+            if row.part is not None and row.source in optim:
+                continue                        # a parameter held as parts: read once, whole
+            prefix = f"optim.{row.source}."
             for key, md in metadata.items():
                 if not key.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
                     continue
                 entry = key[len(prefix):]
-                if tuple(md.size) == row.shape and len(md.size):
-                    target = _dtensor(pm, torch.zeros(row.local_shape,
-                                                      dtype=md.properties.dtype,
-                                                      device=pm.device), row)
+                if tuple(md.size) == row.source_shape and len(md.size):
+                    target = _whole(pm, torch.zeros(row.source_shape, dtype=md.properties.dtype,
+                                                    device=pm.device)) \
+                        if row.part is not None else \
+                        _dtensor(pm, torch.zeros(row.local_shape, dtype=md.properties.dtype,
+                                                 device=pm.device), row)
                 else:
                     target = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
-                optim.setdefault(row.fqn, {})[entry] = target
+                optim.setdefault(row.source, {})[entry] = target
         state["optim"] = optim
     load_state(state, directory)
-    pm.load_local_tensors({row.name: state["model"][row.fqn].to_local()
+    pm.load_local_tensors({row.name: _mine(row, state["model"][row.source])
                            for row in state_rows(pm)})
     if optimizer is not None:
         local = {}
         for row in param_rows(pm):
-            if row.fqn in state["optim"]:
-                local[row.name] = {k: v.to_local() if isinstance(v, DTensor) else v
-                                   for k, v in state["optim"][row.fqn].items()}
+            if row.source in state["optim"]:
+                local[row.name] = {k: _mine(row, v) if isinstance(v, DTensor) else
+                                   v.clone() if row.part is not None and torch.is_tensor(v)
+                                   else v for k, v in state["optim"][row.source].items()}
         load_local_optimizer_state(pm, optimizer, {"state": local, "param_groups": []})
+
+
+def _mine(row, t: DTensor) -> torch.Tensor:
+    """This rank's local tensor of `row` from what DCP read (a part: from the whole)."""
+    t = t.to_local()
+    return take(row, t).clone() if row.part is not None else t

@@ -21,13 +21,9 @@ import torch
 
 from nncompile.errors import CheckpointError
 
-from .rows import param_rows, state_rows
+from .rows import param_rows, put, state_rows, take
 from .state import (GROUP_FQNS, as_zero_state, group_fqns, hyper, load_local_optimizer_state,
                     optimizer_state_by_name, pipe_rank, pipe_ranks, shard_layout)
-
-
-def _index(slices) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in slices)
 
 
 class _Assembler:
@@ -37,18 +33,21 @@ class _Assembler:
         self.full: dict[str, torch.Tensor] = {}
         self.covered: dict[str, torch.Tensor] = {}
 
-    def put(self, key: str, shape, slices, piece: torch.Tensor) -> None:
-        """The first rank given that holds a slice wins: ranks agree on parameters, but each
-        data-parallel unit keeps its own buffers (BatchNorm statistics), and the merged state
-        keeps the first unit's, as a DDP checkpoint saved by rank 0 does."""
+    def put(self, key: str, row, piece: torch.Tensor) -> None:
+        """Place a rank's local tensor of `row` into the full (original-layout) tensor `key`
+        (rows.put: a part of a fused parameter lands in its rows of the source). The first
+        rank given that holds a slice wins: ranks agree on parameters, but each data-parallel
+        unit keeps its own buffers (BatchNorm statistics), and the merged state keeps the
+        first unit's, as a DDP checkpoint saved by rank 0 does."""
+        shape = row.source_shape
         if key not in self.full:
-            self.full[key] = piece.new_zeros(tuple(shape))
-            self.covered[key] = torch.zeros(tuple(shape), dtype=torch.bool)
-        index = _index(slices)
-        if bool(self.covered[key][index].all()) and self.covered[key][index].numel():
+            self.full[key] = piece.new_zeros(shape)
+            self.covered[key] = torch.zeros(shape, dtype=torch.bool)
+        covered = take(row, self.covered[key])
+        if covered.numel() and bool(covered.all()):
             return
-        self.full[key][index] = piece.detach().cpu()
-        self.covered[key][index] = True
+        put(row, self.full[key], piece.detach().cpu())
+        put(row, self.covered[key], torch.ones(row.local_shape, dtype=torch.bool))
 
     def result(self, what: str) -> dict[str, torch.Tensor]:
         missing = [k for k, c in self.covered.items() if not bool(c.all())]
@@ -114,7 +113,7 @@ def merge_state_dicts(model_sds: list[dict], opt_sds: list[dict] | None = None
     for sd, info in zip(model_sds, infos):
         for row in state_rows(info):
             if row.name in sd:
-                params.put(row.fqn, row.shape, row.slices, sd[row.name])
+                params.put(row.source, row, sd[row.name])
     full = params.result("the parameters")
     info = infos[0]
     model = {key: full[canon] for key, canon in info["state_keys"] if canon in full}
@@ -140,9 +139,9 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
             for key, v in st.items():
                 if torch.is_tensor(v) and tuple(v.shape) != () and \
                         tuple(v.shape) == row.local_shape:
-                    tensors.put(f"{row.fqn}\0{key}", row.shape, row.slices, v)
+                    tensors.put(f"{row.source}\0{key}", row, v)
                 else:
-                    scalars.setdefault(row.fqn, {})[key] = _own(v)
+                    scalars.setdefault(row.source, {})[key] = _own(v)
     full = tensors.result("the optimizer state")
     by_fqn: dict[str, dict[str, Any]] = {}
     for fqn, st in scalars.items():
@@ -150,7 +149,19 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
     for k, v in full.items():
         fqn, key = k.split("\0", 1)
         by_fqn.setdefault(fqn, {})[key] = v
-    return merged_optimizer(infos[0]["param_order"], by_fqn, groups)
+    sources = {row.fqn: row.source for info in infos for row in param_rows(info)}
+    return merged_optimizer(infos[0]["param_order"], by_fqn, as_sources(groups, sources))
+
+
+def as_sources(groups: list[dict], sources: dict[str, str]) -> list[dict]:
+    """Saved groups whose members name parts of a fused parameter (their unique keys) ->
+    members by the original parameters' FQNs (each once)."""
+    out = []
+    for g in groups:
+        if GROUP_FQNS in g:
+            g = {**g, GROUP_FQNS: list(dict.fromkeys(sources.get(f, f) for f in g[GROUP_FQNS]))}
+        out.append(g)
+    return out
 
 
 def _union_groups(groups: list[dict], mine: list[dict]) -> list[dict]:
@@ -260,11 +271,17 @@ def load_merged_state_dict(pm, state_dict: dict[str, torch.Tensor], optimizer=No
             by_canon.setdefault(canon, state_dict[key])
     local = {}
     for row in state_rows(pm):
-        full = by_canon.get(row.fqn, state_dict.get(row.fqn))
+        fqn = row.source
+        full = by_canon.get(fqn, state_dict.get(fqn))
         if full is None:
-            raise CheckpointError(f"the state dict has no {row.fqn!r} (it has "
+            raise CheckpointError(f"the state dict has no {fqn!r} (it has "
                                   f"{len(state_dict)} keys, e.g. {list(state_dict)[:3]})")
-        local[row.name] = full[_index(row.slices)]
+        shape = row.source_shape
+        if tuple(full.shape) != shape:
+            raise CheckpointError(f"the state dict's {fqn!r} has shape {tuple(full.shape)} but "
+                                  f"this module's is {shape}; load a state dict of the same "
+                                  f"model")
+        local[row.name] = take(row, full)
     pm.load_local_tensors(local)
     if optimizer is None:
         return
@@ -280,13 +297,13 @@ def load_merged_optimizer_state(pm, optimizer, optimizer_state_dict: dict) -> No
     at = {fqn: i for i, fqn in _indexed_fqns(pm, optimizer, saved_groups).items()}
     local: dict[str, dict[str, Any]] = {}
     for row in param_rows(pm):
-        st = saved.get(at[row.fqn]) if row.fqn in at else None
+        st = saved.get(at[row.source]) if row.source in at else None
         if st is None:
             continue
         local[row.name] = {}
         for key, v in st.items():
-            if torch.is_tensor(v) and tuple(v.shape) == row.shape and v.dim():
-                v = v[_index(row.slices)]
+            if torch.is_tensor(v) and tuple(v.shape) == row.source_shape and v.dim():
+                v = take(row, v)
             local[row.name][key] = v.clone() if torch.is_tensor(v) else v
     groups = [{k: v for k, v in hyper(g).items() if k != "param_names"} for g in saved_groups]
     load_local_optimizer_state(pm, optimizer, {"state": local, "param_groups": groups})
@@ -304,6 +321,9 @@ def _indexed_fqns(pm, optimizer, saved_groups: list[dict]) -> dict[int, str]:
             return dict(zip(indices, names))
     if len(saved_groups) > 1:
         live = group_fqns(pm, optimizer)
+        if live is not None:        # parts of a fused parameter: its FQN once
+            sources = {row.fqn: row.source for row in param_rows(pm)}
+            live = [g[GROUP_FQNS] for g in as_sources([{GROUP_FQNS: f} for f in live], sources)]
         if live is None or [len(f) for f in live] != [len(g["params"]) for g in saved_groups]:
             raise CheckpointError(
                 f"the optimizer state has {len(saved_groups)} parameter groups of sizes "

@@ -173,9 +173,10 @@ def refresh_grads(segs: Iterable) -> None:
 
 
 # ---- mapping what the user passes to local names ------------------------------------------
-def local_name(pm, p) -> str | None:
+def local_name(pm, p) -> str | tuple[str, ...] | None:
     """The local name of a tensor the user hands an optimizer for pm: pm's own parameter, a
-    ZeRO-3 handle or segment, or a parameter of the module pm was built from."""
+    ZeRO-3 handle or segment, or a parameter of the module pm was built from (a tuple of
+    names for an original parameter pm holds as several parts; see local_names)."""
     handle = getattr(p, "_nnc_handle", None) or getattr(p, "_nnc_origin", None)
     if handle is not None:
         return handle[1] if handle[0]() is pm else None
@@ -188,6 +189,15 @@ def local_name(pm, p) -> str | None:
         names.update(pm.__dict__.get("_nnc_orig_ids", {}))
         pm.__dict__["_nnc_names"] = names
     return names.get(id(p))
+
+
+def local_names(pm, p) -> list[str]:
+    """local_name as a list: [] for a tensor that is not pm's, one name per part of an
+    original parameter pm holds as several parts (runtime/rows.py)."""
+    name = local_name(pm, p)
+    if name is None:
+        return []
+    return list(name) if isinstance(name, tuple) else [name]
 
 
 def split_groups(params) -> list[dict]:
@@ -212,15 +222,14 @@ def groups_by_name(pm, params) -> list[dict]:
     for g in split_groups(params):
         names = []
         for p in g["params"]:
-            name = p if isinstance(p, str) else local_name(pm, p)
-            if name is None:
+            found = [p] if isinstance(p, str) else local_names(pm, p)
+            if not found:
                 shape = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
                 raise ConfigError(
                     f"the optimizer was given a tensor {shape} that is not a parameter of "
                     f"this ParallelModule (nor of the module it was built from); pass "
                     f"pm.parameters() / pm.named_parameters() (or groups of them)")
-            if name not in names:
-                names.append(name)
+            names += [n for n in found if n not in names]
         out.append({**g, "params": names})
     return out
 
@@ -229,8 +238,9 @@ def groups_by_name(pm, params) -> list[dict]:
 _LOCK = threading.Lock()
 
 
-def _target(p, opt_cls) -> torch.Tensor | None:
-    """What an optimizer steps instead of handle/original `p` (None: keep p)."""
+def _targets(p, opt_cls) -> list[tuple[str, torch.Tensor]] | None:
+    """What an optimizer steps instead of handle/original `p`, by local name (several for an
+    original parameter pm holds as parts); None: keep p."""
     ref = getattr(p, "_nnc_handle", None) or getattr(p, "_nnc_origin", None)
     if ref is None:
         return None
@@ -238,10 +248,11 @@ def _target(p, opt_cls) -> torch.Tensor | None:
     if pm is None:
         raise ConfigError("the optimizer holds a parameter of a ParallelModule that no longer "
                           "exists; build the optimizer over the live module's parameters")
+    names = ref[1] if isinstance(ref[1], tuple) else (ref[1],)
     if pm.zero is not None:
         check_elementwise(opt_cls, "ZeRO-3")
-        return zero3_segments(pm)[ref[1]]
-    return getattr(pm, ref[1])
+        return [(n, zero3_segments(pm)[n]) for n in names]
+    return [(n, getattr(pm, n)) for n in names]
 
 
 def adopt(opt, groups: list[dict] | None = None) -> bool:
@@ -254,18 +265,22 @@ def adopt(opt, groups: list[dict] | None = None) -> bool:
             params = g["params"] = [params]
         elif not isinstance(params, list):
             params = g["params"] = list(params)
-        for i, p in enumerate(params):
-            new = _target(p, type(opt)) if isinstance(p, torch.Tensor) else None
-            if new is None:
+        out = []
+        for p in params:
+            targets = _targets(p, type(opt)) if isinstance(p, torch.Tensor) else None
+            if targets is None:
+                out.append(p)
                 continue
-            params[i] = new
             swapped = True
             st = opt.state.pop(p, None) if groups is None else None
-            if st:                    # a resumed optimizer's moments: cut to what pm steps
-                from .carry_state import adopted_state
-                opt.state[new] = adopted_state(p, new, st)
-            if getattr(new, "_nnc_flat", None) is not None:
-                _watch(opt)
+            for name, new in targets:     # parts of one original parameter: each in its place
+                out.append(new)
+                if st:                    # a resumed optimizer's moments: cut to what pm steps
+                    from .carry_state import adopted_state
+                    opt.state[new] = adopted_state(p, new, st, name)
+                if getattr(new, "_nnc_flat", None) is not None:
+                    _watch(opt)
+        params[:] = out
     return swapped
 
 
@@ -407,7 +422,12 @@ def release_original(pm, module, rows, shared: dict) -> None:
     params = dict(module.named_parameters(remove_duplicate=False))
     if any(p.is_meta for p in params.values()):
         return
-    by_fqn = {row.fqn: row.name for row in rows}
+    by_fqn: dict[str, str | tuple[str, ...]] = {}
+    for row in rows:        # a parameter held as parts: all its parts' names, never shared
+        if row.part is None:
+            by_fqn[row.fqn] = row.name
+        else:
+            by_fqn[row.source] = (*by_fqn.get(row.source, ()), row.name)
     ids = {}
     gone = []
     for fqn, p in params.items():
@@ -415,7 +435,7 @@ def release_original(pm, module, rows, shared: dict) -> None:
         if name is None:
             continue
         ids[id(p)] = name
-        if name in shared:
+        if isinstance(name, str) and name in shared:
             continue
         if _held_elsewhere(p, pm):
             continue                    # another live pm computes with this very tensor

@@ -25,7 +25,7 @@ from nncompile.pipeline_config import PipelineConfig
 
 from .groups import pipe_group
 from .optimizer import ZeroOptimizer, load_segment_state, segment_state_by_name
-from .param_handles import adopt, local_name, zero3_segments
+from .param_handles import adopt, local_names, zero3_segments
 from .rows import buffer_rows, param_rows
 
 
@@ -159,7 +159,8 @@ def shard_layout(info: dict) -> dict[str, dict[str, Any]]:
     for kind, rows in (("parameter", param_rows(info)), ("buffer", buffer_rows(info))):
         for row in rows:
             out[row.fqn] = {"kind": kind, "local name": row.name, "full shape": _plain(row.shape),
-                            "placement": row.placement, "slices": _plain(row.slices)}
+                            "placement": row.placement, "slices": _plain(row.slices),
+                            "part": _plain(getattr(row, "part", None))}
     return out
 
 
@@ -177,7 +178,7 @@ def plan_mismatch(saved: dict, mine: dict) -> str | None:
     for fqn, row in ours.items():
         if fqn not in theirs:
             return f"{row['kind']} {fqn!r} is not in the checkpoint"
-        for field in ("full shape", "placement", "slices", "local name"):
+        for field in ("full shape", "placement", "slices", "local name", "part"):
             if theirs[fqn][field] != row[field]:
                 what = "this rank's slices" if field == "slices" else field
                 return (f"{row['kind']} {fqn!r}: {what} {theirs[fqn][field]} in the "
@@ -254,11 +255,10 @@ def group_fqns(pm, opt) -> list[list[str]] | None:
         fqns = []
         for p in g["params"]:
             span = getattr(p, "_nnc_span", None)
-            name = span[0] if span is not None else local_name(pm, p)
-            if name not in rows:
+            names = [span[0]] if span is not None else local_names(pm, p)
+            if not names or any(n not in rows for n in names):
                 return None
-            if rows[name] not in fqns:
-                fqns.append(rows[name])
+            fqns += [rows[n] for n in names if rows[n] not in fqns]
         out.append(fqns)
     return out
 

@@ -92,13 +92,15 @@ SEED = 1234
 
 def build_model(loop: "Loop") -> nn.Module:
     torch.manual_seed(0)
-    return (BNNet() if loop.model == "bn" else TinyGPT(loop.dropout)).train()
+    if loop.model == "bn":
+        return BNNet().train()
+    return TinyGPT(loop.dropout, fused=loop.model == "gpt_fused").train()
 
 
 # ---- the loop -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Loop:
-    model: str = "gpt"              # "gpt" (TinyGPT) or "bn" (BNNet)
+    model: str = "gpt"              # "gpt" (TinyGPT), "gpt_fused" (its fused c_attn) or "bn"
     dropout: float = 0.0
     steps: int = 6
     accum: int = 2                  # micro-batches per optimizer step
@@ -195,6 +197,7 @@ class Cell:
 DROP = Loop(dropout=0.1)
 DYN = Loop(dropout=0.1, sizes=((4, 16), (2, 8)))
 BN = Loop(model="bn")
+FUSED = Loop(model="gpt_fused", dropout=0.1)
 # Threaded cells under plan_ngpus 1 have no dropout (see "Threads or processes"); dp_dropout
 # runs it as processes. The compile cell saves no checkpoint: every resumed pm would compile
 # again (the checkpoint is the same code with or without compile).
@@ -210,6 +213,9 @@ CELLS = [
     Cell("zero3_dp", "dp", 1, 2, zero=3),
     Cell("offload", "tp", 2, 4, DROP, zero=1, offload=True),
     Cell("dynamic", "tp", 2, 2, DYN, dynamic=True),
+    # nanoGPT's fused c_attn: tp holds parts of it; checkpoints give back the fused layout
+    Cell("tp_fused", "tp", 2, 2, FUSED),
+    Cell("zero3_fused", "tp", 2, 4, FUSED, zero=3),
     # BatchNorm's backward subtracts batch means (cancellation), so a reordered sum shows ~10x
     # more in the gradient norm: measured 1.05e-5 relative under `data` with two intra-op
     # threads; 1e-4 keeps a 10x margin and stays far below a wrong loop's 1e-3

@@ -11,27 +11,35 @@ VOCAB, BLOCK = 64, 16
 
 
 class Attention(nn.Module):
-    def __init__(self, d, heads, p):
+    """q, k and v from three projections, or (fused) from nanoGPT's one `c_attn` whose output
+    is split in three: tp then holds parts of the fused weight (passes/unfuse_projections.py)."""
+
+    def __init__(self, d, heads, p, fused=False):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.c_proj = (
-            nn.Linear(d, d, bias=False) for _ in range(4))
-        self.heads, self.p = heads, p
+        if fused:
+            self.c_attn = nn.Linear(d, 3 * d, bias=False)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False)
+                                                     for _ in range(3))
+        self.c_proj = nn.Linear(d, d, bias=False)
+        self.heads, self.p, self.fused = heads, p, fused
         self.resid_dropout = nn.Dropout(p)
 
     def forward(self, x):
         B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-                   for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        qkv = self.c_attn(x).split(C, dim=2) if self.fused else \
+            (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in qkv)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.p if self.training else 0.0)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, p):
+    def __init__(self, d, heads, p, fused=False):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = Attention(d, heads, p)
+        self.attn = Attention(d, heads, p, fused)
         self.mlp_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.dropout = nn.Dropout(p)
 
@@ -43,13 +51,14 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """nanoGPT's shape at d 32, 2 layers, with its dropouts; no bias on the attention
     projections (nanoGPT's bias=False: a key bias's exact gradient is zero, so AdamW turns
-    rounding noise into lr-sized steps on one device and under a plan alike)."""
+    rounding noise into lr-sized steps on one device and under a plan alike). fused: one
+    `c_attn` for q, k and v, as nanoGPT's own file has it."""
 
-    def __init__(self, dropout=0.0, d=32, layers=2, heads=4):
+    def __init__(self, dropout=0.0, d=32, layers=2, heads=4, fused=False):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(BLOCK, d)
         self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList([Block(d, heads, dropout) for _ in range(layers)])
+        self.h = nn.ModuleList([Block(d, heads, dropout, fused) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, VOCAB, bias=False)
         self.wte.weight = self.lm_head.weight

@@ -223,7 +223,7 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
                                    device=self.root_device,
                                    dynamic_dims=self.dynamic_dims
                                    or getattr(lm, "dynamic_dims", None))
-        traced = {row.fqn.split(".")[0] for row in param_rows(pm)}   # frozen ones included
+        traced = {row.source.split(".")[0] for row in param_rows(pm)}   # frozen ones included
         for name, child in list(lm.named_children()):
             if name in traced:
                 setattr(lm, name, None)

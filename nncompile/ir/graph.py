@@ -41,6 +41,22 @@ class SourceInfo:
         return f"{self.file}:{self.line}  {self.code}"
 
 
+@dataclass(frozen=True)
+class ParamPart:
+    """A parameter Value that is a piece of one original (fused) parameter: the original viewed
+    as `view`, the box `[start, stop)` per view dim, reshaped to the Value's shape.
+
+        part value = source.reshape(view)[box].reshape(value.meta.shape)
+
+    `groups[d]`: the view dims merged into dim d of the Value (in order), so a split of the
+    Value's dim d maps onto them (`part_slices`)."""
+    source: str                                   # the original parameter's FQN
+    source_shape: tuple[int, ...]
+    view: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]
+    groups: tuple[tuple[int, ...], ...]
+
+
 # Kinds of graph inputs.
 USER_INPUT, PARAM, BUFFER, CONST = "input", "param", "buffer", "const"
 FREE_KINDS = (PARAM, BUFFER, CONST)     # inputs whose placement a policy chooses
@@ -58,6 +74,7 @@ class Value:
         self.requires_grad = requires_grad
         self.placement: Placement = Replicate()
         self.producer: Op | None = None
+        self.part: ParamPart | None = None    # a piece of a fused parameter (PARAM only)
 
     @property
     def is_tensor(self) -> bool:
@@ -350,7 +367,7 @@ class Graph:
             nv = vmap.get(v)
             if nv is None:
                 nv = vmap[v] = Value(v.name, v.meta, v.kind, v.fqn, v.requires_grad)
-                nv.placement = v.placement
+                nv.placement, nv.part = v.placement, v.part
             return nv
 
         def cop(op: Op) -> Op:

@@ -25,13 +25,20 @@ def run_graph(graph: Graph, state: dict[str, torch.Tensor], inputs: list[Any],
     for v, x in zip(graph.inputs, inputs):
         env[id(v)] = x
     for v in graph.params + graph.buffers:
-        env[id(v)] = state[v.fqn]
+        env[id(v)] = state[v.fqn] if v.part is None else part_value(v, state)
 
     run_ops(graph.const_ops + graph.ops, env)
     if record is not None:
         names = {id(v): v.name for v in graph.values()}
         record.update({names[k]: x for k, x in env.items() if k in names})
     return [_get(env, v) for v in graph.outputs]
+
+
+def part_value(v: Value, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A parameter part (Value.part) read from its original (fused) parameter in `state`."""
+    p = v.part
+    box = tuple(slice(a, b) for a, b in p.box)
+    return state[p.source].reshape(p.view)[box].reshape(v.meta.shape)
 
 
 def _get(env: dict[int, Any], x: Any) -> Any:

@@ -14,7 +14,8 @@
 
 The code is read with `ast` (nothing is evaluated: only literals, names and dotted targets are
 accepted) and the comments with `tokenize`: the header gives plan_ngpus, stages and
-partial-grad parameters; an argument's comment its kind, FQN, meta and placement; an op's
+partial-grad parameters; an argument's comment its kind, FQN, meta and placement (and, for a
+part of a fused parameter, `part(source, source shape, view, box, groups)`); an op's
 comment its outputs' metas and placements, its strategy note and the input placements the
 strategy wants (the inputs' own placements when not printed); a comment line above an op its
 source line. Not printed, so not read back: module paths, module stacks, recompute marks,
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 
 from ..errors import NNCompileError
-from .graph import (CONST, PARAM, Graph, Op, PlanState, SourceInfo, Stage, Strategy, TensorMeta,
+from .graph import (CONST, PARAM, Graph, Op, ParamPart, PlanState, SourceInfo, Stage, Strategy,
+                    TensorMeta,
                     Value, target_name)
 from .placement import Replicate, parse_placement
 from .printer import _DTYPES, DEVICE, PLAN_GROUP, default_requires_grad, fmt_literal, print_graph
@@ -48,7 +50,7 @@ _STR = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
 _INPUT = re.compile(rf"^(?:(?P<frozen>frozen )?(?P<kind>input|param|buffer|const|op)"
                     rf"(?: (?P<fqn>{_STR}))? )?(?P<meta>.*)$")
 _META = re.compile(r"^(?P<dt>\w+)\[(?P<shape>[-\d, ]*)\](?: of \[(?P<full>[-\d, ]*)\])? "
-                   r"(?P<pl>R|P|S\(-?\d+\))(?: (?P<mark>requires_grad|no_grad))?$")
+                   r"(?P<pl>R|P|S\(-?\d+(?:\|\d+)?\))(?: (?P<mark>requires_grad|no_grad))?$")
 _SOURCE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?:  (?P<code>.*))?$")
 _HEADER = re.compile(r"^nncompile IR: plan_ngpus=(?P<n>\d+)(?: stages=(?P<stages>[\w,]+))?$")
 _PARTIAL = "partial_grad_params: "
@@ -150,6 +152,29 @@ class _Parser:
         dims = tuple(int(s) for s in shape.split(",") if s.strip())
         return TensorMeta(dims, dtype), parse_placement(m["pl"]), m["mark"]
 
+    def part(self, text: str, line: int) -> tuple[ParamPart | None, str]:
+        """`part(source, source_shape, view, box, groups) <meta>` -> (ParamPart, meta text)."""
+        if not text.startswith("part("):
+            return None, text
+        depth, quote = 0, None
+        for i, c in enumerate(text):
+            if quote:
+                quote = None if c == quote and text[i - 1] != "\\" else quote
+            elif c in "'\"":
+                quote = c
+            elif c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+                if depth == 0:
+                    break
+        try:
+            fields = ast.literal_eval(text[4:i + 1])
+            return ParamPart(*fields), text[i + 1:].strip()
+        except (ValueError, SyntaxError, TypeError):
+            self.fail(line, f"cannot read parameter part {text[:i + 1]!r} (e.g. \"part('w', "
+                            "(6, 4), (3, 2, 4), ((0, 1), (0, 2), (0, 4)), ((0, 1), (2,)))\")")
+
     def define(self, v: Value, line: int) -> Value:
         if v.name in self.env or v.name in _SYMBOLS:
             self.fail(line, f"name {v.name!r} defined twice")
@@ -161,10 +186,11 @@ class _Parser:
         m = _INPUT.match(text)
         kind = m["kind"] or "input"
         fqn = ast.literal_eval(m["fqn"]) if m["fqn"] else None
-        meta, placement, mark = self.meta(m["meta"], arg.lineno)
+        part, rest = self.part(m["meta"], arg.lineno)
+        meta, placement, mark = self.meta(rest, arg.lineno)
         rg = not m["frozen"] if kind == PARAM else mark == "requires_grad"
         v = Value(arg.arg, meta, kind, fqn, requires_grad=rg)
-        v.placement = placement
+        v.placement, v.part = placement, part
         return self.define(v, arg.lineno)
 
     # ---- ops ----
@@ -310,7 +336,7 @@ class _Parser:
 # ---- structural equality ----
 def _value_row(v: Value) -> tuple:
     meta = None if v.meta is None else (tuple(v.meta.shape), v.meta.dtype)
-    return (v.name, v.kind, v.fqn, meta, v.placement, v.requires_grad)
+    return (v.name, v.kind, v.fqn, meta, v.placement, v.requires_grad, v.part)
 
 
 def _strategy_row(s: Strategy | None) -> Any:

@@ -284,6 +284,9 @@ def _served(ops: list[Op], i: int) -> Op | None:
 def fmt_input(v: Value, local_n: int | None = None) -> str:
     kind = f"frozen {v.kind}" if v.kind == PARAM and not v.requires_grad else v.kind
     origin = f"{kind} {v.fqn!r} " if v.fqn else (f"{kind} " if v.kind != "input" else "")
+    if v.part is not None:     # a piece of a fused parameter: (source, shape, view, box, groups)
+        p = v.part
+        origin += f"part{(p.source, p.source_shape, p.view, p.box, p.groups)!r} "
     return f"{v.name},  # {origin}{fmt_meta(v, local_n)}"
 
 

@@ -6,7 +6,7 @@ One concern per file: contractions (einsum.py), elementwise (pointwise.py), view
 """
 from . import conv, einsum, nn_ops, pointwise, shape_ops  # noqa: F401  (register rules)
 from .registry import LOCAL_ARGS, RANDOM_LOCAL, RULES, draws_random, register, replicated, \
-    strategies
+    strategies, strided_splits
 
 __all__ = ["LOCAL_ARGS", "RANDOM_LOCAL", "RULES", "draws_random", "register", "replicated",
-           "strategies"]
+           "strategies", "strided_splits"]

@@ -10,8 +10,8 @@ hold zeros). Custom ops (nncompile.register_op) use the same annotations.
 """
 from __future__ import annotations
 
-from ..ir import Op, P, Partial, Replicate, Shard, Strategy, Value
-from .registry import divisible, make, register
+from ..ir import Op, P, Partial, Replicate, Shard, Strategy, StridedShard, Value
+from .registry import divisible, make, outers, register
 
 
 def _labels(spec: str, rank: int) -> list[str]:
@@ -72,7 +72,23 @@ def einsum_strategies(op: Op, operands: list, spec: str, n: int) -> list[Strateg
         else:
             output = Partial()
         strategies.append(make(op, places, [output], f"split {label}"))
+        strategies += _strided(op, places, output, label, n)
     return strategies
+
+
+def _strided(op: Op, places: dict, output, label: str, n: int) -> list[Strategy]:
+    """A label kept in the output with the same size in every operand that has it (bmm's
+    `b`, linear's leading dims) also takes a strided split (heads inside a merged
+    batch-and-heads dim): the op maps it element by element."""
+    if not isinstance(output, Shard) or any(isinstance(p, Partial) for p in places.values()):
+        return []
+    size = op.outputs[0].meta.shape[output.dim]
+    split = {v: p for v, p in places.items() if isinstance(p, Shard)}
+    if any(v.meta.shape[p.dim] != size for v, p in split.items()):
+        return []
+    return [make(op, {**places, **{v: StridedShard(p.dim, k) for v, p in split.items()}},
+                 [StridedShard(output.dim, k)], f"split {label} strided")
+            for k in outers(size, n)]
 
 
 @register("linear")

@@ -27,7 +27,8 @@ def sdpa(op: Op, n: int):
     [1, H, L, S] or [nW, H, L, S] under 5-D q) splits with the heads.
     With `enable_gqa=True` k and v have fewer heads than q (a group of q heads per k/v head):
     splitting heads gives each rank q's and k/v's heads in the same contiguous chunks, so both
-    head counts must divide by n and every rank keeps whole groups. `is_causal` needs no
+    head counts must divide by n and every rank keeps whole groups. One k/v head (multi-query,
+    broadcast or grouped) stays whole on every rank while q's heads split. `is_causal` needs no
     placement (the causal mask is over L and S, never split)."""
     q, k, v = op.args[:3]
     mask = op.args[3] if len(op.args) > 3 else op.kwargs.get("attn_mask")
@@ -35,12 +36,15 @@ def sdpa(op: Op, n: int):
     strategies = []
     rank = len(q.meta.shape)
     for d in range(rank - 2):
-        if not all(divisible(t, d, n) for t in (q, k, v)):
+        places = {q: Shard(d), k: Shard(d), v: Shard(d)}
+        if d == rank - 3 and k.meta.shape[d] == v.meta.shape[d] == 1 < q.meta.shape[d] \
+                and divisible(q, d, n):
+            places = {q: Shard(d), k: Replicate(), v: Replicate()}   # multi-query: k/v whole
+        elif not all(divisible(t, d, n) for t in (q, k, v)):
             continue
-        if d == rank - 3 and k.meta.shape[d] != q.meta.shape[d] and not (
+        elif d == rank - 3 and k.meta.shape[d] != q.meta.shape[d] and not (
                 gqa and q.meta.shape[d] % k.meta.shape[d] == 0):
             continue                    # heads that broadcast, not grouped: not split
-        places = {q: Shard(d), k: Shard(d), v: Shard(d)}
         if mask is not None and hasattr(mask, "meta"):
             a = d - (len(q.meta.shape) - len(mask.meta.shape))
             if a >= 0 and mask.meta.shape[a] > 1:
@@ -50,7 +54,9 @@ def sdpa(op: Op, n: int):
             else:
                 places[mask] = Replicate()
         note = "split heads" if d == rank - 3 and rank >= 4 else f"split dim {d}"
-        if d == rank - 3 and k.meta.shape[d] != q.meta.shape[d]:
+        if isinstance(places[k], Replicate):
+            note += f" (q {q.meta.shape[d]} heads, one k/v head whole: multi-query)"
+        elif d == rank - 3 and k.meta.shape[d] != q.meta.shape[d]:
             note += f" (q {q.meta.shape[d]} / kv {k.meta.shape[d]} heads, grouped)"
         strategies.append(make(op, places, [Shard(d)], note))
     return strategies

@@ -1,11 +1,13 @@
 """Elementwise ops: split any output dim; broadcast inputs follow (size-1 dims replicate).
+A strided split (StridedShard, e.g. heads inside a merged batch-and-heads dim) passes the same
+way, except through ops that draw random numbers (their draw is sliced as a plain split).
 
 Linear ops also pass partial sums through: add(P, P) -> P, mul(P, R) -> P, neg(P) -> P.
 """
 from __future__ import annotations
 
-from ..ir import P, Op, Replicate, Shard, Value
-from .registry import divisible, make, register, tensor_inputs_of
+from ..ir import P, Op, Replicate, Shard, StridedShard, Value
+from .registry import divisible, draws_random, make, outers, register, tensor_inputs_of
 
 UNARY = ["abs", "neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu",
          "gelu", "silu", "erf", "pow", "reciprocal", "square", "clone", "contiguous", "alias",
@@ -31,14 +33,17 @@ def elementwise(op: Op, n: int, skip_dims: tuple[int, ...] = ()):
     for d in range(rank):
         if d in skip or not divisible(out, d, n):
             continue
-        places = {}
-        for v in tensor_inputs_of(op):
-            a = d - (rank - len(v.meta.shape))
-            if a >= 0 and v.meta.shape[a] == out.meta.shape[d]:
-                places[v] = Shard(a)
-            else:
-                places[v] = Replicate()
-        strategies.append(make(op, places, [Shard(d)] * len(op.outputs), f"split dim {d}"))
+        for k in [1] + ([] if draws_random(op) else outers(out.meta.shape[d], n)):
+            places = {}
+            for v in tensor_inputs_of(op):
+                a = d - (rank - len(v.meta.shape))
+                if a >= 0 and v.meta.shape[a] == out.meta.shape[d]:
+                    places[v] = StridedShard(a, k) if k > 1 else Shard(a)
+                else:
+                    places[v] = Replicate()
+            split = StridedShard(d, k) if k > 1 else Shard(d)
+            strategies.append(make(op, places, [split] * len(op.outputs),
+                                   f"split dim {d}" + (" strided" if k > 1 else "")))
     return strategies
 
 
@@ -87,4 +92,6 @@ def norm(op: Op, n: int):
     for d in range(lead):
         if divisible(out, d, n):
             strategies.append(make(op, {x: Shard(d)}, [Shard(d)], f"split dim {d}"))
+            strategies += [make(op, {x: StridedShard(d, k)}, [StridedShard(d, k)],
+                                f"split dim {d} strided") for k in outers(out.meta.shape[d], n)]
     return strategies

@@ -6,9 +6,12 @@ input and per output. Every op can run replicated, so the replicate strategy is 
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import contextlib
+import contextvars
+import functools
+from typing import Callable, Iterable, Iterator
 
-from ..ir import Op, Placement, Replicate, Strategy, Value
+from ..ir import BUFFER, PARAM, Op, Placement, Replicate, Strategy, StridedShard, Value
 
 Rule = Callable[[Op, int], list[Strategy]]
 RULES: dict[str, Rule] = {}
@@ -90,6 +93,56 @@ def lookup(op: Op) -> Rule | None:
     return RULES.get(overload) or RULES.get(name)
 
 
+# Strided splits (StridedShard: heads split inside a merged batch-and-heads dim) are offered only
+# inside `strided_splits()`: the tp policy keeps them within communication-free regions; the
+# other policies and the cost model see plain splits only.
+_STRIDED: contextvars.ContextVar[bool] = contextvars.ContextVar("strided_splits", default=False)
+
+
+@contextlib.contextmanager
+def strided_splits(on: bool = True) -> Iterator[None]:
+    """Rules offer strided splits while in the block (in this thread: ranks compiling side by
+    side in threads do not see each other's setting)."""
+    token = _STRIDED.set(on)
+    try:
+        yield
+    finally:
+        _STRIDED.reset(token)
+
+
+def strided_ok() -> bool:
+    """Whether rules offer strided splits now (see strided_splits)."""
+    return _STRIDED.get()
+
+
+def outers(size: int, n: int) -> list[int]:
+    """Outer factors o > 1 of a dim of `size` whose strided split StridedShard(d, o) divides
+    by n (none outside strided_splits())."""
+    if not _STRIDED.get() or type(size) is not int or size % n:
+        return []                   # a dynamic size (symbolic.Sym): no strided split
+    return _divisors(size // n)
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisors(m: int) -> list[int]:
+    """Divisors of m above 1, ascending."""
+    small = [d for d in range(2, int(m ** 0.5) + 1) if m % d == 0]
+    return sorted(set(small + [m // d for d in small] + ([m] if m > 1 else [])))
+
+
+def _strided_ok(op: Op, s: Strategy) -> bool:
+    """A strided split is offered only when asked for, with a static outer factor, and never
+    for a parameter or buffer (state, whose shards are boxes of the original tensor; a
+    constant is chunked at use)."""
+    strided = [p for p in (*s.inputs, *s.outputs) if isinstance(p, StridedShard)]
+    if not strided:
+        return True
+    if any(type(p.outer) is not int for p in strided):
+        return False                # blocks of a dynamic size: their layout changes per call
+    return _STRIDED.get() and not any(isinstance(p, StridedShard) and v.kind in (PARAM, BUFFER)
+                                   for v, p in zip(tensor_inputs_of(op), s.inputs))
+
+
 def strategies(op: Op, n: int) -> list[Strategy]:
     """All legal strategies of `op` on n ranks; the replicate strategy comes last."""
     out: list[Strategy] = []
@@ -101,7 +154,7 @@ def strategies(op: Op, n: int) -> list[Strategy]:
             seen = set()
             for s in rule(op, n):
                 key = (s.inputs, s.outputs)
-                if key not in seen and s.is_split:
+                if key not in seen and s.is_split and _strided_ok(op, s):
                     seen.add(key)
                     out.append(s)
         out.append(replicated(op))

@@ -2,16 +2,20 @@
 
 view/reshape map dims by grouping sizes: (B, T, C) -> (B, T, H, D) groups C with (H, D), so
 S(2) in becomes S(2) out when H divides by n (a -1 in the size is already resolved in the
-traced output shape). Only the first dim of a group can carry a split: merging batch and heads
-(B, H, T, D) -> (B*H, T, D), as DeBERTa does, leaves each rank's heads strided through the
-merged dim, so a heads split stops there. Localize rewrites size arguments to local shapes.
+traced output shape). A split inside a group that is not on its first dim is a strided split
+(StridedShard, under `strided_splits()`): merging batch and heads (B, H, T, D) S(1) ->
+(B*H, T, D) gives S(0|B), each rank's heads strided through the merged dim, and the view back
+(B*H, T, T) -> (B, H, T, T) gives S(1) again (DeBERTa's attention); `repeat` of a split dim
+gives one too. Ops that map a dim onto an equal one element by element (transpose, slice,
+elementwise, the batch of bmm, gather) carry a strided split as they carry a plain one.
+Localize rewrites size arguments to local shapes.
 """
 from __future__ import annotations
 
 import torch
 
-from ..ir import P, Op, Replicate, Shard
-from .registry import divisible, make, register
+from ..ir import P, Op, Replicate, Shard, StridedShard, strided
+from .registry import divisible, make, outers, register
 
 
 def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -41,29 +45,75 @@ def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], lis
 
 
 def reshape_map(in_shape: tuple[int, ...], out_shape: tuple[int, ...], n: int) -> dict[int, int]:
-    """Input dim -> output dim a shard can follow through a reshape."""
-    out = {}
+    """Input dim -> output dim a plain split can follow through a reshape."""
+    return {p.dim: q.dim for p, q in reshape_pairs(in_shape, out_shape, n)
+            if type(p) is Shard and type(q) is Shard}
+
+
+def _land(shape: tuple[int, ...], dims: list[int], block: int, n: int) -> Shard | None:
+    """The split of the group `dims` of `shape` into `block` outer blocks, each cut into n
+    contiguous pieces: the dim the cut lands on, strided by the blocks before it there."""
+    before = 1
+    for j in dims:
+        if block % before == 0 and shape[j] % (block // before) == 0 \
+                and (shape[j] // (block // before)) % n == 0:
+            return strided(j, block // before)
+        before *= shape[j]
+    return None
+
+
+def reshape_pairs(in_shape: tuple[int, ...], out_shape: tuple[int, ...], n: int
+                  ) -> list[tuple[Shard, Shard]]:
+    """(input split, output split) pairs a reshape carries: a split of an input dim, strided
+    by `o` (o == 1: plain), cuts its group's elements into `before * o` outer blocks, each
+    in n contiguous pieces; the output split is where those cuts land (`_land`)."""
+    pairs = []
     for ga, gb in _groups(tuple(in_shape), tuple(out_shape)):
-        if in_shape[ga[0]] % n == 0 and out_shape[gb[0]] % n == 0:
-            out[ga[0]] = gb[0]
-    return out
+        before = 1
+        for i in ga:
+            for o in [1] + outers(in_shape[i], n):
+                if (in_shape[i] // o) % n:
+                    continue
+                q = _land(out_shape, gb, before * o, n)
+                if q is not None:
+                    pairs.append((strided(i, o), q))
+            before *= in_shape[i]
+    return pairs
+
+
+def _same(x, i: int, out, j: int) -> bool:
+    return x.meta.shape[i] == out.meta.shape[j]
 
 
 def _follow(op: Op, dim_map: dict[int, int], n: int, partial: bool = True):
+    """Input dim i -> output dim j for each pair of dim_map: a split of i is one of j, and a
+    strided split too where the dims are equal (the op maps them element by element)."""
     x, out = op.args[0], op.outputs
     strategies = []
     for i, j in sorted(dim_map.items()):
         if divisible(x, i, n) and all(divisible(o, j, n) for o in out):
             strategies.append(make(op, {x: Shard(i)}, [Shard(j)] * len(out), f"split dim {i}"))
+            if all(_same(x, i, o, j) for o in out):
+                strategies += [make(op, {x: StridedShard(i, k)}, [StridedShard(j, k)] * len(out),
+                                    f"split dim {i} strided") for k in outers(x.meta.shape[i], n)]
     if partial and x.meta.dtype.is_floating_point:
         strategies.append(make(op, {x: P}, [P] * len(out), "keep partial"))
     return strategies
 
 
+def _pairs(op: Op, pairs: list[tuple[Shard, Shard]]):
+    x = op.args[0]
+    found = [make(op, {x: p}, [q], f"split dim {p.dim}" + (
+        "" if type(p) is Shard and type(q) is Shard else " strided")) for p, q in pairs]
+    if x.meta.dtype.is_floating_point:
+        found.append(make(op, {x: P}, [P], "keep partial"))
+    return found
+
+
 @register("view", "reshape", "_unsafe_view", "flatten")
 def reshape(op: Op, n: int):
     x, out = op.args[0], op.outputs[0]
-    return _follow(op, reshape_map(x.meta.shape, out.meta.shape, n), n)
+    return _pairs(op, reshape_pairs(x.meta.shape, out.meta.shape, n))
 
 
 @register("transpose", "swapaxes")
@@ -96,7 +146,7 @@ def unsqueeze(op: Op, n: int):
 @register("squeeze")
 def squeeze(op: Op, n: int):
     x, out = op.args[0], op.outputs[0]
-    return _follow(op, reshape_map(x.meta.shape, out.meta.shape, n), n)
+    return _pairs(op, reshape_pairs(x.meta.shape, out.meta.shape, n))
 
 
 @register("expand")
@@ -111,6 +161,9 @@ def expand(op: Op, n: int):
         if s == 1 and out.meta.shape[i + off] != 1 and divisible(out, i + off, n):
             found.append(make(op, {x: Replicate()}, [Shard(i + off)],
                               f"broadcast into split dim {i + off}"))
+            found += [make(op, {x: Replicate()}, [StridedShard(i + off, k)],
+                           f"broadcast into split dim {i + off} strided")
+                      for k in outers(out.meta.shape[i + off], n)]
     return found
 
 
@@ -227,3 +280,56 @@ def repeat_interleave(op: Op, n: int):
     if dim is None or len(op.args) > 3 or op.kwargs.get("output_size") is not None:
         return []
     return _follow(op, {i: i for i in range(len(x.meta.shape))}, n)
+
+
+@register("repeat")
+def repeat(op: Op, n: int):
+    """x.repeat(r0, r1, ...): out dim d is r copies of x's dim, one after another, so a split
+    of x's dim is, in each copy, a split strided by r (S(d) -> S(d|r)); dims repeated once
+    follow as they are; new leading dims stay whole. Linear: partial sums pass."""
+    x = op.args[0]
+    reps = list(op.args[1])
+    off = len(reps) - len(x.meta.shape)
+    found = []
+    for i, size in enumerate(x.meta.shape):
+        r = reps[i + off]
+        if r < 1:
+            continue
+        for o in [1] + outers(size, n):
+            if size % (o * n):
+                continue
+            src = strided(i, o)
+            dst = strided(i + off, o * r)
+            found.append(make(op, {x: src}, [dst], f"split dim {i}" + (
+                "" if type(dst) is Shard else " strided")))
+    if x.meta.dtype.is_floating_point:
+        found.append(make(op, {x: P}, [P], "keep partial"))
+    return found
+
+
+@register("gather")
+def gather(op: Op, n: int):
+    """torch.gather(x, dim, index): out has index's shape, out[.., i, ..] reads x along `dim`
+    at the same other coordinates. index split on `dim` with x whole splits out alike; x and
+    index split alike on another dim where their sizes agree (strided too: element by
+    element); linear in x, so a partial x with a whole index stays partial."""
+    x, dim, index = op.args[:3]
+    out = op.outputs[0]
+    rank = len(out.meta.shape)
+    if not rank or not hasattr(index, "meta"):
+        return []
+    dim %= rank
+    found = []
+    for d in range(rank):
+        if not divisible(index, d, n):
+            continue
+        if d == dim:                    # each rank gathers its own columns from the whole x
+            found.append(make(op, {index: Shard(d)}, [Shard(d)], f"split index dim {d}"))
+        elif x.meta.shape[d] == index.meta.shape[d]:
+            found.append(make(op, {x: Shard(d), index: Shard(d)}, [Shard(d)], f"split dim {d}"))
+            found += [make(op, {x: StridedShard(d, k), index: StridedShard(d, k)},
+                           [StridedShard(d, k)], f"split dim {d} strided")
+                      for k in outers(index.meta.shape[d], n)]
+    if x.meta.dtype.is_floating_point:
+        found.append(make(op, {x: P, index: Replicate()}, [P], "keep partial"))
+    return found

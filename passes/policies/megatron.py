@@ -17,15 +17,29 @@ Which linears start regions is found, not named: every single-use 2-D weight op 
 replicated input is tried as a column split (a weight seen through `w.T`, a transpose or a
 reshape counts as the weight, so `x @ w.T + b`, `addmm(b, x, w.t())` and an einsum over `w`
 split as `linear(x, w, b)` does); when a split cannot reach a row-split linear
-without communication (the embedding, a tied or untied lm_head feeding the loss, a fused qkv
-weight whose rows interleave heads, heads not divisible by the plan), the column splits it
+without communication (the embedding, a tied or untied lm_head feeding the loss, heads not
+divisible by the plan), the column splits it
 came from are vetoed and the walk runs again, until every region closes. Linears of the layer
 blocks left replicated are named in one warning, a line per layer kind with the reason found
 (where the split stopped; head counts only where they do not divide).
 
+A fused projection cut into pieces (nanoGPT's `c_attn` then `.split`) reaches the policy as one
+linear per piece over *parts* of the fused weight (passes/unfuse_projections.py): q, k and v
+split by heads, gate and up by columns, each part on its own. Where a split fails at an op
+whose other split inputs fit a strategy, only the sources of the inputs off it are undone: a
+multi-query k/v (one head) stays whole on every rank while q splits by heads, as in
+Megatron-LM, and is not named in the warning.
+
+A weight several projections read (a query projection applied to the hidden states and to a
+relative-position table) splits when every reader takes it alike, else it stays replicated
+(never split for one reader and gathered for another). Heads split inside a merged
+(batch * heads) dim are a strided split S(0|batch) (rules under `strided_splits()`), so
+attention that runs bmm over that dim stays in the region.
+
 A low-rank down-projection normed before its up-projection (DeepSeek's MLA: q_a_proj ->
-q_a_layernorm -> q_b_proj) runs replicated, so the up-projection starts the column split, and a
-replicated activation broadcast into the heads (`expand` of MLA's shared rotary key) enters the
+q_a_layernorm -> q_b_proj) runs replicated (all its parts, when it was fused with another
+projection), so the up-projection starts the column split, and a replicated activation
+broadcast into the heads (`expand` of MLA's shared rotary key) enters the
 region split like a column output (its backward is Megatron's `f`).
 
 `tp_sp` adds Megatron's sequence parallelism: ops of the layer blocks outside regions (norms,
@@ -42,11 +56,12 @@ from __future__ import annotations
 import warnings
 
 from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Partial, Replicate, Shard, Strategy, \
-    Value
-from nncompile.rules import replicated, strategies
+    StridedShard, Value
+from nncompile.rules import replicated, strategies, strided_splits
 from nncompile.symbolic import warn_unsplit_sequence
 
 from ..pipeline_stages import layer_of
+from .tp_warning import _kind, replicated_warning, split_share  # noqa: F401 (split_share: public)
 
 SEQ_DIM = 1                     # [batch, sequence, hidden] activations
 
@@ -64,6 +79,7 @@ class _Walk:
         self.failed: set[str] = set()
         self.stopped_at: dict[str, Op] = {}         # column op -> where its split stopped
         self.entries: set[str] = set()              # expands that start a split
+        self.placed_by: dict[int, str] = {}         # shared weight -> the column op splitting it
         self.views = weight_views(g, uses)
 
     # ---- placements ------------------------------------------------------------------------
@@ -90,7 +106,7 @@ class _Walk:
             v, want = op.tensor_inputs()[0], s.inputs[0]
         return chain, v, want
 
-    def _free_ok(self, v: Value, want) -> bool:
+    def _free_ok(self, v: Value, want, column: bool = False) -> bool:
         placed = self.free.get(id(v))
         if isinstance(want, Partial):
             return not isinstance(placed, Shard)        # to_partial of a replicated value
@@ -98,7 +114,11 @@ class _Walk:
             if id(v) in self.views and isinstance(want, Shard) \
                     and self._view_chain(v, want) is None:
                 return False
-            return isinstance(want, Replicate) or self.uses[id(v)] == 1 or not v.requires_grad
+            # a weight several projections read (a query projection applied to the hidden
+            # states and to a position table) splits when every reader takes it alike
+            # (checked at the end of the walk, `shared_ok`)
+            return isinstance(want, Replicate) or self.uses[id(v)] == 1 \
+                or not v.requires_grad or (column and v.kind == PARAM)
         if placed == want:
             return True
         return isinstance(placed, Replicate) and isinstance(want, Shard) \
@@ -110,15 +130,20 @@ class _Walk:
 
     # ---- choices ---------------------------------------------------------------------------
     def column(self, op: Op) -> Strategy | None:
-        """A split of a weight on its output dim, every activation input replicated."""
+        """A split of a weight on its output dim, every activation input replicated. An op
+        that reads no activation (a table indexed by positions) splits its last (feature)
+        dim only: a norm of a position table split by rows is no projection."""
         if op.name in self.vetoed:
             return None
+        tables = all(self.is_free(v) for v in op.tensor_inputs())
         for s in self.cands[id(op)]:
             if len(s.outputs) != 1 or not isinstance(s.outputs[0], Shard) \
                     or not self._weight_split(op, s):
                 continue
-            if all(self._free_ok(v, p) if self.is_free(v) else isinstance(p, Replicate)
-                   for v, p in zip(op.tensor_inputs(), s.inputs)):
+            if tables and s.outputs[0].dim != len(op.outputs[0].meta.shape) - 1:
+                continue
+            if all(self._free_ok(v, p, column=not tables) if self.is_free(v)
+                   else isinstance(p, Replicate) for v, p in zip(op.tensor_inputs(), s.inputs)):
                 return s
         return None
 
@@ -167,11 +192,34 @@ class _Walk:
                     best = (chunks, s)
         return best[1] if best else None
 
+    def blame(self, op: Op, split: list[Value]) -> frozenset:
+        """The column splits to undo where `op` takes none of its split inputs as they are:
+        those of the inputs a strategy wants otherwise, for the strategy that keeps the most
+        split inputs (and none of whose sources it shares); empty when none keeps any."""
+        best: frozenset = frozenset()
+        kept_most = 0
+        for s in self.cands[id(op)]:
+            kept = [v for v, p in zip(op.tensor_inputs(), s.inputs)
+                    if v in split and p == self.current(v)]
+            off = [v for v in split if v not in kept]
+            if not off or len(kept) <= kept_most:
+                continue
+            keep = frozenset().union(*(self.prov.get(id(v), frozenset()) for v in kept))
+            undo = frozenset().union(*(self.prov.get(id(v), frozenset()) for v in off))
+            if undo and not undo & keep:
+                best, kept_most = undo, len(kept)
+        return best
+
     def record(self, op: Op, s: Strategy, prov: frozenset) -> None:
         self.choice[id(op)] = s
         for v, want in zip(op.tensor_inputs(), s.inputs):
+            if self.is_free(v) and id(v) not in self.free and self.uses.get(id(v), 0) > 1 \
+                    and v.kind == PARAM and isinstance(want, Shard) and prov == {op.name}:
+                self.placed_by[id(v)] = op.name          # a column split of a shared weight
             if self.is_free(v) and id(v) not in self.free:
-                self.free[id(v)] = want if isinstance(want, Shard) else Replicate()
+                # a strided split is no box of the tensor: the value stays whole, chunked at use
+                self.free[id(v)] = want if isinstance(want, Shard) \
+                    and not isinstance(want, StridedShard) else Replicate()
                 if id(v) in self.views:
                     self._place_view(v, self.free[id(v)])
         for v, p in zip(op.outputs, s.outputs):
@@ -201,7 +249,10 @@ class _Walk:
             if split:
                 s = self.follow(op)
                 if s is None:
-                    # the split cannot close here: undo its source, a broadcast entry last
+                    # the split cannot close here: undo its source, a broadcast entry last;
+                    # only the sources of the inputs split off a strategy the others fit
+                    # (multi-query: q by heads, the one k/v head split along head_dim)
+                    prov = self.blame(op, split) or prov
                     prov = frozenset(p for p in prov if p not in self.entries) or prov
                     self.failed |= prov
                     for name in prov:
@@ -215,7 +266,18 @@ class _Walk:
         for v in self.g.outputs[:len(self.g.outputs) - nupd]:
             if isinstance(v, Value) and isinstance(self.place.get(id(v)), Shard):
                 self.failed |= self.prov.get(id(v), frozenset())
+        self.shared_ok()
         return self.failed
+
+    def shared_ok(self) -> None:
+        """A weight read by several ops, split by the first: every other reader must take it
+        as it is placed, else the first one's column split is undone (no weight gathers)."""
+        for op in self.g.ops:
+            for v, want in zip(op.tensor_inputs(), self.choice[id(op)].inputs):
+                first = self.placed_by.get(id(v))
+                if first is not None and want is not None and want != self.free.get(id(v)):
+                    self.failed.add(first)
+                    self.stopped_at.setdefault(first, op)
 
 
 # layout ops through which a weight still reads as a weight: `w.T`, `w.t()`, a transpose,
@@ -284,81 +346,21 @@ def _low_rank_downs(g: Graph) -> set[str]:
     return found
 
 
-def _kind(path: str) -> str:
-    """`transformer.h.3.attn.c_attn` -> `attn.c_attn`: the same layer in every block."""
-    layer = layer_of(path)
-    return path[len(layer) + 1:] if layer and path.startswith(layer + ".") else path
-
-
-def _head_counts(g: Graph, layer: str) -> list[int]:
-    """Head counts in `layer`: the heads dim of reshapes `[b, t, C] -> [b, t, H, ...]` and of
-    attention's q, k and v."""
-    attention, reshapes = [], []
+def _one_head_kv(g: Graph, walk: _Walk) -> set[str]:
+    """Names of the replicated block linears whose output is one attention head (a multi-query
+    k or v, e.g. a part of a fused qkv) in a layer whose attention splits q by heads: Megatron
+    keeps them whole on every rank, so they are the plan, not a split that stopped."""
+    head_dims: dict[str, set[int]] = {}
     for op in g.ops:
-        if layer_of(op.module_path) != layer or not op.outputs or not op.outputs[0].is_tensor:
-            continue
-        name = getattr(op.target, "_opname", None)
-        ins, out = op.tensor_inputs(), op.outputs[0].meta.shape
-        if name == "scaled_dot_product_attention":
-            attention += [v.meta.shape[-3] for v in ins[:3] if len(v.meta.shape) >= 3]
-        elif name in ("view", "reshape", "_unsafe_view") and ins:
-            shape = ins[0].meta.shape
-            if len(shape) == 3 and len(out) >= 4 and tuple(out[:2]) == tuple(shape[:2]) \
-                    and _numel(out[2:]) == shape[2]:
-                reshapes.append(out[2])
-    return attention or reshapes
-
-
-def _numel(shape) -> int:
-    total = 1
-    for d in shape:
-        total *= d
-    return total
-
-
-def _fed_by(col: Op, stop: Op, replicated_linears: dict[int, int]) -> list[Op]:
-    """The replicated linears of `col`'s block that its input comes from, when its column
-    split stopped where it meets the residual stream (`stop` adds a replicated activation):
-    such a linear closes a region as a row split, once the linears before it split."""
-    if getattr(stop.target, "_opname", None) not in ("add", "sub"):
-        return []
-    stream = {id(v) for v in stop.tensor_inputs() if v.requires_grad and v.kind not in FREE_KINDS
-              and len(v.meta.shape) == len(stop.outputs[0].meta.shape)}
-    layer, found, seen = layer_of(col.module_path), [], set()
-    todo = [v for v in col.tensor_inputs() if v.kind not in FREE_KINDS]
-    while todo:
-        v = todo.pop()
-        op = v.producer
-        if id(v) in stream or op is None or id(op) in seen or layer_of(op.module_path) != layer:
-            continue
-        seen.add(id(op))
-        if id(op) in replicated_linears:
-            found.append(op)
-            continue
-        todo += [u for u in op.tensor_inputs() if u.kind not in FREE_KINDS]
-    return sorted(found, key=lambda op: replicated_linears[id(op)])
-
-
-def _why(g: Graph, n: int, col: Op, stop: Op | None, replicated_linears: dict[int, int]
-         ) -> str:
-    """Why the column split of `col` was undone: the reason actually found."""
-    if stop is None:
-        return "its split reaches the model's output still split"
-    src = f" ({stop.source})" if stop.source else ""
-    where = f"{stop.target_name} in {stop.module_path or 'the model'}{src}"
-    feeds = _fed_by(col, stop, replicated_linears)
-    if feeds:
-        names = ", ".join(dict.fromkeys(_kind(op.module_path or op.name) for op in feeds))
-        return (f"its input comes from {names}, which run replicated (a row split needs it "
-                f"split); as a column split its output would meet the residual stream at "
-                f"{where}")
-    shapes = [v.meta.shape for v in stop.tensor_inputs() + stop.outputs if v.is_tensor]
-    layer = layer_of(col.module_path)
-    heads = sorted(set(_head_counts(g, layer)), reverse=True) if layer else []
-    if any(len(sh) >= 4 for sh in shapes) and any(h % n for h in heads):
-        return (f"heads not divisible by {n} ({' / '.join(map(str, heads))} heads in "
-                f"{layer}); its split stopped at {where}")
-    return f"its split stopped at {where}: no rule takes its inputs split as they arrive"
+        if getattr(op.target, "_opname", None) == "scaled_dot_product_attention" \
+                and isinstance(walk.choice[id(op)].outputs[0], Shard):
+            head_dims.setdefault(layer_of(op.module_path), set()).add(
+                op.tensor_inputs()[0].meta.shape[-1])
+    return {op.name for op in g.ops
+            if op.outputs and op.outputs[0].is_tensor and not walk.choice[id(op)].is_split
+            and layer_of(op.module_path) in head_dims
+            and any(v.kind == PARAM or id(v) in walk.views for v in op.tensor_inputs())
+            and op.outputs[0].meta.shape[-1] in head_dims[layer_of(op.module_path)]}
 
 
 def _stop_alone(g: Graph, n: int, col: Op, vetoed: set[str], cands, uses) -> Op | None:
@@ -367,47 +369,6 @@ def _stop_alone(g: Graph, n: int, col: Op, vetoed: set[str], cands, uses) -> Op 
     walk = _Walk(g, n, vetoed - {col.name}, cands, uses)
     walk.run()
     return walk.stopped_at.get(col.name)
-
-
-def _replicated_warning(g: Graph, n: int, ops: list[Op], stops: dict[str, Op]) -> str:
-    """One line per layer kind (`attn.c_attn` of every block), in graph order, with the
-    reason found for its first block (`stops`: where each one's split stopped)."""
-    kinds: dict[str, list[Op]] = {}
-    for op in ops:
-        kinds.setdefault(_kind(op.module_path or op.name), []).append(op)
-    lines = []
-    for kind, members in kinds.items():
-        blocks = [layer_of(op.module_path) or op.name for op in members]
-        shown = ", ".join(blocks[:3]) + (f", ... ({len(blocks)} blocks)" if len(blocks) > 3
-                                         else "")
-        first = next((op for op in members if op.name in stops), members[0])
-        why = _why(g, n, first, stops.get(first.name), {id(op): i for i, op in enumerate(ops)})
-        lines.append(f"  {kind} ({shown}): {why}.")
-    text = "\n".join(lines)
-    hint = ""
-    if "heads not divisible" in text:
-        hint = (" A single key/value head cannot be split by any plan size."
-                if " / 1 heads in " in text or "(1 heads in " in text else
-                " Pick a plan size that divides the head counts to split them.")
-    convs = sum("conv" in op.target_name for op in ops)
-    what = ("convolution(s)" if convs == len(ops) else "linear(s)" if not convs
-            else "linear(s) and convolution(s)")
-    return (f"tp at plan {n}: {len(ops)} {what} in the layer blocks run replicated, "
-            f"because splitting them would need extra communication:\n{text}{hint}")
-
-
-def split_share(graph: Graph) -> float:
-    """Share of the layer blocks' weight elements (parameters of 2 or more dims inside
-    numbered blocks, `h.3.attn.c_attn.weight`) that a planned graph splits: 1.0 for a full
-    Megatron plan, 0.0 when every block runs replicated."""
-    total = split = 0
-    for v in graph.params:
-        if len(v.meta.shape) < 2 or layer_of(v.fqn or "") is None:
-            continue
-        total += _numel(v.meta.shape)
-        if isinstance(v.placement, Shard):
-            split += _numel(v.meta.shape)
-    return split / total if total else 0.0
 
 
 def _sequence_parallel(g: Graph, n: int, walk: _Walk,
@@ -477,12 +438,15 @@ def megatron(graph: Graph, config, sequence_parallel: bool = False) -> Graph:
     n = g.plan_ngpus = config.plan_ngpus
     if n == 1:
         return g
-    cands = {id(op): strategies(op, n) for op in g.ops}
+    with strided_splits():                      # heads inside a merged (batch * heads) dim
+        cands = {id(op): strategies(op, n) for op in g.ops}
     uses: dict[int, int] = {}
     for op in g.ops:
         for v in op.tensor_inputs():
             uses[id(v)] = uses.get(id(v), 0) + 1
     low_rank = _low_rank_downs(g)               # stay replicated, as Megatron keeps them
+    fused = {op.attrs["part_of"] for op in g.ops if op.name in low_rank and "part_of" in op.attrs}
+    low_rank |= {op.name for op in g.ops if op.attrs.get("part_of") in fused}   # its other parts
     vetoed: set[str] = set(low_rank)
     stops: dict[str, Op] = {}                   # vetoed column op -> where its split stopped
     while True:
@@ -494,17 +458,19 @@ def megatron(graph: Graph, config, sequence_parallel: bool = False) -> Graph:
             if name in walk.stopped_at:
                 stops[name] = walk.stopped_at[name]
         vetoed |= failed
+    one_head = _one_head_kv(g, walk)            # multi-query k/v: whole, as Megatron keeps them
     in_block_ops = [op for op in g.ops
                     if op.name in vetoed and layer_of(op.module_path) is not None
                     and not is_entry(op) and op.name not in low_rank
+                    and op.name not in one_head
                     and not walk._weight_split(op, walk.choice[id(op)])]
     if in_block_ops:
         firsts = {}
         for op in in_block_ops:
-            firsts.setdefault(_kind(op.module_path or op.name), op)
+            firsts.setdefault(_kind(op.module_path or op.name) + op.attrs.get("part", ""), op)
         own = {op.name: _stop_alone(g, n, op, vetoed, cands, uses) for op in firsts.values()}
         stops.update({k: v for k, v in own.items() if v is not None})
-        warnings.warn(_replicated_warning(g, n, in_block_ops, stops), stacklevel=2)
+        warnings.warn(replicated_warning(g, n, in_block_ops, stops), stacklevel=2)
     if sequence_parallel:
         _sequence_parallel(g, n, walk, cands)
     for op in g.ops:

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import models  # noqa: E402
 
 import nncompile  # noqa: E402
-from nncompile.runtime.rows import param_rows  # noqa: E402
+from nncompile.runtime.rows import param_rows, take  # noqa: E402
 
 STEPS, UNIT_BATCH, SEQ, M = 20, 8, 16, 4
 SEED = 1234               # every rank seeded alike before the loop (dropout draws from it)
@@ -183,7 +183,7 @@ def check_grads(case: Case, pm, want: dict) -> None:
     """This rank's reduced gradient shards after the first train_step equal one device's."""
     local = pm.local_grads()
     for row in param_rows(pm):
-        ref = want[_key(row.fqn, want)][tuple(slice(a, b) for a, b in row.slices)]
+        ref = take(row, want[_key(row.source, want)])     # a part: its box of the source
         err = float((local[row.name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
         assert err <= GRAD_RTOL or float((local[row.name] - ref).abs().max()) < 1e-8, \
             f"{case.name}: gradient of {row.fqn} differs by {err:.2e} of its scale"
@@ -222,9 +222,8 @@ def run(case: Case, savedir: str) -> str:
     local = pm.local_params()
     worst = 0.0
     for row in param_rows(pm):
-        key = _key(row.fqn, want_state)
-        where = tuple(slice(a, b) for a, b in row.slices)
-        want, mask = want_state[key][where], live[key][where]
+        key = _key(row.source, want_state)
+        want, mask = take(row, want_state[key]), take(row, live[key])
         err = float(((local[row.name] - want).abs() * mask).max()
                     / want.abs().max().clamp_min(1e-12))
         worst = max(worst, err)
