@@ -1,5 +1,6 @@
-"""A nanoGPT-style GPT: token + position embeddings, pre-norm blocks (causal self-attention
-with separate q/k/v projections, GELU MLP), dropout, a tied lm_head and a cross-entropy loss.
+"""A GPT in nanoGPT's layout: token + position embeddings, pre-norm blocks (causal
+self-attention with one fused q/k/v projection `c_attn` whose output is split in three, GELU
+MLP), dropout, a tied lm_head and a cross-entropy loss.
 Plain single-device PyTorch; nncompile parallelizes it unchanged. Like nanoGPT's model it has
 `configure_optimizers` (AdamW, weight decay on the 2-D weights only), `get_num_params` and
 `estimate_mfu`, which train_loop.py uses."""
@@ -26,22 +27,38 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """One fused projection `c_attn` for q, k and v (its output split in three along the
+    features), causal SDPA, the output projection `c_proj`."""
+
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = c.n_head, c.dropout
-        self.q_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
-        self.k_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
-        self.v_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
+        assert c.n_embd % c.n_head == 0
+        self.n_head, self.n_embd, self.dropout = c.n_head, c.n_embd, c.dropout
+        self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)
         self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
         self.resid_dropout = nn.Dropout(c.dropout)
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = (p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * c.n_embd, c.n_embd, bias=c.bias)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -50,29 +67,29 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.attn = CausalSelfAttention(c)
         self.ln_2 = nn.LayerNorm(c.n_embd, bias=c.bias)
-        self.mlp_fc = nn.Linear(c.n_embd, 4 * c.n_embd, bias=c.bias)
-        self.mlp_proj = nn.Linear(4 * c.n_embd, c.n_embd, bias=c.bias)
-        self.mlp_dropout = nn.Dropout(c.dropout)
+        self.mlp = MLP(c)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp_dropout(self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)))))
+        return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.config = c
-        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
-        self.wpe = nn.Embedding(c.block_size, c.n_embd)
-        self.drop = nn.Dropout(c.dropout)
-        self.h = nn.ModuleList(Block(c) for _ in range(c.n_layer))
-        self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(c.vocab_size, c.n_embd),
+            wpe=nn.Embedding(c.block_size, c.n_embd),
+            drop=nn.Dropout(c.dropout),
+            h=nn.ModuleList(Block(c) for _ in range(c.n_layer)),
+            ln_f=nn.LayerNorm(c.n_embd, bias=c.bias),
+        ))
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        self.wte.weight = self.lm_head.weight
+        self.transformer.wte.weight = self.lm_head.weight      # weight tying
         self.apply(self._init_weights)
         for name, p in self.named_parameters():      # scaled init of residual projections
-            if name.endswith("c_proj.weight") or name.endswith("mlp_proj.weight"):
+            if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.n_layer))
 
     @staticmethod
@@ -85,11 +102,12 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets):
+        t = self.transformer
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
+        x = t.drop(t.wte(idx) + t.wpe(pos))
+        for block in t.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        logits = self.lm_head(t.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
     def get_num_params(self, non_embedding=True):
@@ -97,7 +115,7 @@ class GPT(nn.Module):
         embeddings by default, as nanoGPT counts them."""
         n_params = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n_params -= self.wpe.weight.numel()
+            n_params -= self.transformer.wpe.weight.numel()
         return n_params
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):

@@ -2,7 +2,7 @@
 (NnCompileStrategy + NnCompilePrecision) or with plain Lightning for comparison.
 
     python examples/nanogpt/prepare.py
-    torchrun --nproc_per_node=2 examples/nanogpt/train.py --config cpu --plan_ngpus 2
+    torchrun --nproc_per_node=2 examples/nanogpt/train.py --config cpu --plan_ngpus 2 --policy tp
     torchrun --nproc_per_node=2 examples/nanogpt/train.py --config cpu --use_nncompile false
     torchrun --nproc_per_node=4 examples/nanogpt/train.py --config cpu --plan_ngpus 4 \
         --pipeline_stages 2 --microbatches 4 --policy tp          # pp 2 x tp 2
@@ -212,7 +212,13 @@ def parse_args(argv=None):
                     help="ZeRO stage 0-3 over the data-parallel ranks, or auto (autodist)")
     ap.add_argument("--offload_optimizer", "--offload-optimizer", type=flag, default=False,
                     help="optimizer state and step in host memory")
-    ap.add_argument("--policy", default="autodist", help="nncompile pas_policy")
+    ap.add_argument("--policy", default="autodist",
+                    choices=["autodist", "tp", "tp_sp", "data", "dp"],
+                    help="how one copy of the model is split over its plan_ngpus ranks: "
+                         "autodist (the cost model's cheapest plan), tp (Megatron: attention "
+                         "by heads, the fused c_attn as its q/k/v parts, MLP by columns), "
+                         "tp_sp (tp + sequence parallel norms), data (the batch), dp (none: "
+                         "plan_ngpus 1)")
     ap.add_argument("--pipeline_stages", "--pipeline-stages", type=int_or_auto, default=1,
                     help="pipeline ranks S per plan unit (plan_ngpus // S tensor-parallel ranks "
                          "each), or auto (autodist)")
