@@ -9,6 +9,9 @@ it across many devices.
 """
 __version__ = "0.1.0"
 
+from .compat import check_torch_version  # noqa: E402
+check_torch_version()                    # an older torch: ImportError naming the minimum
+
 from .config import ComputeConfig  # noqa: E402
 from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError,  # noqa: E402
                      InputMismatchError, NNCompileError, PipelineError, PlanCheckError, PolicyError,

@@ -30,6 +30,7 @@ DIR is a gen_savedir (holding one instance) or an instance directory (holding ma
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 
@@ -178,7 +179,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.rank is not None and not args.code:
             ap.error("--rank selects the file --code compares; add --code")
         args.rank = args.rank or 0
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader stopped early (`nncompile show DIR | head`): stop quietly, as `cat` does;
+        # stdout goes to devnull so that the flush at exit does not raise again
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass
+        return 1
+    return status
 
 
 if __name__ == "__main__":

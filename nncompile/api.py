@@ -141,7 +141,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     replayed = layer_replay.last.get("replayed")
     _log(f"traced {graph.trace_info.model}: {len(graph.ops)} ops, {len(graph.params)} params "
          f"({(time.perf_counter() - start):.1f}s"
-         + (f"; {replayed} identical layers copied from a traced one" if replayed else "") + ")")
+         + (f"; {replayed} identical layer{'s' if replayed != 1 else ''} copied from a traced "
+            "one" if replayed else "") + ")")
     seconds = {"trace": time.perf_counter() - start}
     cpu_traced = _cpu()
     _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
@@ -150,8 +151,9 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     seconds["passes"] = sum(ms for _, _, ms in result.history) / 1e3
     cpu_passed = _cpu()
     seconds["ilp"] = (result.graph.plan_state.autodist or {}).get("solve_s", 0.0)
+    width = max((len(name) for name, _, _ in result.history[1:]), default=0)
     for name, _, ms in result.history[1:]:
-        _log(f"  pass {name:<14} {ms:8.1f} ms")
+        _log(f"  pass {name:<{width}} {ms:8.1f} ms")   # the times in one column
     final = eval_program(result.graph, passes, check)   # the same passes plan the eval program
     planned = plan_graph(result.history)     # before schedule-only passes: what plan.json shows
     symbolic.warn_if_unsplit(final)

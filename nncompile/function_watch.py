@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from . import compat
 from .errors import TraceError
 from .ir import SourceInfo
 
@@ -71,6 +72,15 @@ def _function_where(cls: type) -> str:
     return f" (defined at {display_path(path)}:{line})" if path else ""
 
 
+def _subclasses(cls: type) -> list[type]:
+    out, todo = [], list(cls.__subclasses__())
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(c.__subclasses__())
+    return out
+
+
 class WatchFunctions:
     """While exporting, record the torch.autograd.Function subclasses that forward applies to
     tensors needing a gradient: torch.export (non-strict) inlines their forward as aten ops
@@ -84,11 +94,13 @@ class WatchFunctions:
 
     def __enter__(self) -> "WatchFunctions":
         base = torch.autograd.function.Function
-        self._orig = base.__dict__["apply"]
-        orig_fn, found = self._orig.__func__, self.found
+        self._orig, orig_fn = compat.function_apply()
+        found = self.found
 
-        def record(cls: Any, args: Any) -> None:
-            if isinstance(cls, type) and cls not in found and torch.is_grad_enabled() \
+        def record(cls: Any, args: Any, in_forward: bool = False) -> None:
+            # in_forward: called from the Function's forward, which runs without grad mode
+            if isinstance(cls, type) and cls not in found \
+                    and (in_forward or torch.is_grad_enabled()) \
                     and _needs_check(cls) and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                   for t in pytree.tree_leaves(args)):
                 found[cls] = next((SourceInfo(display_path(f.filename), f.lineno or 0,
@@ -115,12 +127,26 @@ class WatchFunctions:
                 return unwrap(args)
 
             self._utils.unwrap_dead_wrappers = unwrap_dead_wrappers
+        # torch 2.15 implements apply in C (compat.function_apply): `f = MyFunction.apply`
+        # bound before export reaches neither hook, so each user Function's forward records
+        self._forwards = []
+        if not isinstance(self._orig, classmethod):
+            for cls in _subclasses(base):
+                fwd = cls.__dict__.get("forward")
+                if isinstance(fwd, staticmethod) and _needs_check(cls):
+                    def forward(*args, _f=fwd.__func__, _cls=cls, **kwargs):
+                        record(_cls, (args, kwargs), in_forward=True)
+                        return _f(*args, **kwargs)
+                    cls.forward = staticmethod(forward)
+                    self._forwards.append((cls, fwd))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         torch.autograd.function.Function.apply = self._orig
         if self._unwrap is not None:
             self._utils.unwrap_dead_wrappers = self._unwrap
+        for cls, fwd in self._forwards:
+            cls.forward = fwd
 
     def check(self) -> None:
         if not self.found:

@@ -1,6 +1,6 @@
 """Run every rank of a job in one process: one thread per rank over PyTorch's threaded process
 group (`torch.testing._internal.distributed.multi_threaded_pg`, the backend DTensor's own tests
-use), so collectives move real tensors between threads.
+use, installed through nncompile.compat), so collectives move real tensors between threads.
 
     results = run_ranks(4, lambda rank: train_one_step(rank))   # [result of rank 0, 1, 2, 3]
 
@@ -15,8 +15,9 @@ import sys
 import threading
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
+
+from . import compat
 
 _LOCK = threading.Lock()       # one simulated job at a time per process
 
@@ -27,16 +28,12 @@ class RankFailed(RuntimeError):
 
 def run_ranks(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600.0) -> list[Any]:
     """fn(rank) on `world_size` threads with a threaded default process group each."""
-    from torch.testing._internal.distributed import multi_threaded_pg as mtp
-
     with _LOCK:
         store = dist.HashStore()
         results: list[Any] = [None] * world_size
         errors: list[BaseException | None] = [None] * world_size
         excepthook = sys.excepthook            # init_process_group wraps it on every call
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)   # group names per thread
-        mtp._install_threaded_pg()
-        mtp.ProcessLocalGroup.reset()
+        compat.install_threaded_pg()
 
         def worker(rank: int) -> None:
             try:
@@ -59,9 +56,7 @@ def run_ranks(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600.
                 t.join(timeout_s)
             stuck = [r for r, t in enumerate(threads) if t.is_alive()]
         finally:
-            mtp.ProcessLocalGroup.reset()
-            mtp._uninstall_threaded_pg()
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            compat.uninstall_threaded_pg()
             sys.excepthook = excepthook
         failed = [r for r, e in enumerate(errors) if e is not None]
         if failed:
@@ -81,8 +76,4 @@ class _PeerAborted(RuntimeError):
 
 def _abort_peers(world_size: int) -> None:
     """Wake ranks blocked in a collective that the failed rank will never join."""
-    from torch.testing._internal.distributed import multi_threaded_pg as mtp
-    try:
-        mtp.ProcessLocalGroup.exception_handle(_PeerAborted("a peer rank failed"))
-    except Exception:   # noqa: BLE001 - older torch: peers time out instead
-        pass
+    compat.abort_threaded_collectives(_PeerAborted("a peer rank failed"))

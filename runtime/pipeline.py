@@ -48,6 +48,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from nncompile import compat
 from nncompile.errors import ConfigError, InputMismatchError
 from nncompile.pipeline_config import PipelineConfig
 
@@ -82,8 +83,67 @@ class StageModule(torch.nn.Module):
             return self.fn(*inputs)
 
 
+class FloatCarriedStage(StageModule):
+    """A stage whose integer boundary tensors (token ids, masks sent on to a later stage) cross
+    as float64, for torch releases whose PipelineStage makes every received buffer require
+    grad (compat.pipeline_stages_send_integers). Values stay exact (|x| < 2**53); each such
+    input is restored to its dtype and joins the first grad-requiring output times zero, so
+    its buffer gets the zero gradient torch sends back:
+
+        before: stage 1 receives idx (int64) -> "only Tensors of floating point dtype ..."
+        after:  stage 0 sends idx.to(float64); stage 1 runs on idx.to(int64)
+    """
+
+    def __init__(self, pm, index: int, params: tuple[str, ...], restore: tuple, carried: tuple):
+        super().__init__(pm, index, params)
+        self.restore = restore          # per input: its integer dtype, or None (floating)
+        self.carried = carried          # per output: True where sent on as float64
+
+    def forward(self, *inputs):
+        anchors = [x for x, dt in zip(inputs, self.restore) if dt is not None]
+        inputs = tuple(x.detach().to(dt) if dt is not None else x
+                       for x, dt in zip(inputs, self.restore))
+        out = super().forward(*inputs)
+        single = not isinstance(out, (tuple, list))
+        outs = [out] if single else list(out)
+        i = next((i for i, o in enumerate(outs)
+                  if isinstance(o, torch.Tensor) and o.requires_grad), None)
+        outs = [(o.to(torch.float64) if i is None else _Carried.apply(o, outs[i])) if flag else o
+                for o, flag in zip(outs, self.carried + (False,) * len(outs))]
+        if anchors and torch.is_grad_enabled():
+            if i is not None:
+                zero = sum((a * 0).sum() for a in anchors)   # a contiguous zero gradient:
+                outs[i] = outs[i] + zero.to(outs[i].dtype)  # torch 2.11 sends it as it is
+        return outs[0] if single else tuple(outs)
+
+
+class _Carried(torch.autograd.Function):
+    """An integer output as float64 on `ref`'s autograd graph (ref gets a zero gradient): the
+    schedules' split backward (zero-bubble) differentiates every stage output."""
+
+    @staticmethod
+    def forward(ctx, x, ref):
+        ctx.like = (ref.shape, ref.dtype, ref.device)
+        return x.to(torch.float64)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.like
+        return None, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _float_carried(meta):
+    """The boundary metadata as sent: integer and bool tensors as float64."""
+    shape, dtype, grad = meta
+    return (shape, "float64", grad) if _integer(dtype) else meta
+
+
+def _integer(dtype: str) -> bool:
+    return not getattr(torch, dtype).is_floating_point and not getattr(torch, dtype).is_complex
+
+
 def _stage_class():
-    from torch.distributed.pipelining import PipelineStage
+    PipelineStage = compat.pipeline_stage_class()
 
     class Stage(PipelineStage):
         """A PipelineStage that tells the runtime which micro-batch's forward starts."""
@@ -127,11 +187,28 @@ class PipelineRuntime:
         stage_cls = _stage_class()
         self.draws = {int(s): d for s, d in info.get("draws", {}).items()}
         self.rng_states: dict | None = None
-        stages = [stage_cls(
-            mod, s, info["stages"], pm.device,
-            input_args=tuple(_example(x, pm.device) for x in ins),
-            output_args=tuple(_example(x, pm.device) for x in outs), group=self.group)
-            for mod, (s, _, _, ins, outs, _) in zip(self.modules, pm.STAGES)]
+        carry = not compat.pipeline_stages_send_integers()
+        last = info["stages"] - 1
+
+        def stage_module(mod, s, ins, outs, params):
+            if not carry:
+                return mod, ins, outs
+            restore = tuple(getattr(torch, dt) if s > 0 and _integer(dt) else None
+                            for _, dt, _ in ins)
+            carried = tuple(s < last and _integer(dt) for _, dt, _ in outs)
+            if all(r is None for r in restore) and not any(carried):
+                return mod, ins, outs
+            ins = [_float_carried(x) if s > 0 else x for x in ins]
+            outs = [_float_carried(x) if s < last else x for x in outs]
+            return FloatCarriedStage(pm, s, params, restore, carried), ins, outs
+
+        stages = []
+        for mod, (s, _, _, ins, outs, params) in zip(self.modules, pm.STAGES):
+            mod, ins, outs = stage_module(mod, s, ins, outs, params)
+            stages.append(stage_cls(
+                mod, s, info["stages"], pm.device,
+                input_args=tuple(_example(x, pm.device) for x in ins),
+                output_args=tuple(_example(x, pm.device) for x in outs), group=self.group))
         cfg = PipelineConfig(info["ranks"], info["schedule"], self.m, info["stages_per_rank"])
         cls = getattr(pipelining, cfg.torch_schedule())
         batched = set(info["batched"])

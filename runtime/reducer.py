@@ -65,7 +65,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+from nncompile import compat
+
+_will_execute = compat.will_engine_execute_node()
 FIRST_BUCKET_MB = 1.0
 
 

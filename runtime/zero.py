@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from nncompile import compat
 from nncompile.errors import ConfigError
 from nncompile.mesh import DP, Mesh, grad_reduction
 
@@ -88,9 +89,8 @@ class FlatLayout:
         return out
 
 
-# torch >= 2.13 names them *_single; older releases have only the *_tensor spelling
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = compat.all_gather_single()           # the spelling this torch prefers
+_REDUCE_SCATTER = compat.reduce_scatter_single()
 
 
 def gather_piece(layout: "FlatLayout", piece: torch.Tensor, size: int, group,

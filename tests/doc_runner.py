@@ -17,11 +17,15 @@ or bash block, or an output block that does not follow a python or bash block (o
 lines between): nothing on a page escapes being run.
 
 A page runs the way a person runs it from the repository root in a fresh shell: in a fresh
-copy of the repository (its tracked and unignored files; `--workdir DIR` to choose where), as
-the current directory, with nothing added to the environment. PYTHONPATH and NNCOMPILE_REPO are
-removed, so a page that needs them has to set them itself. python blocks run as if typed into
-`python` started there (the current directory first on sys.path, so `import examples.gpt`
-works); bash blocks do not see changes python blocks make to os.environ.
+copy of the repository (its tracked and unignored files; `--workdir DIR` to choose where, and
+`--workdir .` from the repository root to run it in the checkout itself, nothing copied), as
+the current directory, with nothing added to the environment. PYTHONPATH and NNCOMPILE_REPO
+are removed, so a page that needs them has to set them itself. python blocks run as if typed
+into `python` started there (the current directory first on sys.path, so `import examples.gpt`
+works); bash blocks do not see changes python blocks make to os.environ. A page compiles into
+its own `gen/<page>/`, and .gitignore covers everything it writes, so that pages run one after
+another in one checkout leave it clean and a copy made later does not carry their files
+(tests/test_docs.py checks both).
 
 Shown output: trailing spaces and leading or trailing blank lines are ignored on both sides;
 otherwise every line must be equal, with two wildcards for what changes from run to run
@@ -199,16 +203,37 @@ class _Tee(io.TextIOBase):
         self.real.flush()
 
 
-def copy_repository(dest: Path) -> None:
-    """The repository's tracked and unignored files, as a person's checkout has them."""
+def repository_files() -> list[str]:
+    """The repository's tracked and unignored files (paths relative to its root): what a
+    person's checkout has; what pages leave behind is ignored (.gitignore), so not listed."""
     try:
         listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard",
                                  "-z"], capture_output=True, check=True).stdout
-        names = [n for n in listed.decode().split("\0") if n]
+        return [n for n in listed.decode().split("\0") if n]
     except (OSError, subprocess.CalledProcessError):
-        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
-                 if p.is_file() and not {".git", "__pycache__", ".nncompile"} & set(p.parts)]
-    for name in names:
+        return [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+                if p.is_file() and not {".git", "__pycache__", ".nncompile", "gen"} & set(p.parts)]
+
+
+def unignored(paths: list[str]) -> list[str]:
+    """Those of `paths` (relative to the repository root) that .gitignore does not ignore:
+    what `git status` would show as untracked if a page left them in a checkout."""
+    if not paths:
+        return []
+    proc = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", "--stdin", "-z"],
+                          input="\0".join(paths).encode(), capture_output=True)
+    if proc.returncode not in (0, 1):          # 1: none ignored
+        raise RuntimeError(f"git check-ignore failed: {proc.stderr.decode()}")
+    ignored = set(n for n in proc.stdout.decode().split("\0") if n)
+    return [p for p in paths if p not in ignored]
+
+
+def copy_repository(dest: Path) -> None:
+    """The repository's tracked and unignored files, as a person's checkout has them (nothing
+    to copy when `dest` is the repository itself: the page then runs in the checkout)."""
+    if dest.resolve() == ROOT:
+        return
+    for name in repository_files():
         src = ROOT / name
         if src.is_file():
             target = dest / name

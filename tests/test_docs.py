@@ -1,13 +1,17 @@
 """Every code block of docs/ runs: one test per page (tests/doc_runner.py in a fresh copy of the
 repository, as a person would run it from the repository root), and every output block matches
-what its block printed; plus checks that the index links every page, that the runner refuses
-what it cannot run and that it catches shown output that differs from the printed."""
+what its block printed, and the page leaves nothing that .gitignore does not cover; each page
+compiles into its own gen/<page>/, so pages run in order in one checkout do not collide; plus
+checks that the index links every page, that the runner refuses what it cannot run and that it
+catches shown output that differs from the printed."""
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +50,7 @@ def test_page(name, tmp_path):
     blocks = doc_runner.parse(page)            # raises on a block it would not run
     n = doc_runner.counts(blocks)
     assert n["python"] + n["bash"] > 0
+    since_ns = time.time_ns()
     proc = _run(page, tmp_path)
     out = proc.stdout
     if proc.returncode != 0:
@@ -59,6 +64,62 @@ def test_page(name, tmp_path):
     ran = len(re.findall(r"^doc_runner: \S+:\d+ (python|bash|output|python file=\S+) ok ", out,
                          re.M))
     assert ran == n["python"] + n["bash"] + n["file"] + n["output"]
+    left = _left_behind(tmp_path, since_ns)
+    assert not left, (f"docs/{name}, run from the repository root, leaves files that .gitignore "
+                      f"does not ignore (git status shows them; the next page's copy gets "
+                      f"them): {left[:20]}; ignore them in .gitignore")
+
+
+def _left_behind(workdir: Path, since_ns: int) -> list[str]:
+    """What a page wrote into its copy of the repository that .gitignore does not ignore, and
+    the repository's files it changed (the copy keeps their times: a newer one was written)."""
+    copied = set(doc_runner.repository_files())
+    new, changed = [], []
+    for path in workdir.rglob("*"):
+        if not path.is_file() or path.is_symlink():
+            continue
+        rel = path.relative_to(workdir).as_posix()
+        if rel not in copied:
+            new.append(rel)
+        elif path.stat().st_mtime_ns >= since_ns and not (
+                (ROOT / rel).is_file() and path.read_bytes() == (ROOT / rel).read_bytes()):
+            changed.append(f"{rel} (changed)")      # written after the copy, other than ours
+    return doc_runner.unignored(sorted(new)) + changed
+
+
+def _savedirs(block: doc_runner.Block) -> list[tuple[int, str | None]]:
+    """(page line, gen_savedir) of each parallelize/NnCompileStrategy call in a python block
+    that names one; None for a parallelize call that leaves it to its default (./.nncompile).
+    A strategy that names none is not counted: building one writes nothing."""
+    found = []
+    for node in ast.walk(ast.parse(block.code)):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func.attr if isinstance(node.func, ast.Attribute) else \
+            getattr(node.func, "id", "")
+        if fn not in ("parallelize", "NnCompileStrategy"):
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        line = block.line + node.lineno - 1
+        if "gen_savedir" in kw:
+            value = kw["gen_savedir"]
+            found.append((line, value.value if isinstance(value, ast.Constant) else "<computed>"))
+        elif None not in kw and fn == "parallelize":     # no **kwargs that could carry it
+            found.append((line, None))
+    return found
+
+
+@pytest.mark.parametrize("name", _pages())
+def test_page_writes_its_generated_code_to_its_own_directory(name):
+    """Pages run one after another in one checkout (docs/README.md) do not reuse each other's
+    generated code: each page compiles into gen/<page>/ (or gen/<page>_<what>/); only the
+    quickstart's example script writes the default ./.nncompile."""
+    stem = name[:-len(".md")]
+    own = re.compile(rf"(\./)?gen/{re.escape(stem)}(_\w+)?")
+    wrong = [f"docs/{name}:{line}: gen_savedir={d!r}"
+             for block in doc_runner.parse(DOCS / name) if block.kind in ("python", "file")
+             for line, d in _savedirs(block) if d != "<computed>" and not own.fullmatch(d or "")]
+    assert not wrong, f"compile into gen/{stem}/ (gen_savedir=\"gen/{stem}\"): {wrong}"
 
 
 def test_index_links_every_page_in_order():

@@ -3,6 +3,7 @@ random draws, and `rng.replay` of a stage's list leaves the generator exactly wh
 stage's forward leaves it (so a rank can start each (micro-batch, stage) forward from one
 device's state). The multi-rank parity (1F1B, interleaved, with tp inside the stages; losses
 and validation against one device) runs in tests/workers/pipeline.py."""
+import copy
 import os
 import sys
 
@@ -47,7 +48,7 @@ def _inputs(metas):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_replay_ends_where_the_stage_forward_ends(compiled, rank):
     model, out = compiled
-    pm = load_rank_module(out, rank, model)
+    pm = load_rank_module(out, rank, copy.deepcopy(model))     # one model per rank, as processes
     draws = pm.PIPELINE["draws"]
     assert sorted(draws) == [0, 1]
     kinds = {d[0] for d in draws[rank]}
@@ -76,7 +77,7 @@ def test_plan_without_random_ops_lists_no_draws(tmp_path):
 
 def test_inference_forward_needs_the_process_group(compiled):
     model, out = compiled
-    pm = load_rank_module(out, 0, model)
+    pm = load_rank_module(out, 0, copy.deepcopy(model))
     with pytest.raises(PipelineError, match=r"pm.train_step\(\*args, \*\*kwargs\).*"
                                             r"torch.no_grad\(\) or after pm.eval\(\)"):
         pm(**_batch())

@@ -123,7 +123,7 @@ def cpu_fallback_note(device: str | DeviceProfile | None) -> str:
     the cpu profile's memory capacity without saying so."""
     if device or default_device() != "cpu":
         return ""
-    gpus = ", ".join(f"'{name}'" for name in BUILTIN if name != "cpu")
+    gpus = ", ".join(f"'{name}'" for name in BUILTIN if not name.startswith("cpu"))
     return (f"no GPU is visible, so autodist plans for the built-in 'cpu' profile (gloo "
             f"links, {BUILTIN['cpu'].mem_capacity_gb:g} GB per rank). To compile for GPUs, name "
             f"the target: pas_config={{\"device\": \"h100-80g\"}} (built-in GPU profiles: "

@@ -1,0 +1,190 @@
+"""The one place nncompile touches version-dependent or private PyTorch APIs.
+
+Each function hides one API that differs between the supported torch releases (MIN_TORCH up
+to the newest tested, see docs/versions.md), with a comment naming the release that changed
+it. The rest of the package calls these functions and never tests `torch.__version__` itself;
+tests/test_compat.py greps the package to keep it so.
+
+    before:  getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    after:   compat.all_gather_single()
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+import torch.distributed as dist
+
+MIN_TORCH = (2, 11)         # the oldest release the suite is run on (docs/versions.md)
+
+
+def torch_version(text: str | None = None) -> tuple[int, int]:
+    """(major, minor) of the installed torch (or of `text`, e.g. "2.11.0+cu130")."""
+    m = re.match(r"(\d+)\.(\d+)", text if text is not None else str(torch.__version__))
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def check_torch_version(text: str | None = None) -> None:
+    """ImportError naming the minimum when the installed torch is older than MIN_TORCH."""
+    have = torch_version(text)
+    if have < MIN_TORCH:
+        raise ImportError(
+            f"nncompile needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}, found torch "
+            f"{text if text is not None else torch.__version__}; upgrade it "
+            f"(pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}') or see docs/versions.md")
+
+
+# ---- the threaded process group (one process, a thread per rank: nncompile.simulate) -------
+
+def _mtp():
+    # torch.testing._internal: the threaded backend DTensor's own tests run on; no public
+    # equivalent exists in any supported release.
+    from torch.testing._internal.distributed import multi_threaded_pg
+    return multi_threaded_pg
+
+
+def install_threaded_pg() -> None:
+    """Make "threaded" the backend of thread-local default groups (every rank a thread)."""
+    mtp = _mtp()
+    # group names per thread (torch >= 2.4; private binding, unchanged since)
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    world = mtp._install_threaded_pg()
+    if not hasattr(world, "comms"):
+        # torch 2.11: destroy_process_group() reads `_world.comms` (torchcomms), which that
+        # release's ThreadLocalWorld lacks (added in 2.13): give it a per-thread list.
+        dist.distributed_c10d._world = _with_comms(world)
+    mtp.ProcessLocalGroup.reset()
+
+
+def uninstall_threaded_pg() -> None:
+    """Undo install_threaded_pg: the caller's own world and autograd threading come back."""
+    mtp = _mtp()
+    mtp.ProcessLocalGroup.reset()
+    mtp._uninstall_threaded_pg()
+    # torch 2.11 turns autograd multithreading off at install and never back on (2.13 restores
+    # it in _uninstall_threaded_pg and clears `_ctx_manager`)
+    cm = getattr(mtp, "_ctx_manager", None)
+    if cm is not None:
+        cm.__exit__(None, None, None)
+        mtp._ctx_manager = None
+    torch._C._distributed_c10d._set_thread_isolation_mode(False)
+
+
+def abort_threaded_collectives(exc: BaseException) -> bool:
+    """Wake ranks blocked in a threaded collective with `exc`; False where torch cannot."""
+    try:
+        _mtp().ProcessLocalGroup.exception_handle(exc)
+        return True
+    except Exception:   # noqa: BLE001 - a release without it: peers time out instead
+        return False
+
+
+def _with_comms(world):
+    """torch 2.11's ThreadLocalWorld plus the `comms` list newer releases have."""
+    import threading
+
+    class ThreadLocalWorldWithComms(type(world)):
+        _comms = threading.local()
+
+        @property
+        def comms(self):
+            if not hasattr(self._comms, "comms"):
+                self._comms.comms = []
+            return self._comms.comms
+
+    return ThreadLocalWorldWithComms()
+
+
+# ---- collectives ------------------------------------------------------------------------------
+
+def all_gather_single():
+    """dist.all_gather_into_tensor under the name this torch prefers (torch 2.13 added
+    `all_gather_single` and deprecated the `_tensor` spelling)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_single():
+    """dist.reduce_scatter_tensor, as all_gather_single (renamed in torch 2.13)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---- pipeline stages --------------------------------------------------------------------------
+
+def pipeline_stages_send_integers() -> bool:
+    """Whether torch.distributed.pipelining's PipelineStage passes non-floating tensors (token
+    ids, masks) between stages in training. torch 2.11 calls requires_grad_(True) on every
+    received buffer ("only Tensors of floating point dtype can require gradients") and expects
+    a gradient back for each; 2.13 takes requires_grad from the stage's metadata. Where False,
+    runtime/pipeline.py carries such tensors as float64 across the boundary."""
+    return torch_version() >= (2, 13)
+
+
+def pipeline_stage_class():
+    """torch.distributed.pipelining.PipelineStage, on torch 2.11 without the warm-up sends a
+    rank makes to itself: its schedules open the stage neighbours' channels with one batch of
+    sends and receives (`_get_init_p2p_neighbors_ops`), including those between two stages of
+    one rank (V-shaped zero-bubble placements), which gloo refuses ("Pair is not connected").
+    torch 2.13 replaced that warm-up with a vote that skips the rank's own stages."""
+    from torch.distributed.pipelining import PipelineStage
+    if torch_version() >= (2, 13):
+        return PipelineStage
+
+    class PipelineStageNoSelfWarmup(PipelineStage):
+        def _get_init_p2p_neighbors_ops(self):
+            me = dist.get_rank(self.group)
+            return [op for op in super()._get_init_p2p_neighbors_ops()
+                    if getattr(op, "group_peer", None) != me]
+    return PipelineStageNoSelfWarmup
+
+
+# ---- torch.export ------------------------------------------------------------------------------
+
+def export_dynamic_options() -> dict:
+    """torch.export options for a trace with dynamic sizes. torch 2.11 cannot prove some
+    guards that hold for every size in range, e.g. `Min(8*s, 16*s) == 8*s` from reshaping an
+    expanded tensor (Hugging Face's repeat_kv), and refuses the range ("Constraints
+    violated"); 2.13 proves them. There the frontend exports again with such guards deferred
+    to runtime asserts (which it drops), so a guard that truly fails for some size in range
+    is refused by torch 2.13+ but on 2.11 shows as an error when that size runs."""
+    if torch_version() >= (2, 13):
+        return {}
+    return {"prefer_deferred_runtime_asserts_over_guards": True}
+
+
+@contextlib.contextmanager
+def export_leaves_no_hooks():
+    """Around torch.export: torch 2.11's export registers a global buffer-registration hook
+    (register_buffer_assignment_hook) and leaves it behind when the export raises, so every
+    later trace sees a global module hook (layer replay then turns itself off). Fixed by
+    2.13; here the hooks an export added are removed however it ends."""
+    from torch.nn.modules import module as nn_module
+    hooks = getattr(nn_module, "_global_buffer_registration_hooks", None)
+    before = set(hooks) if hooks is not None else set()
+    try:
+        yield
+    finally:
+        if hooks is not None and torch_version() < (2, 13):
+            for key in [k for k in hooks if k not in before]:
+                del hooks[key]
+
+
+# ---- autograd ----------------------------------------------------------------------------------
+
+def function_apply():
+    """(torch.autograd.Function's own `apply` as found in its class dict, a plain function
+    (cls, *args, **kwargs) that calls it): what nncompile.function_watch wraps while tracing.
+    Up to torch 2.14 `apply` is a Python classmethod; 2.15 implements it in C (a
+    classmethod_descriptor, no `__func__`)."""
+    orig = torch.autograd.function.Function.__dict__["apply"]
+    if isinstance(orig, classmethod):
+        return orig, orig.__func__
+    return orig, lambda cls, *args, **kwargs: orig.__get__(None, cls)(*args, **kwargs)
+
+
+# ---- autograd engine ---------------------------------------------------------------------------
+
+def will_engine_execute_node():
+    """torch._C._will_engine_execute_node (private, torch >= 2.0) or None where absent: whether
+    the running backward reaches a node (the reducer skips parameters it will not reach)."""
+    return getattr(torch._C, "_will_engine_execute_node", None)

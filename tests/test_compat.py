@@ -1,0 +1,249 @@
+"""nncompile.compat: the one module that knows torch versions (docs/versions.md).
+
+- importing nncompile on a torch older than compat.MIN_TORCH is an ImportError naming the
+  minimum;
+- no file of the package outside compat.py tests the torch version or uses a private torch API
+  that is not in ALLOWED below (each a version-stable use, with why);
+- the threaded process group (nncompile.simulate) leaves autograd and the default world as
+  they were;
+- a Hugging Face LayerDrop of 0 traces (transformers 5.0-5.19 branch on a random draw in
+  training), one > 0 in training is a TraceError naming the fix.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nncompile
+from nncompile import compat
+from nncompile.errors import TraceError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIRS = ("nncompile", "runtime", "passes", "integration")
+
+# Private torch names used outside compat.py, each stable across the supported releases (the
+# suite runs them on the oldest and the newest: docs/versions.md). A new private use goes
+# through compat.py with a comment naming the release that changed it, or here with why.
+ALLOWED = {
+    "torch._ops": "OpOverload / HigherOrderOperator: the classes of torch.ops.* (every release)",
+    "torch.utils._pytree": "pytree (tree_map, treespec_dumps): used across torch, stable",
+    "torch._subclasses.fake_tensor": "FakeTensorMode: shape propagation without data",
+    "torch._utils": "_flatten_dense_tensors: the bucket flattening DDP itself uses",
+    "torch.distributed._functional_collectives": "traceable collectives (torch.compile)",
+    "torch.distributed.checkpoint._traverse": "set_element: DCP's own state-dict walker",
+    "torch.distributed.distributed_c10d._get_default_group": "the default group object",
+    "torch.distributed.pipelining.microbatch._Replicate": "the replicate chunk spec",
+    "torch.testing._internal.common_methods_invocations": "op_db: the op-rule checker's samples",
+    "torch.utils.checkpoint._checkpoint_without_reentrant_generator":
+        "user_checkpoint: which functions a model checkpoints (restored after tracing)",
+    "torch.autograd.Variable._execution_engine": "queue_callback: end-of-backward hook, as DDP",
+    "torch._amp_foreach_non_finite_check_and_unscale_": "what GradScaler.unscale_ calls",
+    "torch.amp.GradScaler._unscale_grads_": "routed so scaled gradients of shards agree",
+    "torch.amp.grad_scaler._MultiDeviceReplicator": "the scale per device, as GradScaler has it",
+    "torch.cuda.memory._record_memory_history": "the documented memory-snapshot API",
+    "torch.cuda.memory._dump_snapshot": "the documented memory-snapshot API",
+    "torch._C._profiler": "_EventType of profiler events (memory timeline)",
+    "torch.profiler._memory_profiler": "the memory profiler's categories (memory timeline)",
+    "torch._functorch": "unwrap_dead_wrappers, looked up with getattr (function_watch)",
+}
+# modules imported under another name in the package
+ALIASES = {"dist": "torch.distributed", "ckpt": "torch.utils.checkpoint",
+           "funcol": "torch.distributed._functional_collectives", "pytree": "torch.utils._pytree"}
+VERSION_WORDS = ("TorchVersion", "packaging")       # besides torch.__version__ itself
+
+
+def _dotted(node) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(ALIASES.get(node.id, node.id))
+    return ".".join(reversed(parts))
+
+
+def _private(name: str) -> str | None:
+    """The name up to its first private part, where it is torch's and private."""
+    if not name.startswith("torch"):
+        return None
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.startswith("_") and not p.startswith("__"):
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def _uses(path: str):
+    """(line, private torch name or version word) for each use in one file."""
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                hit = _private(f"{node.module}.{a.name}")
+                if hit:
+                    yield node.lineno, hit
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                hit = _private(a.name)
+                if hit:
+                    yield node.lineno, hit
+        elif isinstance(node, ast.Attribute):
+            name = _dotted(node)
+            hit = name and _private(name)
+            if hit and not name.startswith("torch.ops."):
+                yield node.lineno, hit
+            if name in ("torch.__version__", "torch.version.__version__") or \
+                    (name or "").endswith("compat.torch_version"):
+                yield node.lineno, name
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "getattr" and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            base = _dotted(node.args[0])
+            hit = base and _private(f"{base}.{node.args[1].value}")
+            if hit:
+                yield node.lineno, hit
+        elif isinstance(node, ast.Name) and node.id in VERSION_WORDS:
+            yield node.lineno, node.id
+
+
+def _package_uses():
+    for d in PACKAGE_DIRS:
+        for base, _, files in os.walk(os.path.join(ROOT, d)):
+            for f in files:
+                if f.endswith(".py") and f != "compat.py":
+                    path = os.path.join(base, f)
+                    for line, name in _uses(path):
+                        yield os.path.relpath(path, ROOT), line, name
+
+
+def _is_allowed(path: str, name: str) -> bool:
+    if name == "torch.__version__" and path == os.path.join("nncompile", "memory.py"):
+        return True                 # recorded in a memory profile, not compared
+    return any(name == k or name.startswith(k + ".") or k.startswith(name + ".")
+               for k in ALLOWED)
+
+
+def test_no_version_checks_or_private_torch_outside_compat():
+    bad = [f"{p}:{line}: {name}" for p, line, name in _package_uses() if not _is_allowed(p, name)]
+    assert not bad, ("version checks / private torch APIs outside nncompile/compat.py (route "
+                     "them through compat, or add a version-stable one to ALLOWED with why):\n"
+                     + "\n".join(bad))
+
+
+def test_the_grep_sees_what_it_guards(tmp_path):
+    """The scan above finds each kind of use it forbids (else it could never fail)."""
+    src = tmp_path / "x.py"
+    src.write_text("import torch\nimport torch.distributed as dist\n"
+                   "from torch.testing._internal.distributed import multi_threaded_pg\n"
+                   "if torch.__version__ >= '2.12': pass\n"
+                   "f = getattr(torch._C, '_will_engine_execute_node', None)\n"
+                   "dist.distributed_c10d._world.comms\n"
+                   "if compat.torch_version() < (2, 13): pass\n")
+    names = {n for _, n in _uses(str(src))}
+    assert {"torch.testing._internal", "torch.__version__", "torch._C",
+            "torch.distributed.distributed_c10d._world", "compat.torch_version"} <= names, names
+    assert not _is_allowed("nncompile/x.py", "torch.testing._internal.distributed")
+    assert not _is_allowed("nncompile/x.py", "torch.__version__")
+
+
+def test_older_torch_is_an_import_error_naming_the_minimum(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cpu")
+    with pytest.raises(ImportError, match=r"torch>=2\.11, found torch 2\.10\.1"):
+        compat.check_torch_version()
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    compat.check_torch_version()
+    assert compat.torch_version("2.15.0") == (2, 15)
+
+
+def test_importing_nncompile_checks_the_version():
+    code = ("import torch; torch.__version__ = '2.9.0'\n"
+            "try:\n    import nncompile\nexcept ImportError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert "refused: nncompile needs torch>=2.11, found torch 2.9.0" in out.stdout, \
+        out.stdout + out.stderr
+
+
+def test_threaded_group_leaves_the_process_as_it_was():
+    from nncompile.simulate import run_ranks
+    world = dist.distributed_c10d._world
+
+    def fn(rank):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        return float(t)
+
+    assert run_ranks(2, fn) == [3.0, 3.0]
+    assert dist.distributed_c10d._world is world
+    assert torch._C._is_multithreading_enabled()
+    assert not dist.is_initialized()
+
+
+class _LayerDropStack(torch.nn.Module):
+    """Hugging Face's LayerDrop as transformers 5.0-5.19 write it (BART, mBART, Whisper)."""
+
+    def __init__(self, layerdrop: float):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        for layer in self.layers:
+            to_drop = False
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    to_drop = True
+            if not to_drop:
+                x = layer(x)
+        return x.sum()
+
+
+def test_layerdrop_zero_traces_and_keeps_its_value():
+    from nncompile.frontend import trace
+    model = _LayerDropStack(0.0).train()
+    graph = trace(model, (torch.randn(4, 8),))
+    assert sum(op.target_name.endswith("linear.default") or "addmm" in op.target_name
+               or "linear" in op.target_name for op in graph.ops) >= 2
+    assert model.layerdrop == 0.0 and type(model.layerdrop) is float
+
+
+def test_layerdrop_in_training_is_refused_with_the_fix():
+    from nncompile.frontend import trace
+    with pytest.raises(TraceError, match="layerdrop=0.2.*encoder_layerdrop"):
+        trace(_LayerDropStack(0.2).train(), (torch.randn(4, 8),))
+
+
+def test_hf_bart_traces_under_this_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import models
+    model = models.build("hf_bart")
+    pm = nncompile.parallelize(model, models.batch("hf_bart", 0), nncompile.ComputeConfig(1),
+                               gen_savedir=tmp_path, load_module=False)
+    assert pm is not None
+
+
+class _Branchy(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:             # data-dependent: torch.export raises
+            return x * 2
+        return x
+
+
+def test_a_failed_trace_leaves_no_global_module_hooks():
+    """torch 2.11's export leaves a global buffer-registration hook behind when it raises;
+    later traces would then see a global module hook (layer replay turns itself off)."""
+    from torch.nn.modules import module as nn_module
+    from nncompile.frontend import trace
+    before = dict(nn_module._global_buffer_registration_hooks)
+    with pytest.raises(TraceError, match="branches on a tensor's value"):
+        trace(_Branchy(), (torch.randn(4),))
+    assert dict(nn_module._global_buffer_registration_hooks) == before
