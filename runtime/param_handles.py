@@ -443,6 +443,8 @@ def release_original(pm, module, rows, shared: dict) -> None:
         if not p.is_meta and p.numel():
             p.grad = None
             p.untyped_storage().resize_(0)     # frees it; shape, dtype and device stay
+            if type(p) is torch.nn.Parameter:  # print/copy/pickle say so, not read freed memory
+                p.__class__ = ReleasedParameter
             gone.append(fqn)
     pm.__dict__["_nnc_orig_ids"] = ids
     if gone and not getattr(module, "_nnc_guard", False):
@@ -453,6 +455,38 @@ def release_original(pm, module, rows, shared: dict) -> None:
         if not getattr(owner, "_nnc_sd_guard", False):
             owner._nnc_sd_guard = True
             owner.register_state_dict_pre_hook(_released_state_dict)
+
+
+class ReleasedParameter(torch.nn.Parameter):
+    """An original module's Parameter whose storage a ParallelModule freed (still a Parameter,
+    same shape, dtype and device, adopted by the optimizer's next step). Reading its values
+    would read freed memory, so printing shows what it is and copying or pickling it is an
+    error that names what to do:
+
+        before: print(model.lm_head.weight)     -> the process crashes (no storage)
+        after:  <released Parameter [64, 32] float32: its values live in the ParallelModule>
+    """
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return (f"<released Parameter {list(self.shape)} {dtype}: its values live in the "
+                f"ParallelModule returned by nncompile.parallelize (pm.gather_params() gives "
+                f"them whole)>")
+
+    __str__ = __repr__
+
+    def _refuse(self, what: str):
+        raise ConfigError(
+            f"cannot {what} a parameter of a module that was parallelized: its storage was "
+            f"released and its values live in the ParallelModule; {what} the model before "
+            f"nncompile.parallelize (copy.deepcopy(model)), or save pm's state "
+            f"(nncompile.save_checkpoint / pm.gather_params())")
+
+    def __deepcopy__(self, memo):
+        self._refuse("copy")
+
+    def __reduce_ex__(self, protocol):
+        self._refuse("pickle")
 
 
 def released(p) -> bool:

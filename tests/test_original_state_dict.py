@@ -69,3 +69,23 @@ def test_whole_parameters_keep_the_state_dict(gpt, tmp_path):
         torch.testing.assert_close(sd[fqn], want, rtol=0, atol=0)
         changed |= not torch.equal(want, gpt.state_dict()[fqn])
     assert changed, "the step changed nothing"
+
+
+def test_released_parameter_prints_and_refuses_copies(gpt, tmp_path):
+    """A released parameter has no storage: printing it says where its values are, and copying
+    or pickling the module is an error naming the fix, instead of reading freed memory (which
+    crashed the process)."""
+    def check(module, pm):
+        w = module.get_parameter("h.0.mlp_fc.weight")
+        shown = repr(w)
+        errors = []
+        for what in (lambda: copy.deepcopy(module), lambda: torch.save(w, io.BytesIO())):
+            with pytest.raises(nncompile.ConfigError) as e:
+                what()
+            errors.append(str(e.value))
+        return shown, errors, isinstance(w, torch.nn.Parameter), tuple(w.shape)
+    shown, errors, is_param, shape = _after_one_step(gpt, tmp_path, "rel", 2, "tp", check)[0]
+    assert shown.startswith("<released Parameter [") and "ParallelModule" in shown, shown
+    assert is_param and shape == tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
+    assert "cannot copy a parameter of a module that was parallelized" in errors[0], errors[0]
+    assert "cannot pickle" in errors[1] and "copy.deepcopy(model)" in errors[1], errors[1]
