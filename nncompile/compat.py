@@ -47,6 +47,7 @@ def _mtp():
 def install_threaded_pg() -> None:
     """Make "threaded" the backend of thread-local default groups (every rank a thread)."""
     mtp = _mtp()
+    keep_fake_device_guard()
     # group names per thread (torch >= 2.4; private binding, unchanged since)
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     world = mtp._install_threaded_pg()
@@ -55,6 +56,18 @@ def install_threaded_pg() -> None:
         # release's ThreadLocalWorld lacks (added in 2.13): give it a per-thread list.
         dist.distributed_c10d._world = _with_comms(world)
     mtp.ProcessLocalGroup.reset()
+
+
+def keep_fake_device_guard() -> None:
+    """Install, from the calling (main) thread, the no-op CUDA device guard FakeTensorMode sets
+    on entry when no GPU is visible. In torch 2.11's CUDA build the guard that a thread sets
+    first dies with that thread, and the next trace in another thread (a simulated rank)
+    calls through it and crashes the process (SIGSEGV in ensureCUDADeviceGuardSet). Set here
+    first, it lives as long as the process. A no-op where a GPU is visible or where the guard
+    is already set; the CPU builds never crash."""
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is not None and not torch.cuda.is_available():
+        ensure()
 
 
 def uninstall_threaded_pg() -> None:

@@ -88,21 +88,26 @@ class FloatCarriedStage(StageModule):
     as float64, for torch releases whose PipelineStage makes every received buffer require
     grad (compat.pipeline_stages_send_integers). Values stay exact (|x| < 2**53); each such
     input is restored to its dtype and joins the first grad-requiring output times zero, so
-    its buffer gets the zero gradient torch sends back:
+    its buffer gets the zero gradient torch sends back. A floating input that needs no
+    gradient (class weights, a float mask) is detached the same way, so ops that refuse a
+    grad-requiring argument (cross_entropy's `weight`) take it:
 
         before: stage 1 receives idx (int64) -> "only Tensors of floating point dtype ..."
         after:  stage 0 sends idx.to(float64); stage 1 runs on idx.to(int64)
     """
 
-    def __init__(self, pm, index: int, params: tuple[str, ...], restore: tuple, carried: tuple):
+    def __init__(self, pm, index: int, params: tuple[str, ...], restore: tuple, carried: tuple,
+                 frozen: tuple = ()):
         super().__init__(pm, index, params)
         self.restore = restore          # per input: its integer dtype, or None (floating)
         self.carried = carried          # per output: True where sent on as float64
+        self.frozen = frozen + (False,) * (len(restore) - len(frozen))  # floating, no grad
 
     def forward(self, *inputs):
-        anchors = [x for x, dt in zip(inputs, self.restore) if dt is not None]
-        inputs = tuple(x.detach().to(dt) if dt is not None else x
-                       for x, dt in zip(inputs, self.restore))
+        cut = [dt is not None or f for dt, f in zip(self.restore, self.frozen)]
+        anchors = [x for x, c in zip(inputs, cut) if c]
+        inputs = tuple(x.detach().to(dt) if dt is not None else x.detach() if c else x
+                       for x, dt, c in zip(inputs, self.restore, cut))
         out = super().forward(*inputs)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
@@ -195,12 +200,13 @@ class PipelineRuntime:
                 return mod, ins, outs
             restore = tuple(getattr(torch, dt) if s > 0 and _integer(dt) else None
                             for _, dt, _ in ins)
+            frozen = tuple(s > 0 and not _integer(dt) and not grad for _, dt, grad in ins)
             carried = tuple(s < last and _integer(dt) for _, dt, _ in outs)
-            if all(r is None for r in restore) and not any(carried):
+            if all(r is None for r in restore) and not any(carried) and not any(frozen):
                 return mod, ins, outs
             ins = [_float_carried(x) if s > 0 else x for x in ins]
             outs = [_float_carried(x) if s < last else x for x in outs]
-            return FloatCarriedStage(pm, s, params, restore, carried), ins, outs
+            return FloatCarriedStage(pm, s, params, restore, carried, frozen), ins, outs
 
         stages = []
         for mod, (s, _, _, ins, outs, params) in zip(self.modules, pm.STAGES):

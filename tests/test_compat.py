@@ -186,6 +186,26 @@ def test_threaded_group_leaves_the_process_as_it_was():
     assert not dist.is_initialized()
 
 
+def test_traces_in_successive_simulated_ranks_with_no_gpu_visible():
+    """Each run_ranks traces on a fresh thread; with no GPU visible, FakeTensorMode's no-op
+    CUDA device guard set by one thread must outlive it (torch 2.11's CUDA build crashed the
+    process on the second trace). In a child process: a crash must not take the suite down."""
+    code = (
+        "import torch\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from nncompile.simulate import run_ranks\n"
+        "def fn(rank):\n"
+        "    with FakeTensorMode() as mode:\n"
+        "        return tuple((torch.ones(2, 3) @ torch.ones(3, 4)).shape)\n"
+        "for _ in range(3):\n"
+        "    assert run_ranks(2, fn) == [(2, 4), (2, 4)]\n"
+        "print('traced 3 times')\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and "traced 3 times" in out.stdout, out.stdout + out.stderr
+
+
 class _LayerDropStack(torch.nn.Module):
     """Hugging Face's LayerDrop as transformers 5.0-5.19 write it (BART, mBART, Whisper)."""
 
