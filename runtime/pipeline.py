@@ -96,9 +96,9 @@ class FloatCarriedStage(StageModule):
         after:  stage 0 sends idx.to(float64); stage 1 runs on idx.to(int64)
     """
 
-    def __init__(self, pm, index: int, params: tuple[str, ...], restore: tuple, carried: tuple,
-                 frozen: tuple = ()):
-        super().__init__(pm, index, params)
+    def __init__(self, inner: StageModule, restore: tuple, carried: tuple, frozen: tuple = ()):
+        super().__init__(inner.pm, inner.index, inner.param_names)
+        object.__setattr__(self, "inner", inner)  # runs the stage: wrappers of its fn apply
         self.restore = restore          # per input: its integer dtype, or None (floating)
         self.carried = carried          # per output: True where sent on as float64
         self.frozen = frozen + (False,) * (len(restore) - len(frozen))  # floating, no grad
@@ -108,7 +108,7 @@ class FloatCarriedStage(StageModule):
         anchors = [x for x, c in zip(inputs, cut) if c]
         inputs = tuple(x.detach().to(dt) if dt is not None else x.detach() if c else x
                        for x, dt, c in zip(inputs, self.restore, cut))
-        out = super().forward(*inputs)
+        out = self.inner(*inputs)
         single = not isinstance(out, (tuple, list))
         outs = [out] if single else list(out)
         i = next((i for i, o in enumerate(outs)
@@ -195,7 +195,7 @@ class PipelineRuntime:
         carry = not compat.pipeline_stages_send_integers()
         last = info["stages"] - 1
 
-        def stage_module(mod, s, ins, outs, params):
+        def stage_module(mod, s, ins, outs):
             if not carry:
                 return mod, ins, outs
             restore = tuple(getattr(torch, dt) if s > 0 and _integer(dt) else None
@@ -206,11 +206,11 @@ class PipelineRuntime:
                 return mod, ins, outs
             ins = [_float_carried(x) if s > 0 else x for x in ins]
             outs = [_float_carried(x) if s < last else x for x in outs]
-            return FloatCarriedStage(pm, s, params, restore, carried, frozen), ins, outs
+            return FloatCarriedStage(mod, restore, carried, frozen), ins, outs
 
         stages = []
         for mod, (s, _, _, ins, outs, params) in zip(self.modules, pm.STAGES):
-            mod, ins, outs = stage_module(mod, s, ins, outs, params)
+            mod, ins, outs = stage_module(mod, s, ins, outs)
             stages.append(stage_cls(
                 mod, s, info["stages"], pm.device,
                 input_args=tuple(_example(x, pm.device) for x in ins),
