@@ -47,14 +47,24 @@ def _tracing() -> bool:
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if _tracing():
-        return funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group)
+        # gathered along dim 0 and waited for, then re-laid along `dim` here: torch 2.11's
+        # dynamo cannot trace funcol's own re-layout for gather_dim != 0 (a graph break under
+        # fullgraph), and its compiled backward returns an unwaited gather as a gradient
+        out = funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), gather_dim=0,
+                                                          group=group))
+        return out if dim == 0 else torch.cat(out.chunk(_size(group), dim=0), dim=dim)
     parts = [torch.empty_like(x) for _ in range(_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
 def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return x.chunk(_size(group), dim=dim)[_rank(group)].contiguous()
+    piece = x.chunk(_size(group), dim=dim)[_rank(group)]
+    if _tracing():
+        # a new tensor, not a view of the input: torch 2.11's compiled autograd.Function
+        # drops the gradient of an output that is a view of its input (zeros come back)
+        return piece.clone(memory_format=torch.contiguous_format)
+    return piece.contiguous()
 
 
 def _reduce(x: torch.Tensor, group) -> torch.Tensor:
