@@ -113,6 +113,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         traced_text, plain_text = traced_text + note, plain_text + note
     if graph.meta.get("eval_error"):    # eval mode refused at run time
         plain_text += "# not traced in eval mode\n"
+    if graph.meta.get("train_error"):   # training mode refused at run time
+        plain_text += "# not traced in training mode\n"
     if "eval_graph" in graph.meta:      # the forward differs in eval mode: a second program
         texts = print_graph_texts(graph.meta["eval_graph"])
         traced_text += "\n# ---- eval mode ----\n" + texts[0]

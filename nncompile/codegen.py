@@ -242,6 +242,9 @@ def mode_lines(g: Graph) -> str:
     if g.meta.get("eval_error"):
         text += (f"    EVAL_ERROR = {g.meta['eval_error']!r}  # the forward could not be traced "
                  f"in eval mode\n")
+    if g.meta.get("train_error"):
+        text += (f"    TRAIN_ERROR = {g.meta['train_error']!r}  # the forward could not be "
+                 f"traced in training mode\n")
     return text
 
 

@@ -552,7 +552,8 @@ def _layerdrop_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
                 f"{path or type(module).__name__} ({type(m).__name__}) has layerdrop={p}: in "
                 "training it skips whole layers at random, which one traced program cannot do. "
                 "Set the model config's encoder_layerdrop / decoder_layerdrop (or the layer's "
-                "layerdrop) to 0 before nncompile.parallelize")
+                "layerdrop) to 0 before nncompile.parallelize, or hand the model over in "
+                "eval mode (model.eval()) to compile it for evaluation only")
         if p == 0:
             found.append(m)
     return found

@@ -266,7 +266,14 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
     try:
         if not module.training:
             module.train()
-        graph = trace(module, dummy_args, dynamic_dims, modes=False)
+        try:
+            graph = trace(module, dummy_args, dynamic_dims, modes=False)
+        except NNCompileError as e:
+            if modes[module]:               # compiled for training: the refusal stands
+                raise
+            graph = _eval_only(module, dummy_args, dynamic_dims, e)
+            graph.trace_info.training = False
+            return graph
         if may_depend_on_mode(module, graph):
             stats = dict(layer_replay.last)
             module.eval()
@@ -286,6 +293,25 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
         for m, mode in modes.items():
             m.training = mode
     graph.trace_info.training = modes[module]
+    return graph
+
+
+def _eval_only(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any,
+               train_error: Exception) -> Graph:
+    """A module handed over in eval mode whose training-mode forward cannot be traced (a
+    Hugging Face layerdrop > 0 skips layers at random in training): its eval program is the
+    only one, and the parallel module refuses training mode with `train_error`.
+
+        before: parallelize(bart.eval(), ...)  -> TraceError (layerdrop=0.1 in training)
+        after:  the eval program; pm.train(); pm(...)  -> ConfigError naming the fix
+    """
+    from .frontend import trace
+    from .log import log
+    module.eval()
+    graph = trace(module, dummy_args, dynamic_dims, modes=False)
+    graph.meta["train_error"] = str(train_error)
+    log(f"the forward could not be traced in training mode; the parallel module runs in eval "
+        f"mode only: {str(train_error).splitlines()[0]}")
     return graph
 
 

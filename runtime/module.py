@@ -49,6 +49,7 @@ class ParallelModule(torch.nn.Module):
     TRAINING = True            # the traced module's mode (the one this module starts in)
     EVAL_OUT_SPEC = ""         # forward_eval_impl's output structure, where it differs
     EVAL_ERROR = ""            # why the forward could not be traced in eval mode
+    TRAIN_ERROR = ""           # why it could not be traced in training mode (eval-only module)
     INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
     SIZES: dict[str, tuple[int, int, int]] = {}        # dynamic_dims: name -> (min, max, mult)
     GRAD_INPUTS: list[str] = []     # inputs traced requiring grad (the plan sums their grads)
@@ -212,6 +213,8 @@ class ParallelModule(torch.nn.Module):
         self._legacy_args()
         if not torch.is_grad_enabled():
             raise ConfigError("train_step runs backward; call it outside torch.no_grad()")
+        if self.TRAIN_ERROR:
+            self._refuse_train()
         inputs = split_check(self, args, kwargs)
         if self.PIPELINE is None:
             return accumulate(self, inputs)
@@ -238,6 +241,8 @@ class ParallelModule(torch.nn.Module):
         evaluating = not self.training and self.forward_eval_impl is not None
         if not self.training and self.EVAL_ERROR:
             self._refuse_eval()
+        if self.training and self.TRAIN_ERROR:
+            self._refuse_train()
         impl = self.forward_eval_impl if evaluating else self.forward_impl
         if self.zero is not None:
             self.zero.reset()
@@ -273,6 +278,13 @@ class ParallelModule(torch.nn.Module):
             f"when it was compiled ({self.EVAL_ERROR.splitlines()[0]}), so only the training "
             f"program exists; call pm.train() before calling it, or make the model's forward "
             f"traceable in eval mode")
+
+    def _refuse_train(self) -> None:
+        raise ConfigError(
+            f"this module is in training mode, but its forward could not be traced in training "
+            f"mode when it was compiled ({self.TRAIN_ERROR.splitlines()[0]}), so only the eval "
+            f"program exists; call pm.eval() before calling it, or fix what the message names "
+            f"and parallelize again to train")
 
     def _check_grad_inputs(self, inputs: list[torch.Tensor]) -> None:
         """An input that needs a gradient here but was traced without one: the plan holds no

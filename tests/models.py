@@ -74,14 +74,15 @@ def hf_t5(vocab=64, d_model=32, n_layer=2, n_head=4):
     return HFSeq2Seq(T5ForConditionalGeneration(cfg))
 
 
-def hf_bart(vocab=64, d_model=32, n_layer=2, n_head=4):
+def hf_bart(vocab=64, d_model=32, n_layer=2, n_head=4, layerdrop=0.0):
     from transformers import BartConfig, BartForConditionalGeneration
     cfg = BartConfig(vocab_size=vocab, d_model=d_model, encoder_layers=n_layer,
                      decoder_layers=n_layer, encoder_attention_heads=n_head,
                      decoder_attention_heads=n_head, encoder_ffn_dim=2 * d_model,
                      decoder_ffn_dim=2 * d_model, max_position_embeddings=32, dropout=0.0,
                      attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
-                     bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+                     bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                     encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop)
     return HFSeq2Seq(BartForConditionalGeneration(cfg))
 
 

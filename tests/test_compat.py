@@ -251,6 +251,42 @@ def test_hf_bart_traces_under_this_transformers(tmp_path):
     assert pm is not None
 
 
+@pytest.mark.parametrize("plan", [1, 2])
+def test_hf_bart_with_layerdrop_compiles_for_eval_and_refuses_training(tmp_path, plan):
+    """BART with encoder/decoder layerdrop 0.3 handed over in eval mode (evaluation): its eval
+    program is compiled and equals the model's eval loss; training mode is refused with the
+    fix. Handed over in training mode, the layerdrop is refused at compile time."""
+    pytest.importorskip("transformers")
+    import copy
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import models
+    from nncompile.simulate import run_ranks
+    torch.manual_seed(0)
+    model = models.hf_bart(layerdrop=0.3).eval()
+    batch = models.batch("hf_bart", 0)
+    with torch.no_grad():
+        want = float(model(**batch))
+
+    def fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), batch, nncompile.ComputeConfig(plan, plan),
+                                   pas_policy="tp", gen_savedir=tmp_path,
+                                   instance_name="bart_eval")
+        assert not pm.training
+        with torch.no_grad():
+            got = float(pm(**batch))
+        pm.train()
+        with pytest.raises(nncompile.ConfigError,
+                           match=r"training mode.*layerdrop=0\.3.*call pm\.eval\(\)"):
+            pm(**batch)
+        return got
+
+    for got in run_ranks(plan, fn):
+        assert got == pytest.approx(want, rel=1e-5)
+    with pytest.raises(TraceError, match="layerdrop=0.3"):
+        nncompile.parallelize(model.train(), batch, nncompile.ComputeConfig(1),
+                              gen_savedir=tmp_path / "train", load_module=False)
+
+
 class _Branchy(torch.nn.Module):
     def forward(self, x):
         if x.sum() > 0:             # data-dependent: torch.export raises
