@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from . import compat, layer_replay, symbolic, user_checkpoint
 from .function_watch import WatchFunctions, user_frame_from_text
+from .layerdrop import static_layerdrop
 from .errors import ConfigError, TraceError
 from .runtime import arguments
 from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, TensorMeta, TraceInfo, Value
@@ -505,78 +506,6 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
     return functionalize(ep)
 
 
-class _NoLayerDrop:
-    """A `layerdrop` of 0 that a traced comparison cannot branch on. Hugging Face's LayerDrop
-    (BART, mBART, Whisper, ...) in training draws `p = torch.rand([])` and skips the layer
-    `if p < self.layerdrop`; transformers 4.5x and >= 5.20 draw only when layerdrop > 0, 5.0
-    to 5.19 draw always, a data-dependent branch torch.export refuses. p < 0 is never true:
-
-        before: if dropout_probability < self.layerdrop   -> TraceError (layerdrop 0.0)
-        after:  if dropout_probability < _NoLayerDrop()   -> False, the draw is kept
-    """
-
-    def __float__(self) -> float:
-        return 0.0
-
-    def __gt__(self, other) -> bool:       # p < layerdrop (p a tensor or a number in [0, 1))
-        return False
-
-    def __ge__(self, other) -> bool:
-        return float(other) <= 0.0 if not isinstance(other, torch.Tensor) else False
-
-    def __lt__(self, other) -> bool:       # layerdrop > 0.0 reads as 0.0 < layerdrop
-        return not isinstance(other, torch.Tensor) and float(other) > 0.0
-
-    def __le__(self, other) -> bool:
-        return not isinstance(other, torch.Tensor) and float(other) >= 0.0
-
-    def __eq__(self, other) -> bool:
-        return not isinstance(other, torch.Tensor) and float(other) == 0.0
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return "0.0"
-
-
-def _layerdrop_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """Submodules with a Hugging Face `layerdrop` attribute, checked: a layerdrop > 0 in
-    training skips layers at random, which one traced program cannot do."""
-    found = []
-    for path, m in module.named_modules():
-        p = m.__dict__.get("layerdrop")
-        if not isinstance(p, (int, float)) or isinstance(p, bool):
-            continue
-        if p > 0 and m.training:
-            raise TraceError(
-                f"{path or type(module).__name__} ({type(m).__name__}) has layerdrop={p}: in "
-                "training it skips whole layers at random, which one traced program cannot do. "
-                "Set the model config's encoder_layerdrop / decoder_layerdrop (or the layer's "
-                "layerdrop) to 0 before nncompile.parallelize, or hand the model over in "
-                "eval mode (model.eval()) to compile it for evaluation only")
-        if p == 0:
-            found.append(m)
-    return found
-
-
-class _StaticLayerDrop:
-    """While tracing: every layerdrop of 0 is a _NoLayerDrop (restored afterwards)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.modules = _layerdrop_modules(module)
-
-    def __enter__(self):
-        self.saved = [(m, m.__dict__["layerdrop"]) for m in self.modules]
-        for m, _ in self.saved:
-            m.__dict__["layerdrop"] = _NoLayerDrop()
-        return self
-
-    def __exit__(self, *exc):
-        for m, p in self.saved:
-            m.__dict__["layerdrop"] = p
-        return False
-
-
 def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
           modes: bool = False) -> Graph:
     """Trace `module.forward` on `dummy_args` into an IR Graph (the module is not modified).
@@ -604,7 +533,7 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
     graph = None
     runs = [] if dynamic else layer_replay.find_runs(module, canonical)
     layer_replay.last.clear()
-    with _StaticLayerDrop(module):
+    with static_layerdrop(module):
         replayed = _export_replaying(module, args, kwargs, runs) if runs else None
     if replayed is not None:
         ep, functionalized = replayed
@@ -621,7 +550,7 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
         layer_replay.last.update(fallback="export with replay failed or a template writes "
                                           "in place")
     if graph is None:
-        with _StaticLayerDrop(module):
+        with static_layerdrop(module):
             ep = export(module, args, kwargs, shapes)
         lowering = _Lowering(ep, module, canonical=canonical, dynamic=dynamic)
         graph = lowering.run()
