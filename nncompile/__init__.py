@@ -7,7 +7,7 @@ it across many devices.
     loss = pm(idx, targets); loss.backward()
     print(nncompile.explain(pm, "h.0.mlp_fc.weight"))                # why this placement
 """
-__version__ = "0.1.0"
+from .version import __version__
 
 from .compat import check_torch_version  # noqa: E402
 check_torch_version()                    # an older torch: ImportError naming the minimum
@@ -17,8 +17,7 @@ from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError
                      InputMismatchError, NNCompileError, PipelineError, PlanCheckError, PolicyError,
                      ReuseError,
                      TraceError)
-from .api import parallelize  # noqa: E402
-from .check import verify  # noqa: E402
+from .api import parallelize, verify  # noqa: E402
 from .custom_ops import register_op  # noqa: E402
 from nncompile.passes.autodist import explain, report_table as plan_report  # noqa: E402
 from nncompile.passes.autodist import PlanInfeasibleError  # noqa: E402
@@ -30,7 +29,7 @@ from nncompile.runtime.dedup import deduped_state_dict, load_deduped_state_dict 
 from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  # noqa: E402
 from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # noqa: E402
                                           save_checkpoint)
-from . import memory  # noqa: E402,F401  (nncompile.memory.profile: measured vs predicted memory)
+from .tools import memory  # noqa: E402,F401  (nncompile.memory.profile: measured vs predicted)
 
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
            "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",

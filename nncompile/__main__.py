@@ -92,7 +92,7 @@ def _merge(args) -> int:
 
 
 def _inspect(args) -> int:
-    from nncompile import inspection
+    from nncompile.tools import inspection
     from nncompile.errors import NNCompileError
     try:
         if args.command == "show":
@@ -110,7 +110,7 @@ def _inspect(args) -> int:
 
 
 def _memory(args) -> int:
-    from nncompile import memory
+    from nncompile.tools import memory
     from nncompile.errors import NNCompileError
     try:
         prof = memory.load(args.profile)

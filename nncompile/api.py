@@ -6,12 +6,11 @@ wait for it and load their own `gencode{rank}.py`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import gc
-import importlib.util
 import json
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -22,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from . import activation_memory, codegen, layer_replay, symbolic
+from . import codegen, layer_replay, symbolic
 from .batched import batched_inputs
 from .config import ComputeConfig
-from .edits import edited_files, file_sha256, keep_edited, warn_if_edited
+from .edits import edited_files, file_sha256, keep_edited
 from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, staged_dir, write_text
 from .fingerprint import compute_fingerprint
@@ -36,6 +35,10 @@ from .ir import Graph, MemoryChoice
 from .ir.printer import print_graph_texts
 from .log import log as _log
 from .pipeline_config import microbatch_dummy
+from .tools import activation_memory
+from .tools.check import (VerifyReport, check_compiled, compare_parallel, eager_reference,
+                          refuse_if_diverges)
+from nncompile.runtime.loader import load_rank_module
 from nncompile.passes import build_pipeline, get_policy, plan_graph, run_pipeline
 from nncompile.passes.autodist import report_table as plan_report
 
@@ -193,7 +196,6 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
                       f"the edited versions are kept in {outdir / 'edited'}",
                       EditedCodeWarning, stacklevel=3)
     if config.check:
-        from .check import refuse_if_diverges
         _log(f"checking the plan: {config.runtime_ngpus} rank(s) in one process vs eager ...")
         report = refuse_if_diverges(module, dummy_args, config,
                                     Compiled("generated", graph, planned), outdir)
@@ -262,23 +264,6 @@ def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: st
               "differs, or another instance_name." + kept)
 
 
-def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, device=None,
-                     compute_config: ComputeConfig | None = None):
-    """Import `gencode{rank}.py` from outdir and build its GenModel from `module`'s weights."""
-    path = outdir / f"gencode{rank}.py"
-    manifest_path = outdir / "manifest.json"
-    if manifest_path.exists():
-        warn_if_edited(path, json.loads(manifest_path.read_text()))
-    name = f"nncompile_gen_{abs(hash(str(outdir)))}_{rank}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    pm = mod.GenModel(module, device=device, compute_config=compute_config)
-    pm.gencode_path = str(path)
-    return pm
-
-
 def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig, *,
                 pas_policy: Any = "autodist", gen_savedir: str | os.PathLike = "./.nncompile",
                 reuse: str = "match", instance_name: str | None = None,
@@ -339,3 +324,24 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
         share_generated(outdir)     # nodes that do not share gen_savedir get rank 0's files
     require_rank_file(outdir, rank)
     return load_rank_module(outdir, rank, module, device, config)
+
+
+def verify(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig,
+           pas_policy: Any, *, gen_savedir: str = "./.nncompile", rtol: float = 1e-5,
+           atol: float = 1e-6, inputs: Any = None) -> VerifyReport:
+    """Compare parallel loss and gradients with a single-device run; return the report
+    (nncompile/tools/check.py). Without a process group every rank runs in this process
+    (threads). `inputs` (shaped like dummy_args) is the batch both runs see; by default
+    dummy_args itself."""
+    batch = dummy_args if inputs is None else inputs
+    instance = f"verify_{type(module).__name__}"
+    if not (dist.is_available() and dist.is_initialized()):
+        config = compute_config.resolved(compute_config.plan_ngpus)
+        outdir = Path(gen_savedir).absolute() / instance
+        compiled = compile_module(module, dummy_args, config, pas_policy=pas_policy,
+                                  outdir=outdir, reuse="override")
+        return check_compiled(module, batch, config, compiled, outdir, rtol=rtol, atol=atol)
+    reference = eager_reference(module, batch)
+    pm = parallelize(copy.deepcopy(module), dummy_args, compute_config, pas_policy=pas_policy,
+                     gen_savedir=gen_savedir, reuse="override", instance_name=instance)
+    return compare_parallel(pm, reference, rtol, atol)

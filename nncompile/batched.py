@@ -50,7 +50,7 @@ def batched_leaves(module: torch.nn.Module, dummy_args: Any, batch: int,
     """For each leaf of pytree.tree_leaves(dummy_args): whether it is split into
     micro-batches (only tensors whose dim 0 is `batch` may be)."""
     from .frontend import normalize_args
-    from .runtime.arguments import entries, literal_defaults
+    from .arguments import entries, literal_defaults
     leaves = pytree.tree_leaves(dummy_args)
     cands = [i for i, x in enumerate(leaves)
              if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch]

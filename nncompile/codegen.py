@@ -14,7 +14,7 @@ import collections
 import json
 from typing import Any, Iterator
 
-from . import __version__
+from .version import __version__
 from .comm_stats import collective_rows
 from .custom_ops import REGISTRY, is_custom_op
 from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, part_slices,
@@ -23,7 +23,7 @@ from .codegen_notes import comm_note, reduction_header
 from .lifetimes import body_frees, closure_io, del_lines, last_uses, statement_frees
 from .ir.printer import fmt_body, op_notes, value_names
 from .symbolic import Sym
-from .runtime.rows import BufferRow, ConstRow, ParamRow
+from .rows import BufferRow, ConstRow, ParamRow
 from .zero_codegen import zero_forward_body, zero_units
 
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} (plan unit {unit}, shard {shard} of {plan}).
@@ -89,7 +89,7 @@ def _rows(rows: list[tuple]) -> str:
 
 
 def rank_tables(g: Graph, rank: int) -> dict[str, list[tuple]]:
-    """A rank's PARAMS, BUFFERS and CONSTS rows (runtime/rows.py), as the plain tuples its
+    """A rank's PARAMS, BUFFERS and CONSTS rows (nncompile/rows.py), as the plain tuples its
     file prints (placements as text)."""
     n = g.plan_ngpus
     shard = rank % n

@@ -35,7 +35,7 @@ def check_torch_version(text: str | None = None) -> None:
             f"(pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}') or see docs/versions.md")
 
 
-# ---- the threaded process group (one process, a thread per rank: nncompile.simulate) -------
+# ---- the threaded process group (one process, a thread per rank: nncompile.tools.simulate) ---
 
 def _mtp():
     # torch.testing._internal: the threaded backend DTensor's own tests run on; no public

@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from .version import __version__
 from .config import ComputeConfig
 from .custom_ops import REGISTRY, is_custom_op
 from .ir import Graph, print_graph

@@ -22,7 +22,7 @@ from . import compat, layer_replay, symbolic, user_checkpoint
 from .function_watch import WatchFunctions, user_frame_from_text
 from .layerdrop import static_layerdrop
 from .errors import ConfigError, TraceError
-from .runtime import arguments
+from . import arguments
 from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, TensorMeta, TraceInfo, Value
 
 # Ops that only assert facts about their input: dropped.

@@ -26,9 +26,12 @@ from .errors import TraceError
 from .ir import SourceInfo
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in
-                  (__import__("nncompile"), __import__("nncompile.passes").passes,
-                   __import__("nncompile.runtime").runtime))
+_PASSES_DIR = os.path.dirname(os.path.abspath(__import__("nncompile.passes").passes.__file__))
+# nncompile.runtime lives beside nncompile.passes (pyproject's package-dir: `runtime/` next to
+# `passes/` in a checkout, `nncompile/runtime/` in a wheel); found by path, not imported
+_OWN_DIRS = tuple(d + os.sep for d in
+                  (os.path.dirname(os.path.abspath(__file__)), _PASSES_DIR,
+                   os.path.join(os.path.dirname(_PASSES_DIR), "runtime")))
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
 

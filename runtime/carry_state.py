@@ -20,7 +20,7 @@ import torch
 from nncompile.errors import ConfigError
 
 from .param_handles import local_names
-from .rows import param_rows, take
+from nncompile.rows import param_rows, take
 
 
 def _refuse(what: str) -> ConfigError:

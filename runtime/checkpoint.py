@@ -40,7 +40,7 @@ from nncompile.fileio import replace_dir, write_json
 from .dcp import load_dcp, load_state, read_metadata, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
 from .merge import load_merged_state_dict, merge_state_dicts, merged_optimizer
-from .rows import param_rows
+from nncompile.rows import param_rows
 from .state import (GROUP_FQNS, describe, group_fqns, hyper, plan_info, plan_mismatch,
                     with_members, without_members)
 
@@ -422,6 +422,21 @@ def rank_files(paths: list[str | os.PathLike]) -> list[Path]:
     return files
 
 
+def merge_lightning_checkpoints(ckpts: list[dict]) -> dict:
+    """The rank files of one NnCompileStrategy checkpoint -> an ordinary Lightning checkpoint:
+    the LightningModule's own state_dict keys, the optimizer indexed like its parameters()."""
+    if any("state_dict" not in c or "_extra_state" not in c["state_dict"] for c in ckpts):
+        raise CheckpointError("merge_checkpoint takes the rank files of an NnCompileStrategy "
+                              "checkpoint (each with a state_dict carrying its plan)")
+    opts = [c["optimizer_states"][0] for c in ckpts] if all(
+        c.get("optimizer_states") for c in ckpts) else None
+    model, opt = merge_state_dicts([c["state_dict"] for c in ckpts], opts)
+    merged = {**ckpts[0], "state_dict": model}
+    if opt is not None:
+        merged["optimizer_states"] = [opt]
+    return merged
+
+
 def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) -> Path:
     """Per-rank files or checkpoint directories (sharded, deduped or dcp) -> one merged file
     {"model", "optimizer", "extra"} that the original module, or any plan, loads. A Lightning
@@ -433,7 +448,6 @@ def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) 
     else:
         blobs = [load_torch(f, map_location="cpu") for f in files]
         if all(isinstance(b, dict) and "pytorch-lightning_version" in b for b in blobs):
-            from nncompile.integration.lightning.strategy import merge_lightning_checkpoints
             merged = merge_lightning_checkpoints(blobs)
         else:
             for f, b in zip(files, blobs):

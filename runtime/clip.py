@@ -30,7 +30,7 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError
 
 from .groups import pipe_group
-from .rows import param_rows
+from nncompile.rows import param_rows
 from .state import first_holder
 from .torch_patches import wrap_once
 

@@ -14,7 +14,7 @@ weight held by two stages); the checkpoint holds the union, and any plan reads f
 Optimizer state tensors shaped like their parameter are sharded the same way; other entries
 (AdamW's step) are plain tensors. ZeRO state is gathered over its group before saving.
 
-A parameter the plan holds as parts (runtime/rows.py: nanoGPT's fused `c_attn.weight` as q, k,
+A parameter the plan holds as parts (nncompile/rows.py: nanoGPT's fused `c_attn.weight` as q, k,
 v rows split by heads) is no box of the original, so no one DTensor describes it: its parts are
 assembled over the plan unit (runtime/parts.py) and stored whole, replicated, under the
 original FQN, so any plan reads it; a plan with parts reads it whole and takes its parts:
@@ -49,7 +49,7 @@ from nncompile.mesh import Mesh, PP, param_placements
 from nncompile.ir.placement import Shard as ShardPlacement
 
 from .parts import assemble_sources, sources_of
-from .rows import BufferRow, ParamRow, param_rows, state_rows, take
+from nncompile.rows import BufferRow, ParamRow, param_rows, state_rows, take
 from .state import load_local_optimizer_state, local_optimizer_state
 
 _SAFE_GLOBALS = {

@@ -26,7 +26,7 @@ from nncompile.ir.placement import Shard
 from nncompile.mesh import DP, PLAN, PP
 
 from .groups import group_along, tie_group
-from .rows import param_rows, state_rows
+from nncompile.rows import param_rows, state_rows
 from .state import (check_same_plan, first_holder, holders, is_owner, load_local_optimizer_state,
                     local_optimizer_state, mesh_of, owner_rank, plan_info, tied_pipes)
 

@@ -51,7 +51,7 @@ def _new_group(ranks: list[int]):
 
 def _cached(key: tuple, all_ranks: list[list[int]]) -> list:
     # per default group: a new process group (or a simulated rank's thread, see
-    # nncompile.simulate) gets groups of its own
+    # nncompile.tools.simulate) gets groups of its own
     cache = _CACHE.setdefault(dist.distributed_c10d._get_default_group(), {})
     if key not in cache:
         cache[key] = [(ranks, _new_group(ranks)) for ranks in all_ranks]

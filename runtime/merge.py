@@ -21,7 +21,7 @@ import torch
 
 from nncompile.errors import CheckpointError
 
-from .rows import param_rows, put, state_rows, take
+from nncompile.rows import param_rows, put, state_rows, take
 from .state import (GROUP_FQNS, as_zero_state, group_fqns, hyper, load_local_optimizer_state,
                     optimizer_state_by_name, pipe_rank, pipe_ranks, shard_layout)
 

@@ -23,14 +23,15 @@ from nncompile.symbolic import check_sizes
 from nncompile.ir import MemoryChoice
 from nncompile.ir.placement import Shard
 from nncompile.mesh import Mesh, grad_reduction
+from nncompile.rows import buffer_rows, const_rows, param_rows, take
+from nncompile import arguments
 
-from . import arguments, consistency
+from . import consistency
 from .groups import get_groups, group_along
 from .reducer import Reducer
 from .zero import ZeroRuntime
 from .param_handles import make_handles, release_original, take_original
 from .parts import assemble_sources
-from .rows import buffer_rows, const_rows, param_rows, take
 from .state import check_same_plan, plan_info, share_over_pipeline
 
 
@@ -54,7 +55,7 @@ class ParallelModule(torch.nn.Module):
     SIZES: dict[str, tuple[int, int, int]] = {}        # dynamic_dims: name -> (min, max, mult)
     GRAD_INPUTS: list[str] = []     # inputs traced requiring grad (the plan sums their grads)
     BUFFER_UPDATES: list[str] = []  # buffers forward updates: new values follow its outputs
-    ARGS: list[tuple] | None = None    # forward's arguments as traced (runtime/arguments.py)
+    ARGS: list[tuple] | None = None    # forward's arguments as traced (nncompile/arguments.py)
     SIGNATURE: list[str] = []          # forward's positional parameters
     DEFAULTS: dict = {}                # untraced arguments' constant defaults
     PARAMS: list[tuple] = []   # rows.ParamRow: name, FQN, full shape, placement, slices, partial
@@ -178,7 +179,7 @@ class ParallelModule(torch.nn.Module):
 
     # ---- calling ----------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """Called like the original module's forward (runtime/arguments.py)."""
+        """Called like the original module's forward (nncompile/arguments.py)."""
         if self.PIPELINE is not None:
             from .pipeline import pipelined_forward
             return pipelined_forward(self, args, kwargs)

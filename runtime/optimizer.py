@@ -44,7 +44,7 @@ from nncompile.errors import CheckpointError, ConfigError
 
 from .carry_state import carry
 from .groups import get_zero_group
-from .rows import param_rows
+from nncompile.rows import param_rows
 from .param_handles import (check_elementwise, cut, declare_elementwise, groups_by_name,
                             segment_layout, segment_params, zero3_segments, zero_stage)
 from .zero import FlatLayout, gather_piece

@@ -96,7 +96,7 @@ def zero_stage(pm) -> str | None:
 # ---- ZeRO-3 handles and segments ----------------------------------------------------------
 def make_handles(pm) -> None:
     """Register a storage-less handle per local parameter (ZeRO-3), by local name."""
-    from .rows import param_rows
+    from nncompile.rows import param_rows
     rows = {row.name: row for row in param_rows(pm)}
     for unit in pm.zero.units:
         flat = pm.zero.flat(unit)
@@ -193,7 +193,7 @@ def local_name(pm, p) -> str | tuple[str, ...] | None:
 
 def local_names(pm, p) -> list[str]:
     """local_name as a list: [] for a tensor that is not pm's, one name per part of an
-    original parameter pm holds as several parts (runtime/rows.py)."""
+    original parameter pm holds as several parts (nncompile/rows.py)."""
     name = local_name(pm, p)
     if name is None:
         return []

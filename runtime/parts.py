@@ -1,7 +1,7 @@
 """Parts of a fused parameter, assembled back into the original parameter across a plan unit.
 
 The compiler may hold one original parameter as several parameters (*parts*, rows with
-`part` set, runtime/rows.py): nanoGPT's `c_attn.weight` [3C, C] as q, k, v rows [C, C] each,
+`part` set, nncompile/rows.py): nanoGPT's `c_attn.weight` [3C, C] as q, k, v rows [C, C] each,
 split by heads. Every boundary with the original module shows the original tensor:
 
     rank 0: c_attn.weight[0/3] rows 0:C/2, [1/3] rows C:C+C/2, [2/3] rows 2C:2C+C/2
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .rows import ParamRow, put
+from nncompile.rows import ParamRow, put
 
 
 def plan_index(pm) -> int:

@@ -51,10 +51,11 @@ import torch.distributed as dist
 from nncompile import compat
 from nncompile.errors import ConfigError, InputMismatchError
 from nncompile.pipeline_config import PipelineConfig
+from nncompile.rows import param_rows
+from nncompile import arguments
 
-from . import arguments, rng
+from . import rng
 from .groups import pipe_group, tie_group
-from .rows import param_rows
 
 
 class StageModule(torch.nn.Module):

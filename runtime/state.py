@@ -26,7 +26,7 @@ from nncompile.pipeline_config import PipelineConfig
 from .groups import pipe_group
 from .optimizer import ZeroOptimizer, load_segment_state, segment_state_by_name
 from .param_handles import adopt, local_names, zero3_segments
-from .rows import buffer_rows, param_rows
+from nncompile.rows import buffer_rows, param_rows
 
 
 def plan_info(pm) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from nncompile.errors import ConfigError
 from nncompile.mesh import DP, Mesh, grad_reduction
 
 from .groups import get_zero_group, group_along
-from .rows import param_rows
+from nncompile.rows import param_rows
 
 
 class FlatLayout:

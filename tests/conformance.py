@@ -1,7 +1,7 @@
 """The conformance suite's loop: train like a user, under a plan and on one device, and compare.
 
 One training script, `train_rank`, runs on every rank of a plan (threads of one process through
-`nncompile.simulate.run_ranks`, or torchrun processes where threads cannot be exact) and
+`nncompile.tools.simulate.run_ranks`, or torchrun processes where threads cannot be exact) and
 records what a user logs; `run_reference` runs the same loop on one device. The loop has what
 real scripts have (nanoGPT's train.py, Hugging Face's Trainer):
 
@@ -268,7 +268,7 @@ def seeded(step: int, threaded: bool):
 def full_buffers(pm) -> dict[str, torch.Tensor]:
     """BatchNorm's running statistics by FQN, whole (gathered along the plan unit)."""
     from nncompile.ir.placement import Shard
-    from nncompile.runtime.rows import buffer_rows
+    from nncompile.rows import buffer_rows
     out = {}
     for row in buffer_rows(pm):
         t = getattr(pm, row.name).detach()
@@ -361,7 +361,7 @@ def _short(e: BaseException) -> str:
 
 def run_plan(cell: Cell, workdir: Path) -> list[dict]:
     """Every rank's records for a threaded cell (raises what a rank raised)."""
-    from nncompile.simulate import run_ranks
+    from nncompile.tools.simulate import run_ranks
     model = build_model(cell.loop)
     workdir.mkdir(parents=True, exist_ok=True)
     return run_ranks(cell.runtime, lambda r: train_rank(cell, model, workdir, True))

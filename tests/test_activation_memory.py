@@ -1,4 +1,4 @@
-"""Predicted activation bytes (nncompile/activation_memory.py) against measurement.
+"""Predicted activation bytes (nncompile/tools/activation_memory.py) against measurement.
 
 The prediction is written to plan.json when the code is generated, before anything runs: it
 comes from the compiled per-rank graph on fake tensors. It is checked against what a real
@@ -17,8 +17,9 @@ import torch
 
 import models
 import nncompile
-from nncompile import ComputeConfig, activation_memory, memory
-from nncompile.simulate import run_ranks
+from nncompile import ComputeConfig
+from nncompile.tools import activation_memory, memory
+from nncompile.tools.simulate import run_ranks
 
 TOL = 0.02          # saved bytes: the prediction runs the same ops (measured: exact)
 PEAK_TOL = 0.10     # the profiler's largest activations also hold forward temporaries

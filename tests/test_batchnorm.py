@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import nncompile
 from nncompile import ComputeConfig
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 STEPS = 3
 

@@ -13,8 +13,8 @@ import models
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import ConfigError
-from nncompile.runtime.rows import param_rows
-from nncompile.simulate import run_ranks
+from nncompile.rows import param_rows
+from nncompile.tools.simulate import run_ranks
 
 WORLD, BEFORE, AFTER = 2, 2, 3
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95))

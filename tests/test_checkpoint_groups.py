@@ -13,7 +13,7 @@ import torch
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import CheckpointError
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 from test_optimizer_contract import _batches, nanogpt_groups
 
 WORLD = 2

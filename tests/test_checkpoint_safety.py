@@ -136,7 +136,7 @@ def test_missing_path_says_it_does_not_exist(trained, tmp_path):
 def _two_ranks(tmp_path, fmt, damage, load=True):
     """Save a tp plan-2 checkpoint on 2 simulated ranks, damage it, load it on both; returns
     each rank's CheckpointError message (None where loading succeeded)."""
-    from nncompile.simulate import run_ranks
+    from nncompile.tools.simulate import run_ranks
     batch = models.batch("mlp", 0)
     model = models.build("mlp")
     ck = tmp_path / f"ck_{fmt}"

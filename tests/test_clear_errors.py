@@ -3,7 +3,7 @@ right result): a checkpoint path that cannot be created (every rank fails at onc
 written), a `sharded` checkpoint's optimizer state loaded under another ZeRO layout, a tensor
 input whose dim 0 only happens to equal the batch under micro-batches, and tp_sp on a dynamic
 sequence that is not a declared multiple of the plan. One process; ranks are threads
-(nncompile.simulate.run_ranks)."""
+(nncompile.tools.simulate.run_ranks)."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import models
 import nncompile
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 
 # ---- a checkpoint path that cannot be created ----------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 import nncompile
 import nncompile.__main__
 from conftest import ROOT, _free_port
-from nncompile import inspection
+from nncompile.tools import inspection
 from nncompile.comm_stats import fmt_bytes
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}

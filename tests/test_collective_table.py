@@ -10,7 +10,8 @@ import torch
 
 import models
 import nncompile
-from nncompile import ComputeConfig, collectives, inspection
+from nncompile import ComputeConfig, collectives
+from nncompile.tools import inspection
 from nncompile.collectives import TABLE, by_name, registered, route, transition
 from nncompile.comm_stats import collective_rows
 from nncompile.frontend import trace

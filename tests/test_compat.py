@@ -4,7 +4,7 @@
   minimum;
 - no file of the package outside compat.py tests the torch version or uses a private torch API
   that is not in ALLOWED below (each a version-stable use, with why);
-- the threaded process group (nncompile.simulate) leaves autograd and the default world as
+- the threaded process group (nncompile.tools.simulate) leaves autograd and the default world as
   they were;
 - a Hugging Face LayerDrop of 0 traces (transformers 5.0-5.19 branch on a random draw in
   training), one > 0 in training is a TraceError naming the fix.
@@ -124,7 +124,7 @@ def _package_uses():
 
 
 def _is_allowed(path: str, name: str) -> bool:
-    if name == "torch.__version__" and path == os.path.join("nncompile", "memory.py"):
+    if name == "torch.__version__" and path == os.path.join("nncompile", "tools", "memory.py"):
         return True                 # recorded in a memory profile, not compared
     return any(name == k or name.startswith(k + ".") or k.startswith(name + ".")
                for k in ALLOWED)
@@ -172,7 +172,7 @@ def test_importing_nncompile_checks_the_version():
 
 
 def test_threaded_group_leaves_the_process_as_it_was():
-    from nncompile.simulate import run_ranks
+    from nncompile.tools.simulate import run_ranks
     world = dist.distributed_c10d._world
 
     def fn(rank):
@@ -193,7 +193,7 @@ def test_traces_in_successive_simulated_ranks_with_no_gpu_visible():
     code = (
         "import torch\n"
         "from torch._subclasses.fake_tensor import FakeTensorMode\n"
-        "from nncompile.simulate import run_ranks\n"
+        "from nncompile.tools.simulate import run_ranks\n"
         "def fn(rank):\n"
         "    with FakeTensorMode() as mode:\n"
         "        return tuple((torch.ones(2, 3) @ torch.ones(3, 4)).shape)\n"
@@ -260,7 +260,7 @@ def test_hf_bart_with_layerdrop_compiles_for_eval_and_refuses_training(tmp_path,
     import copy
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import models
-    from nncompile.simulate import run_ranks
+    from nncompile.tools.simulate import run_ranks
     torch.manual_seed(0)
     model = models.hf_bart(layerdrop=0.3).eval()
     batch = models.batch("hf_bart", 0)

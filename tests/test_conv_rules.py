@@ -16,12 +16,12 @@ from nncompile import ComputeConfig
 from nncompile.frontend import trace
 from nncompile.ir import P, Replicate, Shard
 from nncompile.passes.autodist import plan_problem, replicated_memory
-from nncompile.rule_check import check_rules, collect_cases
+from nncompile.tools.rule_check import check_rules, collect_cases
 from nncompile.rules import LOCAL_ARGS, RULES
 from nncompile.rules.conv import batch_norm, convolution
 from nncompile.rules.registry import make
-from nncompile.runtime.rows import buffer_rows
-from nncompile.simulate import run_ranks
+from nncompile.rows import buffer_rows
+from nncompile.tools.simulate import run_ranks
 
 CONV_RULES = ["convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
               "conv_transpose2d", "conv_transpose3d", "batch_norm",

@@ -20,7 +20,7 @@ import models
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.runtime import rng
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 
 class Centered(nn.Module):

@@ -18,8 +18,8 @@ import torch.nn as nn
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.ir import Shard, StridedShard, join_pieces, parse_placement, piece_of
-from nncompile.rule_check import _trace_cases, check_rules
-from nncompile.rule_samples import strided_ops
+from nncompile.tools.rule_check import _trace_cases, check_rules
+from nncompile.tools.rule_samples import strided_ops
 from nncompile.rules import RULES, strategies, strided_splits
 from nncompile.rules.registry import make
 
@@ -94,7 +94,7 @@ def test_deberta_attention_splits_by_heads_and_matches_one_device(v3, tmp_path):
     assert "S(0|2)" in code                 # heads strided through the merged (batch * heads)
 
 
-# ---- the strided rules through the op-rule checker (nncompile/rule_check.py) ---------------
+# ---- the strided rules through the op-rule checker (nncompile/tools/rule_check.py) ---------------
 STRIDED_RULES = ["view", "repeat", "gather", "expand", "bmm"]
 
 

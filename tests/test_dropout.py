@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import nncompile
 from nncompile.runtime import rng
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 
 def test_dropout_parity_under_tp_data_autodist(run_ranks, tmp_path):

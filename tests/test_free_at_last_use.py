@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import models
 import nncompile
 from nncompile import ComputeConfig
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT  # noqa: E402

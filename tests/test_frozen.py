@@ -15,7 +15,7 @@ import torch.nn as nn
 import models
 import nncompile
 from nncompile import ComputeConfig
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 STEPS = 5
 

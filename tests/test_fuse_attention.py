@@ -11,13 +11,14 @@ import torch.nn.functional as F
 
 import models
 import nncompile
-from nncompile import ComputeConfig, inspection
+from nncompile import ComputeConfig
+from nncompile.tools import inspection
 from nncompile.frontend import trace
 from nncompile.ir import run_graph, verify
 from nncompile.passes import (build_pipeline, constant_fold, dce, fuse_attention, get_policy,
                               pass_name)
 from nncompile.passes.fuse_attention import GQA_SUPPORTED, SDPA
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 BATCH, SEQ = 4, 16
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.runtime.reducer import Reducer
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 WORLD, STEPS, LR = 2, 3, 0.1
 

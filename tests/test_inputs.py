@@ -9,7 +9,7 @@ import torch
 import models
 import nncompile
 from nncompile.frontend import trace
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 
 @pytest.mark.parametrize("policy", ["data", "tp"])

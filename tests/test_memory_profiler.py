@@ -23,7 +23,7 @@ from conftest import ROOT
 import nncompile
 from nncompile import memory
 from nncompile.errors import ConfigError
-from nncompile.memory_timeline import Alloc, _replay, comm_file
+from nncompile.tools.memory_timeline import Alloc, _replay, comm_file
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from gpt import GPT  # noqa: E402
@@ -249,7 +249,7 @@ def test_replay_ends_buffers_whose_free_was_not_traced():
 def test_without_torch_categories_allocations_are_still_counted(monkeypatch):
     """A plain module works too; when PyTorch's memory profiler fails every allocation counts,
     as other (or activations, inside the module's forward file)."""
-    import nncompile.memory_timeline as mt
+    import nncompile.tools.memory_timeline as mt
 
     def broken(*a, **k):
         raise AssertionError("simulated")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import ConfigError
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 STEPS = 5
 WORLD = 2

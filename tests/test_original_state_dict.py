@@ -13,7 +13,7 @@ import torch
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import CheckpointError
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 WORLD = 2
 

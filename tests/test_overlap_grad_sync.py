@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nncompile.runtime import comm
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 
 def _case(rank: int, frozen: bool, unused: bool, x_grad: bool, autocast: bool, gather: bool):

@@ -12,9 +12,9 @@ from nncompile import ComputeConfig
 from nncompile.errors import CheckpointError
 from nncompile.ir.placement import Replicate, Shard
 from nncompile.runtime.checkpoint import load_torch
-from nncompile.runtime.rows import ParamRow, param_rows, put, take
+from nncompile.rows import ParamRow, param_rows, put, take
 from nncompile.runtime.state import with_members
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 
 def test_row_reads_old_and_new_tuples():

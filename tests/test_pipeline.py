@@ -11,7 +11,7 @@ import torch
 
 import nncompile
 from nncompile import ComputeConfig, ConfigError, InputMismatchError, PipelineError
-from nncompile.api import load_rank_module
+from nncompile.runtime.loader import load_rank_module
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT  # noqa: E402

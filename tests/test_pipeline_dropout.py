@@ -12,7 +12,7 @@ import torch
 
 import nncompile
 from nncompile import ComputeConfig, ConfigError, PipelineError
-from nncompile.api import load_rank_module
+from nncompile.runtime.loader import load_rank_module
 from nncompile.runtime import rng
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -9,8 +9,8 @@ import torch
 
 import models
 import nncompile
-from nncompile import inspection
-from nncompile.plot import block_of, condensed_graph
+from nncompile.tools import inspection
+from nncompile.tools.plot import block_of, condensed_graph
 
 
 def _compile(model, example, tmp_path, name):

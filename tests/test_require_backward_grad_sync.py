@@ -11,7 +11,7 @@ import torch
 
 import nncompile
 from nncompile import ComputeConfig
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 STEPS, ACC = 3, 2
 

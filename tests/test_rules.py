@@ -1,11 +1,11 @@
-"""Every op rule checked numerically against the unsplit op (nncompile/rule_check.py): OpInfo
+"""Every op rule checked numerically against the unsplit op (nncompile/tools/rule_check.py): OpInfo
 samples plus hand-written ones, every split strategy at n = 2 and 4, forward and backward, on
 simulated ranks. A deliberately broken rule must be caught."""
 import functools
 
 import pytest
 
-from nncompile.rule_check import check_rules, collect_cases
+from nncompile.tools.rule_check import check_rules, collect_cases
 from nncompile.rules import RULES
 from nncompile.rules.einsum import einsum_strategies
 from nncompile.rules.pointwise import elementwise

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 import nncompile
 from nncompile import ComputeConfig
 from nncompile.ir import Replicate, Shard
-from nncompile.rule_check import _forward_backward, _trace_cases, check_rules
-from nncompile.rule_samples import samples
+from nncompile.tools.rule_check import _forward_backward, _trace_cases, check_rules
+from nncompile.tools.rule_samples import samples
 from nncompile.rules import RULES
 from nncompile.rules.registry import make
-from nncompile.simulate import run_ranks
+from nncompile.tools.simulate import run_ranks
 
 D, HEADS, SEQ, BATCH = 32, 4, 8, 2
 
@@ -218,14 +218,14 @@ def test_a_small_complex_constant_prints_and_parses_back():
     assert print_graph(back) == text
 
 
-# ---- the rules themselves, through the op-rule checker (nncompile/rule_check.py) ----------
+# ---- the rules themselves, through the op-rule checker (nncompile/tools/rule_check.py) ----------
 HEAD_RULES = ["view_as_complex", "view_as_real", "index.Tensor", "mul", "view",
               "scaled_dot_product_attention"]
 
 
 @pytest.fixture(scope="module")
 def head_cases():
-    """The hand-written samples (nncompile/rule_samples.py) of each rule, traced."""
+    """The hand-written samples (nncompile/tools/rule_samples.py) of each rule, traced."""
     g = torch.Generator().manual_seed(0)
     return {rule: [c for fn, args in samples(rule, g)
                    for c in _trace_cases(rule, "hand", fn, args, {})] for rule in HEAD_RULES}

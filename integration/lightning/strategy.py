@@ -56,15 +56,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import nncompile
 from nncompile.errors import CheckpointError, ConfigError
-from nncompile.runtime.checkpoint import (load_on_every_rank, load_torch, rank_files,
-                                         read_meta, save_torch, staged_directory)
+from nncompile.runtime.checkpoint import (load_on_every_rank, load_torch,
+                                         merge_lightning_checkpoints, rank_files, read_meta,
+                                         save_torch, staged_directory)
 from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_state,
                                      load_deduped_model_state, load_deduped_optimizer_state)
-from nncompile.runtime.merge import (load_merged_optimizer_state, load_merged_state_dict,
-                                     merge_state_dicts)
+from nncompile.runtime.merge import load_merged_optimizer_state, load_merged_state_dict
 from nncompile.runtime.optimizer import ZeroOptimizer
 from nncompile.runtime.param_handles import local_name
-from nncompile.runtime.rows import param_rows, state_rows
+from nncompile.rows import param_rows, state_rows
 from nncompile.runtime.state import (describe, plan_info, plan_mismatch, with_members,
                                      without_members)
 
@@ -472,21 +472,6 @@ def _repoint(scheduler, old, new) -> None:
             new.step = step
     for inner in getattr(scheduler, "_schedulers", None) or []:
         _repoint(inner, old, new)
-
-
-def merge_lightning_checkpoints(ckpts: list[dict]) -> dict:
-    """The rank files of one NnCompileStrategy checkpoint -> an ordinary Lightning checkpoint:
-    the LightningModule's own state_dict keys, the optimizer indexed like its parameters()."""
-    if any("state_dict" not in c or "_extra_state" not in c["state_dict"] for c in ckpts):
-        raise CheckpointError("merge_checkpoint takes the rank files of an NnCompileStrategy "
-                              "checkpoint (each with a state_dict carrying its plan)")
-    opts = [c["optimizer_states"][0] for c in ckpts] if all(
-        c.get("optimizer_states") for c in ckpts) else None
-    model, opt = merge_state_dicts([c["state_dict"] for c in ckpts], opts)
-    merged = {**ckpts[0], "state_dict": model}
-    if opt is not None:
-        merged["optimizer_states"] = [opt]
-    return merged
 
 
 if "nncompile" not in StrategyRegistry:

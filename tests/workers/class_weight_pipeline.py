@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from test_clear_errors import ClassWeighted, _one_device_steps, _weighted_batch  # noqa: E402
 
 import nncompile  # noqa: E402
-from nncompile.runtime.rows import param_rows  # noqa: E402
+from nncompile.rows import param_rows  # noqa: E402
 
 
 def main() -> None:

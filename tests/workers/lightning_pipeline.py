@@ -28,7 +28,7 @@ from gpt import GPT  # noqa: E402
 
 import nncompile  # noqa: E402
 from nncompile.integration.lightning import NnCompilePrecision, NnCompileStrategy  # noqa: E402
-from nncompile.runtime.rows import param_rows  # noqa: E402
+from nncompile.rows import param_rows  # noqa: E402
 
 M, ROWS, SEQ, VOCAB, STEPS = 4, 8, 16, 64, 4
 LR, CLIP = 1e-2, 0.5

@@ -16,8 +16,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]      # this checkout's nncompile
 from gpt import GPT  # noqa: E402
 
-import nncompile  # noqa: E402
-import nncompile.memory  # noqa: E402
+import nncompile  # noqa: E402        (nncompile.memory: the memory profiler)
 
 
 def main() -> None:

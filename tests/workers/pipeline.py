@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import models  # noqa: E402
 
 import nncompile  # noqa: E402
-from nncompile.runtime.rows import param_rows, take  # noqa: E402
+from nncompile.rows import param_rows, take  # noqa: E402
 
 STEPS, UNIT_BATCH, SEQ, M = 20, 8, 16, 4
 SEED = 1234               # every rank seeded alike before the loop (dropout draws from it)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import models  # noqa: E402
 
 import nncompile  # noqa: E402
-from nncompile.runtime.rows import param_rows  # noqa: E402
+from nncompile.rows import param_rows  # noqa: E402
 
 # Tolerance. A correct parallel run computes single-device training's float32 sums in another
 # order (gradient all-reduce and its buckets, k-split matmuls, ZeRO's shards), and 20 AdamW

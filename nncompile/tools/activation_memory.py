@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .ir import Graph, Value
-from .log import log
-from .modes import ModeArg, resolve
-from .ir.printer import DEVICE, Symbol
+from ..ir import Graph, Value
+from ..log import log
+from ..modes import ModeArg, resolve
+from ..ir.printer import DEVICE, Symbol
 
-SOURCE = "the compiled graph's saved tensors (nncompile.activation_memory)"
+SOURCE = "the compiled graph's saved tensors (nncompile.tools.activation_memory)"
 
 
 @dataclass
@@ -120,7 +120,7 @@ def predict(g: Graph, training: bool = True) -> Activations:
     """Bytes the localized graph `g` saves for backward on one rank (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .runtime import comm, rng
+    from ..runtime import comm, rng
 
     start = time.perf_counter()
     n = g.plan_ngpus
@@ -226,7 +226,7 @@ def predict(g: Graph, training: bool = True) -> Activations:
 def _run(op, get, env: dict[int, Any], n: int, envs: dict, unknown: list[str]) -> None:
     """Run one op on fake tensors into `env` (outputs of its traced local shapes if it
     cannot run)."""
-    from .custom_ops import REGISTRY, is_custom_op
+    from ..custom_ops import REGISTRY, is_custom_op
     args, kwargs = pytree.tree_map(get, (op.args, op.kwargs))
     target = op.target
     try:

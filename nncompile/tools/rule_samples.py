@@ -1,4 +1,4 @@
-"""Hand-written samples for the op-rule checker (nncompile/rule_check.py): for every rule, at
+"""Hand-written samples for the op-rule checker (nncompile/tools/rule_check.py): for every rule, at
 least one call whose dims divide by 2 and 4, so each rule offers split strategies to check.
 OpInfo's samples (PyTorch's op database) come on top of these where the op has an entry.
 
@@ -298,7 +298,7 @@ def strided_ops(name: str, g: torch.Generator) -> list[Sample]:
 def samples(name: str, g: torch.Generator) -> list[Sample]:
     """Hand-written samples of the rule registered under `name` (an op name, maybe with an
     overload: 'split.Tensor')."""
-    from .rules.pointwise import BINARY, UNARY
+    from ..rules.pointwise import BINARY, UNARY
     base = name.split(".")[0]
     if base in UNARY:
         out = unary(base, g)

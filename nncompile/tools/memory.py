@@ -6,7 +6,7 @@
 
 `profile` runs `step_fn()` (one training step) `steps` times under torch.profiler
 (profile_memory, record_shapes, with_stack) and sorts every allocation on this rank's device
-into CATEGORIES (nncompile/memory_timeline.py):
+into CATEGORIES (nncompile/tools/memory_timeline.py):
 
     parameters             storages of pm.parameters()
     gradients              what PyTorch's memory profiler calls a gradient
@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations",
               "communication_buffers", "other")
@@ -247,8 +247,8 @@ def load_predicted(predicted: Any) -> dict[str, Any] | None:
     dict ({"per_rank_bytes": ...}), the "autodist" dict or plan.json's content holding them,
     or a path to plan.json, an instance directory or a gen_savedir. plan.json holds two:
     autodist's (key "autodist" -> "memory": every category, when autodist planned) and the
-    activations counted from the compiled graph (key "memory", nncompile/activation_memory.py),
-    which replace autodist's activations (its total follows). None when the plan has neither."""
+    activations counted from the compiled graph (key "memory",
+    nncompile/tools/activation_memory.py), which replace autodist's activations (its total follows). None when the plan has neither."""
     source = "autodist"
     if isinstance(predicted, (str, os.PathLike)):
         path = _plan_json(Path(predicted))

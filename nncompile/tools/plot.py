@@ -25,8 +25,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .ir.placement import Placement, Replicate, Shard, parse_placement
+from ..errors import ConfigError
+from ..ir.placement import Placement, Replicate, Shard, parse_placement
 
 FIXED_COLOURS = {"R": "#4c72b0", "P": "#c44e52", "-": "#bbbbbb"}
 SHARD_COLOURS = ["#55a868", "#dd8452", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974",

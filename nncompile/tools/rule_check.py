@@ -3,7 +3,7 @@
 For every rule in `nncompile.rules.RULES` and every split strategy it offers at n = 2 and 4:
 
     sample      PyTorch's OpInfo samples (op_db) where the op has an entry, plus hand-written
-                ones (nncompile/rule_samples.py) whose dims divide by 2 and 4
+                ones (nncompile/tools/rule_samples.py) whose dims divide by 2 and 4
     trace       fn(*sample) with nncompile's own frontend: the op as the rules see it
     split       each input as the strategy says: S(d) chunks, S(d|o) chunks of each of the o
                 blocks of dim d, R copies, P random pieces that sum to the input
@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .custom_ops import REGISTRY, is_custom_op
-from .ir import Op, Partial, Replicate, Shard, Strategy, Value, join_pieces, piece_of
-from .ir.interpret import run_graph
-from .rules import RULES, draws_random, strategies, strided_splits
+from ..custom_ops import REGISTRY, is_custom_op
+from ..ir import Op, Partial, Replicate, Shard, Strategy, Value, join_pieces, piece_of
+from ..ir.interpret import run_graph
+from ..rules import RULES, draws_random, strategies, strided_splits
 
 NS = (2, 4)
 RTOL, ATOL = 1e-7, 1e-9                       # float64 samples: reordering errors ~1e-15
@@ -134,7 +134,7 @@ class _Call(torch.nn.Module):
 
 
 def _trace_cases(rule: str, origin: str, fn: Callable, args: tuple, kwargs: dict) -> list[Case]:
-    from .frontend import trace
+    from ..frontend import trace
     call = _Call(fn, args, kwargs)
     tensors = call.tensors()
     if not tensors or any(t.numel() == 0 for t in tensors):
@@ -213,7 +213,7 @@ def _call(op: Op, local: bool, tensors: list[torch.Tensor]):
 
 
 def _substitute(op: Op, it) -> tuple[tuple, dict]:
-    from .ir.printer import Symbol
+    from ..ir.printer import Symbol
 
     def sub(x):
         if isinstance(x, Value):

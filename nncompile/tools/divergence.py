@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from .ir import Graph, Partial, Shard, Value, join_pieces
-from .ir.interpret import run_graph
+from ..ir import Graph, Partial, Shard, Value, join_pieces
+from ..ir.interpret import run_graph
 
 # intermediate values: generous enough for float32 reordering, far below real plan bugs
 VALUE_RTOL, VALUE_ATOL = 1e-4, 1e-5

@@ -22,11 +22,11 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-from .comm_stats import align, count_by_kind, fmt_bytes, format_rows
-from .edits import edited_files
-from .errors import ConfigError, NNCompileError
-from .ir.placement import Replicate, Shard, parse_placement
-from .mesh import DP, PLAN, Mesh, grad_reduction
+from ..comm_stats import align, count_by_kind, fmt_bytes, format_rows
+from ..edits import edited_files
+from ..errors import ConfigError, NNCompileError
+from ..ir.placement import Replicate, Shard, parse_placement
+from ..mesh import DP, PLAN, Mesh, grad_reduction
 
 MANIFEST_KEYS = ("model", "policy", "config", "fingerprint", "ranks")
 PLAN_KEYS = ("policy", "plan_ngpus", "params", "collectives", "collective_ops", "ops")
@@ -476,7 +476,7 @@ def _code_diff(pa: Instance, pb: Instance, rank: int) -> list[str]:
 
 # ---- plot ------------------------------------------------------------------------------------
 def plot(path: str | Path, output: str | Path) -> Path:
-    """Draw the op graph into `output` (png, svg, pdf...): nncompile/plot.py."""
+    """Draw the op graph into `output` (png, svg, pdf...): nncompile/tools/plot.py."""
     from .plot import plot_plan
     p = Instance(path)
     with _garbled(p.dir):

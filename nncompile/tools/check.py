@@ -1,10 +1,11 @@
-"""nncompile.verify: run the parallel program and a single-device copy on the same batch and
-report the largest errors of the loss and of every gradient.
+"""The checks behind nncompile.verify (nncompile/api.py): run the parallel program and a
+single-device copy on the same batch and report the largest errors of the loss and of every
+gradient.
 
 Two ways to run it:
 - in one process (no process group): every rank's generated program runs in its own thread
-  over PyTorch's threaded process group (nncompile/simulate.py), and the report also names the
-  first op whose output or gradient diverges (nncompile/divergence.py);
+  over PyTorch's threaded process group (nncompile/tools/simulate.py), and the report also
+  names the first op whose output or gradient diverges (nncompile/tools/divergence.py);
 - under torchrun (every rank calls it): the real job's ranks run it; each plan unit gets the
   same dummy batch, so the data-parallel average equals the single-device gradient.
 
@@ -20,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .config import ComputeConfig
+from ..config import ComputeConfig
 from .divergence import Capture, Divergence, first_divergence, reference_run
-from .errors import ConfigError, PlanCheckError
-from .frontend import normalize_args
+from ..errors import ConfigError, PlanCheckError
+from ..frontend import normalize_args
 
 
 @dataclass
@@ -99,48 +99,27 @@ def _report(loss, ref_loss, grads, ref_grads, rtol, atol) -> VerifyReport:
     return report
 
 
-def verify(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig,
-           pas_policy: Any, *, gen_savedir: str = "./.nncompile", rtol: float = 1e-5,
-           atol: float = 1e-6, inputs: Any = None) -> VerifyReport:
-    """Compare parallel loss and gradients with a single-device run; return the report.
-    Without a process group every rank runs in this process (threads). `inputs` (shaped like
-    dummy_args) is the batch both runs see; by default dummy_args itself."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return verify_in_process(module, dummy_args, compute_config, pas_policy,
-                                 gen_savedir=gen_savedir, rtol=rtol, atol=atol, inputs=inputs)
-    from .api import parallelize
+def eager_reference(module: torch.nn.Module, batch: Any):
+    """The single-device run of `module` on `batch`: (args, kwargs, loss, grads)."""
+    args, kwargs = normalize_args(module, batch)
+    return (args, kwargs) + _eager(module, args, kwargs)
 
-    args, kwargs = normalize_args(module, dummy_args if inputs is None else inputs)
-    ref_loss, ref_grads = _eager(module, args, kwargs)
-    pm = parallelize(copy.deepcopy(module), dummy_args, compute_config, pas_policy=pas_policy,
-                     gen_savedir=gen_savedir, reuse="override",
-                     instance_name=f"verify_{type(module).__name__}")
+
+def compare_parallel(pm, reference, rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
+    """Run ParallelModule `pm` on `reference`'s batch (every rank calls it) and compare its
+    loss and gathered gradients with the single-device ones."""
+    args, kwargs, ref_loss, ref_grads = reference
     loss = _scalar_loss(pm(*args, **kwargs))
     loss.backward()
     return _report(loss, ref_loss, pm.gather_grads(), ref_grads, rtol, atol)
 
 
-def verify_in_process(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig,
-                      pas_policy: Any, *, gen_savedir: str = "./.nncompile",
-                      rtol: float = 1e-5, atol: float = 1e-6, inputs: Any = None
-                      ) -> VerifyReport:
-    """Compile, then run every rank's generated program in one process and compare."""
-    from .api import compile_module
-
-    config = compute_config.resolved(compute_config.plan_ngpus)
-    outdir = Path(gen_savedir).absolute() / f"verify_{type(module).__name__}"
-    compiled = compile_module(module, dummy_args, config, pas_policy=pas_policy,
-                              outdir=outdir, reuse="override")
-    return check_compiled(module, dummy_args if inputs is None else inputs, config, compiled,
-                          outdir, rtol=rtol, atol=atol)
-
-
 def check_compiled(module: torch.nn.Module, batch: Any, config: ComputeConfig, compiled,
                    outdir: Path, rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
     """Run the generated files in `outdir` on `batch` (threads) against eager `module`."""
-    from .api import load_rank_module
-    from .runtime.arguments import tensor_leaves
-    from .runtime.rng import rank_generator
+    from ..runtime.loader import load_rank_module
+    from ..arguments import tensor_leaves
+    from ..runtime.rng import rank_generator
     from .simulate import run_ranks
 
     if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):

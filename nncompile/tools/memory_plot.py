@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .memory import CATEGORIES, MemoryProfile, RankMemory
 from .plot import save_figure
 

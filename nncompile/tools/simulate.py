@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from . import compat
+from .. import compat
 
 _LOCK = threading.Lock()       # one simulated job at a time per process
 
