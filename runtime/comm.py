@@ -165,7 +165,15 @@ class _AllToAll(torch.autograd.Function):
 class _ToPartial(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return x.clone() if _rank(group) == 0 else torch.zeros_like(x)
+        if _rank(group) == 0:
+            return x.clone()
+        if _tracing():
+            # zeros computed from x: torch.compile drops collectives whose results no kept
+            # op reads (torch 2.15 does across custom autograd functions), and zeros_like
+            # reads no values, so this rank would skip the collectives making x while its
+            # peers wait in them
+            return (x * 0).nan_to_num(0.0, 0.0, 0.0)
+        return torch.zeros_like(x)
 
     @staticmethod
     def backward(ctx, g):
