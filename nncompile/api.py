@@ -99,6 +99,9 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     dummy_args, batch = microbatch_dummy(dummy_args, m, batched)
     graph = trace(module, dummy_args, dynamic_dims, modes=True)   # train and eval: modes.py
     graph.trace_info.inference_only = config.inference_only
+    for g in (graph, graph.meta.get("eval_graph")):    # the job's ranks: Graph.mesh
+        if g is not None:
+            g.runtime_ngpus = config.runtime_ngpus
     if m > 1:       # the code runs one micro-batch; train_step splits the batch
         graph.trace_info.microbatches = m
         graph.trace_info.batched = [v.name for v in graph.inputs

@@ -20,13 +20,14 @@ from .custom_ops import REGISTRY, is_custom_op
 from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, part_slices,
                  print_graph, shard_slices)
 from .codegen_notes import comm_note, reduction_header
+from .mesh import DP, PLAN, PP, Mesh
 from .lifetimes import body_frees, closure_io, del_lines, last_uses, statement_frees
 from .ir.printer import fmt_body, op_notes, value_names
 from .symbolic import Sym
 from .rows import BufferRow, ConstRow, ParamRow
 from .zero_codegen import zero_forward_body, zero_units
 
-HEADER = '''"""nncompile generated code: rank {rank} of {runtime} (plan unit {unit}, shard {shard} of {plan}).
+HEADER = '''"""nncompile generated code: rank {rank} of {runtime} ({position}).
 
 model: {model}   policy: {policy}   fingerprint: {fingerprint}
 `del` lines free each intermediate at its last use, as the model's own frames do (what
@@ -88,11 +89,28 @@ def _rows(rows: list[tuple]) -> str:
     return "\n".join(f"        {fmt_literal(r)}," for r in rows)
 
 
-def rank_tables(g: Graph, rank: int) -> dict[str, list[tuple]]:
+def rank_mesh(g: Graph, runtime_ngpus: int | None = None) -> Mesh:
+    """The mesh a rank's file is written for: `g.mesh`, over `runtime_ngpus` ranks when
+    given. Every rank coordinate codegen prints comes from it (Mesh.coords)."""
+    return g.mesh_over(runtime_ngpus or g.runtime_ngpus)
+
+
+def rank_position_text(mesh: Mesh, rank: int) -> str:
+    """Where a rank sits, as its file's first line says it: "plan unit 1, shard 0 of 2", or
+    under a pipeline "plan unit 1: pipeline rank 0 of 2, tensor-parallel shard 0 of 2"."""
+    c, n = mesh.coords(rank), mesh.size(PLAN)
+    if PP in c:
+        return (f"plan unit {c[DP]}: pipeline rank {c[PP]} of {mesh.size(PP)}, "
+                f"tensor-parallel shard {c[PLAN]} of {n}")
+    return f"plan unit {c[DP]}, shard {c[PLAN]} of {n}"
+
+
+def rank_tables(g: Graph, rank: int, runtime_ngpus: int | None = None
+                ) -> dict[str, list[tuple]]:
     """A rank's PARAMS, BUFFERS and CONSTS rows (nncompile/rows.py), as the plain tuples its
     file prints (placements as text)."""
     n = g.plan_ngpus
-    shard = rank % n
+    shard = rank_mesh(g, runtime_ngpus).shard_of(rank)
     partial = set(g.plan_state.partial_grad_params)
 
     def sl(v: Value):
@@ -141,21 +159,21 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         shared = {}
     n = g.plan_ngpus
     pp = g.plan_state.pipeline
+    mesh = rank_mesh(g, runtime_ngpus)
     tg, stages = g, None
     if pp is not None:
         if "stage_graphs" not in g.meta:
             g.meta["stage_graphs"] = pc.stage_graphs(g)
         stages = g.meta["stage_graphs"]
-        _, pipe_rank, ids = pc.rank_position(g, rank)
         tg = table_graph(g, rank)
-    t = rank_tables(tg, rank)
+    t = rank_tables(tg, rank, runtime_ngpus)
     if "imports" not in shared:
         shared["imports"] = (_custom_imports(g), "comm, rng" if any(
             op.target_name.startswith("rng.") for op in g.ops) else "comm")
     custom_imports, runtime_modules = shared["imports"]
     text = HEADER.format(
         custom_imports=custom_imports, runtime_modules=runtime_modules,
-        rank=rank, runtime=runtime_ngpus, unit=rank // n, shard=rank % n, plan=n,
+        rank=rank, runtime=runtime_ngpus, position=rank_position_text(mesh, rank), plan=n,
         inference_only=g.trace_info.inference_only,
         model=g.trace_info.model, policy=g.plan_state.policy,
         fingerprint=fingerprint[:16], fingerprint_full=fingerprint, out_spec=g.out_spec,
@@ -184,11 +202,6 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
                  f"into this many; the code runs one\n"
                  f"    BATCHED = {g.trace_info.batched!r}  # inputs split (the others are "
                  f"passed whole to each micro-batch)\n")
-    if pp is not None:
-        unit = rank // (n * pp.ranks)
-        text = text.replace(f"(plan unit {rank // n}, shard {rank % n} of {n})",
-                            f"(plan unit {unit}: pipeline rank {pipe_rank} of {pp.ranks}, "
-                            f"tensor-parallel shard {rank % n} of {n})", 1)
     if pp is None and "tail" in shared:
         return text.rstrip("\n") + shared["tail"]
     units = zero_units(tg) if memory is not None and memory.zero == 3 else []
@@ -392,7 +405,7 @@ def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[
     dtypes = {v.fqn: str(v.meta.dtype).replace("torch.", "") for v in g.params}
     frozen = {v.name for v in g.params if not v.requires_grad}
     for r in range(config.runtime_ngpus):
-        t = rank_tables(table_graph(g, r), r)
+        t = rank_tables(table_graph(g, r), r, config.runtime_ngpus)
         ranks[str(r)] = {
             "file": f"gencode{r}.py",
             "params": [{"local": name, "fqn": fqn, "full_shape": list(shape),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nncompile.errors import ConfigError
 from nncompile.ir.placement import Placement, Replicate, Shard
 
 DP, PP, PLAN = "dp", "pp", "plan"
@@ -55,17 +56,51 @@ class Mesh:
         return dict(self.dims)[dim]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{dim: this rank's index along it}."""
+        """{dim: this rank's index along it}: the one place a rank's (dp, pp, plan) position
+        is computed; everything else asks the mesh."""
+        if not 0 <= rank < self.world:
+            raise ConfigError(f"rank {rank} is not on the mesh {dict(self.dims)} "
+                             f"({self.world} ranks: 0..{self.world - 1})")
         out = {}
         for name, size in reversed(self.dims):
             rank, out[name] = divmod(rank, size)
         return dict(reversed(list(out.items())))
 
     def rank_of(self, coords: dict[str, int]) -> int:
+        """The rank at `coords` (every dimension named), the inverse of `coords`."""
         rank = 0
         for name, size in self.dims:
+            if not 0 <= coords[name] < size:
+                raise ConfigError(f"coordinate {name}={coords[name]} is off the mesh "
+                                 f"{dict(self.dims)}")
             rank = rank * size + coords[name]
         return rank
+
+    def coord(self, rank: int, dim: str) -> int:
+        """`rank`'s index along `dim`; 0 along a dimension the mesh lacks (a mesh without
+        "pp" is one pipeline rank)."""
+        return self.coords(rank).get(dim, 0)
+
+    def unit_of(self, rank: int) -> int:
+        """The data-parallel unit (plan unit) `rank` belongs to: its index along "dp"."""
+        return self.coord(rank, DP)
+
+    def shard_of(self, rank: int) -> int:
+        """`rank`'s tensor-parallel shard inside its plan unit (or stage): its index along
+        "plan"."""
+        return self.coord(rank, PLAN)
+
+    def pipe_of(self, rank: int) -> int:
+        """`rank`'s pipeline rank inside its unit (0 without a pipeline)."""
+        return self.coord(rank, PP)
+
+    def moved(self, rank: int, **coords: int) -> int:
+        """The rank with `rank`'s coordinates except those given, e.g. the rank of the same
+        unit and shard at pipeline rank 1: `mesh.moved(rank, pp=1)`."""
+        unknown = set(coords) - set(self.names)
+        if unknown:
+            raise ConfigError(f"mesh {dict(self.dims)} has no dimension {sorted(unknown)}")
+        return self.rank_of({**self.coords(rank), **coords})
 
     def ranks_along(self, dims: tuple[str, ...], rank: int) -> list[int]:
         """The ranks that share every coordinate of `rank` except those along `dims` (the

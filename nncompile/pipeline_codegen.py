@@ -90,28 +90,28 @@ def stage_graphs(g: Graph) -> list[Graph]:
         used = {id(v) for op in ops for v in op.inputs()}
         sg = Graph(inputs, [v for v in g.params if id(v) in used],
                    [v for v in g.buffers if id(v) in used], ops, outputs, [], g.out_spec,
-                   g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state)
+                   g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state, g.runtime_ngpus)
         sg.meta["relayed"] = [v for v in outputs if id(v) in {id(x) for x in inputs}]
         out.append(sg)
     return out
 
 
 def rank_position(g: Graph, rank: int) -> tuple[int, int, list[int]]:
-    """(plan unit, pipeline rank, stage indices) of a global rank."""
+    """(plan unit, pipeline rank, stage indices) of a global rank (its coordinates on
+    `g.mesh`)."""
     pp = g.plan_state.pipeline
-    plan = pp.ranks * pp.tp
-    pipe_rank = (rank % plan) // pp.tp
+    mesh = g.mesh
+    pipe_rank = mesh.pipe_of(rank)
     cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)
-    return rank // plan, pipe_rank, cfg.stage_ids(pipe_rank, pp.ranks)
+    return mesh.unit_of(rank), pipe_rank, cfg.stage_ids(pipe_rank, pp.ranks)
 
 
 def stage_rank(g: Graph, rank: int, stage: int) -> int:
     """The global rank that runs `stage` with the same unit and tensor-parallel shard."""
     pp = g.plan_state.pipeline
-    plan = pp.ranks * pp.tp
     cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)
     pipe = next(p for p in range(pp.ranks) if stage in cfg.stage_ids(p, pp.ranks))
-    return (rank // plan) * plan + pipe * pp.tp + rank % pp.tp
+    return g.mesh.moved(rank, pp=pipe)
 
 
 def rank_graph(g: Graph, stages: list[Graph]) -> Graph:
@@ -123,7 +123,8 @@ def rank_graph(g: Graph, stages: list[Graph]) -> Graph:
     ops = [op for sg in stages for op in sg.ops]
     return Graph(g.inputs, [v for v in g.params if id(v) in params],
                  [v for v in g.buffers if id(v) in buffers], ops, g.outputs, g.const_ops,
-                 g.out_spec, g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state)
+                 g.out_spec, g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state,
+                 g.runtime_ngpus)
 
 
 def _metas(values, n: int) -> tuple:

@@ -348,7 +348,7 @@ class ParallelModule(torch.nn.Module):
         """This rank's data-parallel unit, 0..dp_size-1 (rank // plan_ngpus without a
         pipeline): seed or shard the data by it, so a unit's ranks get the same batch."""
         rank = dist.get_rank() if dist.is_initialized() else self.RANK
-        return Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS).coords(rank)["dp"]
+        return Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS).unit_of(rank)
 
     # ---- gradients ----------------------------------------------------------------------
     def _build_reducer(self) -> Reducer | None:

@@ -56,6 +56,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import nncompile
 from nncompile.errors import CheckpointError, ConfigError
+from nncompile.mesh import DP, Mesh
 from nncompile.runtime.checkpoint import (load_on_every_rank, load_torch,
                                          merge_lightning_checkpoints, rank_files, read_meta,
                                          save_torch, staged_directory)
@@ -156,9 +157,10 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Ranks of one plan unit read the same batches."""
-        return {"num_replicas": self.world_size // self.plan_ngpus,
-                "rank": self.global_rank // self.plan_ngpus}
+        """Ranks of one plan unit read the same batches (the unit: the rank's "dp" coordinate;
+        plan_ngpus here is the whole unit, every pipeline rank included)."""
+        mesh = Mesh.of(self.plan_ngpus, self.world_size)
+        return {"num_replicas": mesh.size(DP), "rank": mesh.unit_of(self.global_rank)}
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

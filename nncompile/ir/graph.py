@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .. import mesh as _mesh      # module import: nncompile.mesh itself imports nncompile.ir
 from ..custom_ops import is_custom_op
 from .placement import Placement, Replicate, local_shape
 
@@ -324,6 +325,21 @@ class Graph:
     stages: frozenset = frozenset()                      # Stage members established so far
     trace_info: TraceInfo = field(default_factory=TraceInfo)
     plan_state: PlanState = field(default_factory=PlanState)
+    runtime_ngpus: int | None = None    # the job's ranks (None: one plan unit); see `mesh`
+
+    @property
+    def mesh(self) -> "_mesh.Mesh":
+        """The job's device mesh ("dp", ["pp",] "plan"), made from plan_ngpus (under a
+        pipeline: the pipeline's ranks of pp.tp tensor-parallel ranks) and runtime_ngpus; the
+        1-unit mesh of the plan until the compile sets runtime_ngpus. Derived, so it follows
+        the passes that change the plan size or cut the pipeline."""
+        return self.mesh_over(self.runtime_ngpus)
+
+    def mesh_over(self, runtime_ngpus: int | None) -> "_mesh.Mesh":
+        """This graph's mesh for a job of `runtime_ngpus` ranks (None: one plan unit)."""
+        pp = self.plan_state.pipeline
+        tp, pipe = (pp.tp, pp.ranks) if pp is not None else (self.plan_ngpus, 1)
+        return _mesh.Mesh.of(tp, runtime_ngpus or tp * pipe, pipe)
 
     @property
     def consts(self) -> list[Value]:
@@ -391,4 +407,5 @@ class Graph:
         return Graph(ins, params, bufs, ops, outs, const_ops, self.out_spec,
                      self.plan_ngpus, dict(self.meta), self.stages, replace(self.trace_info),
                      replace(self.plan_state,
-                             partial_grad_params=list(self.plan_state.partial_grad_params)))
+                             partial_grad_params=list(self.plan_state.partial_grad_params)),
+                     self.runtime_ngpus)

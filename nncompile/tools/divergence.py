@@ -22,6 +22,7 @@ import torch
 
 from ..ir import Graph, Partial, Shard, Value, join_pieces
 from ..ir.interpret import run_graph
+from ..mesh import Mesh
 
 # intermediate values: generous enough for float32 reordering, far below real plan bugs
 VALUE_RTOL, VALUE_ATOL = 1e-4, 1e-5
@@ -135,12 +136,12 @@ def _error(a: torch.Tensor, ref: torch.Tensor) -> float | None:
     return None if err <= bound and err == err else err
 
 
-def _check(pieces_by_rank: dict[int, Any], ref: torch.Tensor, placement, plan: int,
+def _check(pieces_by_rank: dict[int, Any], ref: torch.Tensor, placement, mesh: Mesh,
            grad: bool) -> tuple[int, float] | None:
     """(rank, error) of the first wrong plan unit's piece, or None."""
     units: dict[int, list[int]] = {}
     for r in sorted(pieces_by_rank):
-        units.setdefault(r // plan, []).append(r)
+        units.setdefault(mesh.unit_of(r), []).append(r)
     for unit, ranks in units.items():
         pieces = [pieces_by_rank[r] for r in ranks]
         if grad and not isinstance(placement, Shard):
@@ -164,7 +165,7 @@ def _check(pieces_by_rank: dict[int, Any], ref: torch.Tensor, placement, plan: i
 
 def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Divergence | None:
     """Compare every op output of the final (localized) `graph` with the reference."""
-    plan = graph.plan_ngpus
+    mesh = Mesh.of(graph.plan_ngpus, len(ranks))    # one Capture per rank of the job
     users: dict[str, list[str]] = {}
     for op in graph.ops:
         for v in op.inputs():
@@ -195,7 +196,7 @@ def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Diverg
         pieces = {r: c.values.get(v.name) for r, c in enumerate(ranks)}
         if any(p is None for p in pieces.values()):
             continue
-        hit = _check(pieces, ref.values[v.name], v.placement, plan, grad=False)
+        hit = _check(pieces, ref.values[v.name], v.placement, mesh, grad=False)
         if hit:
             return make("forward", v, hit)
     for v in reversed(order):
@@ -207,7 +208,7 @@ def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Diverg
                   for r, p in pieces.items() if v.name in ranks[r].values}
         if len(pieces) != len(ranks):
             continue
-        hit = _check(pieces, want, v.placement, plan, grad=True)
+        hit = _check(pieces, want, v.placement, mesh, grad=True)
         if hit:
             return make("backward", v, hit)
     return None

@@ -110,7 +110,6 @@ class Instance:
             self.config: dict[str, Any] = cfg
             self.plan_ngpus = int(cfg["plan_ngpus"])
             self.runtime_ngpus = int(cfg["runtime_ngpus"])
-            self.dp = self.runtime_ngpus // self.plan_ngpus
             # a pipelined plan unit: pipe ranks (stages) of tp tensor-parallel ranks each
             self.pipeline = self.plan.get("pipeline") or None
             if self.pipeline is not None and not self.pipeline.get("stages"):
@@ -118,6 +117,7 @@ class Instance:
             self.pipe = int(self.pipeline["ranks"]) if self.pipeline else 1
             self.tp = self.plan_ngpus // self.pipe
             self.mesh = Mesh.of(self.tp, self.runtime_ngpus, self.pipe)
+            self.dp = self.mesh.size(DP)
             self.training = not cfg.get("inference_only", False)
             self.ranks = {int(r): e for r, e in self.manifest["ranks"].items()}
             self.edited_names = set(edited_files(self.dir, self.manifest))
@@ -174,7 +174,7 @@ class Instance:
 
     def rank_stages(self, rank: int) -> list[int]:
         """The stages a global rank runs."""
-        pipe = (rank % self.plan_ngpus) // self.tp
+        pipe = self.mesh.pipe_of(rank)
         return [st["stage"] for st in self.pipeline["stages"] if st["pipe_rank"] == pipe]
 
     def rank_comm_bytes(self, rank: int) -> int:
@@ -300,7 +300,7 @@ def _ranks(p: Instance) -> list[str]:
     lines += align(rows)
     full = p.full_model()[2]
     for unit in range(p.dp):
-        members = [r for r in p.rank_stats if r // p.plan_ngpus == unit]
+        members = [r for r in p.rank_stats if p.mesh.unit_of(r) == unit]
         total = sum(p.rank_stats[r]["bytes"] for r in members)
         lines.append(f"  plan unit {unit} (ranks {members[0]}-{members[-1]}): parameters "
                      f"{_nbytes(total)} = {total / full if full else 0:.2f} x the full model")
