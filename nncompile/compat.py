@@ -195,6 +195,18 @@ def function_apply():
     return orig, lambda cls, *args, **kwargs: orig.__get__(None, cls)(*args, **kwargs)
 
 
+# ---- activation checkpointing ----------------------------------------------------------------
+
+def checkpoint_generator_name() -> str:
+    """The private torch.utils.checkpoint generator that `checkpoint(..., use_reentrant=False)`
+    runs around the checkpointed function (what nncompile.user_checkpoint wraps to see which
+    functions a model checkpoints): `_checkpoint_without_reentrant_generator` up to torch
+    2.14; torch 2.15 moved its body to `..._impl` and calls that directly."""
+    from torch.utils import checkpoint as ckpt
+    impl = "_checkpoint_without_reentrant_generator_impl"
+    return impl if hasattr(ckpt, impl) else "_checkpoint_without_reentrant_generator"
+
+
 # ---- autograd engine ---------------------------------------------------------------------------
 
 def will_engine_execute_node():

@@ -33,7 +33,9 @@ _SEEN: list[Any] = []       # the functions checkpointed during the current trac
 def traced() -> Iterator[None]:
     """Record checkpointed functions and run reentrant checkpoints as non-reentrant."""
     from torch.utils import checkpoint as ckpt
-    fn, gen = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+    from .compat import checkpoint_generator_name
+    name = checkpoint_generator_name()
+    fn, gen = ckpt.CheckpointFunction, getattr(ckpt, name)
 
     def apply(cls, function, preserve_rng_state, *args):
         return ckpt.checkpoint(function, *args, use_reentrant=False,
@@ -46,11 +48,11 @@ def traced() -> Iterator[None]:
 
     own = fn.__dict__.get("apply")
     fn.apply = classmethod(apply)
-    ckpt._checkpoint_without_reentrant_generator = generator
+    setattr(ckpt, name, generator)
     try:
         yield
     finally:
-        ckpt._checkpoint_without_reentrant_generator = gen
+        setattr(ckpt, name, gen)
         if own is None:
             del fn.apply
         else:

@@ -40,8 +40,6 @@ ALLOWED = {
     "torch.distributed.distributed_c10d._get_default_group": "the default group object",
     "torch.distributed.pipelining.microbatch._Replicate": "the replicate chunk spec",
     "torch.testing._internal.common_methods_invocations": "op_db: the op-rule checker's samples",
-    "torch.utils.checkpoint._checkpoint_without_reentrant_generator":
-        "user_checkpoint: which functions a model checkpoints (restored after tracing)",
     "torch.autograd.Variable._execution_engine": "queue_callback: end-of-backward hook, as DDP",
     "torch._amp_foreach_non_finite_check_and_unscale_": "what GradScaler.unscale_ calls",
     "torch.amp.GradScaler._unscale_grads_": "routed so scaled gradients of shards agree",
