@@ -124,8 +124,6 @@ def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> Pipel
         before = result.graph
         try:
             result.graph = p(result.graph)
-            if result.graph.runtime_ngpus is None:     # a pass that built a new Graph
-                result.graph.runtime_ngpus = before.runtime_ngpus
             if check:
                 verify(result.graph)
         except NNCompileError as e:
