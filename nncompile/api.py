@@ -168,9 +168,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     memory = memory_choice(final, config)
     _log(f"writing {config.runtime_ngpus} rank file(s) ...")
     with staged_dir(outdir) as staging:
-        for r, text in enumerate(codegen.gencode_all(
-                final, config.runtime_ngpus, fingerprint,
-                memory=memory if config.code_fields else None)):
+        for r, text in enumerate(codegen.render_all(
+                final, fingerprint, memory=memory if config.code_fields else None)):
             write_text(staging / f"gencode{r}.py", text)
         kept = keep_edited(outdir, old, staging)
         (staging / "graphs").mkdir()

@@ -1,5 +1,7 @@
-"""Codegen: the localized graph -> `gencode{rank}.py` per rank, `manifest.json`, `plan.json`
-and the IR after every pass (`graphs/NN_<pass>.py`).
+"""Codegen: the lowered graph -> `gencode{rank}.py` per rank, `manifest.json`, `plan.json` and
+the IR after every pass (`graphs/NN_<pass>.py`). `render(graph, rank)` is a printer: the
+passes made every decision, down to where ZeRO-3 gathers and where a checkpoint region or a
+pipeline stage begins (passes/split_stages.py, lower_zero3.py, lower_recompute.py).
 
 Generated code is straight-line torch calls, one per IR op, each under a comment with the
 user's `file:line` and source text (an inserted collective under the line of the op it
@@ -20,12 +22,13 @@ from .custom_ops import REGISTRY, is_custom_op
 from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, part_slices,
                  print_graph, shard_slices)
 from .codegen_notes import comm_note, reduction_header
+from .passes.split_stages import stage_views
 from .mesh import DP, PLAN, PP, Mesh
-from .lifetimes import body_frees, closure_io, del_lines, last_uses, statement_frees
+from .lifetimes import del_lines, last_uses
 from .ir.printer import fmt_body, op_notes, value_names
+from .render_body import render_body
 from .symbolic import Sym
 from .rows import BufferRow, ConstRow, ParamRow
-from .zero_codegen import zero_forward_body, zero_units
 
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} ({position}).
 
@@ -147,13 +150,16 @@ PIPELINE_HEADER = '''    # pipeline parallelism (runtime/pipeline.py runs the st
 '''
 
 
-def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
-            memory: MemoryChoice | None = None, shared: dict | None = None) -> str:
-    """A rank's file. `memory`: the ZeRO stage and offload choice to record in it (given when
-    it shapes the code: ZeRO-3's per-unit gathers, or a choice autodist made). A pipelined
-    plan's file holds this rank's stages (pipeline_codegen.py) instead of one forward.
-    `shared`: a dict kept across the calls for one unchanged graph (gencode_all): what every
-    rank's file has in common (all but the tables of its own shards) is made once."""
+def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | None = None,
+           shared: dict | None = None) -> str:
+    """A rank's file, printed from the lowered graph `g` (the last graph the passes made,
+    graphs/NN_<last pass>.py) as it stands: no transforms. `memory`: the ZeRO stage and
+    offload choice to record in it (given when it shapes the code: ZeRO-3, or a choice
+    autodist made). A pipelined plan's file holds this rank's stages (pipeline_codegen.py)
+    instead of one forward. `shared`: a dict kept across the calls for one graph
+    (render_all): what every rank's file has in common (all but the tables of its own
+    shards) is made once."""
+    runtime_ngpus = g.mesh.world
     from . import pipeline_codegen as pc
     if shared is None:
         shared = {}
@@ -162,10 +168,10 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
     mesh = rank_mesh(g, runtime_ngpus)
     tg, stages = g, None
     if pp is not None:
-        if "stage_graphs" not in g.meta:
-            g.meta["stage_graphs"] = pc.stage_graphs(g)
-        stages = g.meta["stage_graphs"]
-        tg = table_graph(g, rank)
+        if "stages" not in shared:
+            shared["stages"] = stage_views(g)
+        stages = shared["stages"]
+        tg = table_graph(g, rank, stages)
     t = rank_tables(tg, rank, runtime_ngpus)
     if "imports" not in shared:
         shared["imports"] = (_custom_imports(g), "comm, rng" if any(
@@ -204,7 +210,7 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
                  f"passed whole to each micro-batch)\n")
     if pp is None and "tail" in shared:
         return text.rstrip("\n") + shared["tail"]
-    units = zero_units(tg) if memory is not None and memory.zero == 3 else []
+    units = rank_units(g, mesh.pipe_of(rank))
     head = len(text.rstrip("\n"))
     if pp is not None:
         info, rows = pc.pipeline_tables(g, rank, stages, units)
@@ -213,7 +219,7 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
         text += MEMORY_HEADER.format(
             memory={"zero": memory.zero, "offload_optimizer": memory.offload_optimizer,
                     "offload_params": memory.offload_params},
-            units=_rows([(attr, path, tuple(v.name for v in vs)) for attr, path, vs in units]))
+            units=_rows([tuple(u) for u in units]))
     lines = [text.rstrip("\n")]
     if g.const_ops:
         args = ", ".join(v.name for v in tg.buffers)
@@ -228,12 +234,12 @@ def gencode(g: Graph, rank: int, runtime_ngpus: int, fingerprint: str,
                                                     for v in g.consts) + "}")
     if pp is not None:
         with op_notes(comm_note):
-            lines += pc.stage_methods(g, rank, stages, units)
+            lines += pc.stage_methods(g, rank, stages)
         return "\n".join(lines) + "\n"
-    lines += forward_method(g, "forward_impl", units, n)
+    lines += forward_method(g, "forward_impl", n)
     ev = g.meta.get("eval_graph")
     if ev is not None:      # the forward differs in eval mode beyond mode flags (modes.py)
-        lines += forward_method(ev, "forward_eval_impl", eval_units(g, ev, units), n,
+        lines += forward_method(ev, "forward_eval_impl", n,
                                 "the forward in eval mode (model.eval()): the module runs it "
                                 "instead of forward_impl while not self.training")
     out = "\n".join(lines) + "\n"
@@ -261,37 +267,39 @@ def mode_lines(g: Graph) -> str:
     return text
 
 
-def forward_method(g: Graph, name: str, units: list, n: int, doc: str = "") -> list[str]:
+def forward_method(g: Graph, name: str, n: int, doc: str = "") -> list[str]:
     """`def forward_impl(self, inputs...)`: the program's ops; parameters, buffers and
     constants are attributes of the module (ZeRO-3: parameters gathered per unit)."""
     lines = [""]
-    attrs = g.buffers + g.consts + ([] if units else g.params)
+    zero = Stage.ZERO3_LOWERED in g.stages
+    attrs = g.buffers + g.consts + ([] if zero else g.params)
     with value_names({v: f"self.{v.name}" for v in attrs}):
         args = ", ".join(v.name for v in g.inputs)
         lines.append(f"    def {name}(self{', ' + args if args else ''}):")
         if doc:
             lines.append(f'        """{doc[0].upper() + doc[1:]}."""')
-        if units:
-            lines.append("        DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, "
-                         "self.zero")
-            lines += size_lines(g, "        ")
-            with op_notes(comm_note):
-                lines += zero_forward_body(g, units, indent="        ", local_n=n)
-        else:
-            lines.append("        DEVICE, PLAN_GROUP = self.device, self.plan_group")
-            lines += size_lines(g, "        ")
-            lines += forward_body(g, indent="        ", local_n=n)
+        lines.append(body_header(zero, "        "))
+        lines += size_lines(g, "        ")
+        with op_notes(comm_note):       # each collective's backward as a comment above it
+            lines += render_body(g, indent="        ", local_n=n)
         lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
     return lines
 
 
-def eval_units(g: Graph, ev: Graph, units: list) -> list:
-    """ZeRO-3 units of the eval program: the training program's (the same flat
-    parameters), each with the eval program's Values."""
-    if not units:
+def body_header(zero: bool, indent: str) -> str:
+    """The names a body reads from the module: the device, the plan unit's group and, under
+    ZeRO-3, the data-parallel group it gathers over."""
+    if zero:
+        return f"{indent}DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, self.zero"
+    return f"{indent}DEVICE, PLAN_GROUP = self.device, self.plan_group"
+
+
+def rank_units(g: Graph, pipe_rank: int = 0) -> list[tuple[str, str, tuple[str, ...]]]:
+    """ZeRO-3's flat parameters on a rank (passes/lower_zero3.py): [(attribute, unit path,
+    local parameter names)]; none without ZeRO-3."""
+    if Stage.ZERO3_LOWERED not in g.stages:
         return []
-    by_fqn = {v.fqn: v for v in ev.params}
-    return [(attr, path, [by_fqn[v.fqn] for v in values]) for attr, path, values in units]
+    return list(g.plan_state.zero_units.get(pipe_rank, []))
 
 
 def buffer_updates_line(g: Graph) -> str:
@@ -317,12 +325,12 @@ def size_lines(g: Graph, indent: str) -> list[str]:
     return lines
 
 
-def gencode_all(g: Graph, runtime_ngpus: int, fingerprint: str,
-                memory: MemoryChoice | None = None) -> Iterator[str]:
-    """gencode for ranks 0 .. runtime_ngpus-1, in order, making their common part once."""
+def render_all(g: Graph, fingerprint: str, memory: MemoryChoice | None = None
+               ) -> Iterator[str]:
+    """render for every rank of the job, in order, making their common part once."""
     shared: dict = {}
-    for r in range(runtime_ngpus):
-        yield gencode(g, r, runtime_ngpus, fingerprint, memory, shared)
+    for r in range(g.mesh.world):
+        yield render(g, r, fingerprint, memory, shared)
 
 
 def _custom_imports(g: Graph) -> str:
@@ -338,65 +346,12 @@ def _custom_imports(g: Graph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def runs_of(g: Graph) -> list[tuple[RecomputeMark | None, list]]:
-    """The forward's ops in maximal runs of one recompute mark (None: not recomputed)."""
-    runs: list[tuple[RecomputeMark | None, list]] = []
-    for op in g.ops:
-        mark = op.recompute
-        if runs and runs[-1][0] == mark:
-            runs[-1][1].append(op)
-        else:
-            runs.append((mark, [op]))
-    return runs
-
-
-def closure(g: Graph, runs, i: int, indent: str, body: list[str],
-            defined_inside: set[int] = frozenset(), param_attrs: bool = True) -> list[str]:
-    """Run i as a checkpointed closure around `body` (closure_io: its arguments and what it
-    returns)."""
-    mark, ops = runs[i]
-    args, outs = closure_io(g, runs, i, defined_inside, param_attrs)
-    fn = "recompute_" + mark.module_path.replace(".", "_")
-    names = ", ".join(fmt_literal(v) for v in args)
-    return [f"{indent}# recompute_modules: {mark.module_path} keeps no activations; "
-            "its forward runs again in backward",
-            f"{indent}def {fn}({names}):", *body,
-            f"{indent}    return ({''.join(v.name + ', ' for v in outs)})",
-            f"{indent}{''.join(v.name + ', ' for v in outs)}= checkpoint({fn}"
-            f"{', ' + names if names else ''}, use_reentrant=False)"]
-
-
-def forward_body(g: Graph, indent: str, local_n: int) -> list[str]:
-    """The forward's ops; runs marked by the recompute pass become checkpointed closures."""
-    runs = runs_of(g)
-    frees = statement_frees(g, runs)
-    lines: list[str] = []
-    k = 0                               # the top-level statement's index in frees
-    with op_notes(comm_note):           # each collective's backward as a comment above it
-        for i, (mark, ops) in enumerate(runs):
-            if mark is None:
-                lines += fmt_body(ops, indent=indent, local_n=local_n,
-                                  after=[del_lines(f, indent) for f in frees[k:k + len(ops)]])
-                k += len(ops)
-            else:
-                args, outs = closure_io(g, runs, i)
-                inner = indent + "    "
-                after = [del_lines(f, inner) for f in body_frees(g, ops, args, outs)]
-                lines += closure(g, runs, i, indent,
-                                 fmt_body(ops, indent=inner, local_n=local_n, after=after))
-                lines += del_lines(frees[k], indent)
-                k += 1
-    return lines
-
-
-def table_graph(g: Graph, rank: int) -> Graph:
+def table_graph(g: Graph, rank: int, stages: list[Graph] | None = None) -> Graph:
     """The graph whose parameters a rank holds (a pipelined plan: its stages' only)."""
     if g.plan_state.pipeline is None:
         return g
     from . import pipeline_codegen as pc
-    if "stage_graphs" not in g.meta:
-        g.meta["stage_graphs"] = pc.stage_graphs(g)
-    stages = g.meta["stage_graphs"]
+    stages = stages if stages is not None else stage_views(g)
     return pc.rank_graph(g, [stages[s] for s in pc.rank_position(g, rank)[2]])
 
 
@@ -404,8 +359,9 @@ def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[
     ranks = {}
     dtypes = {v.fqn: str(v.meta.dtype).replace("torch.", "") for v in g.params}
     frozen = {v.name for v in g.params if not v.requires_grad}
+    stages = stage_views(g) if g.plan_state.pipeline is not None else None
     for r in range(config.runtime_ngpus):
-        t = rank_tables(table_graph(g, r), r, config.runtime_ngpus)
+        t = rank_tables(table_graph(g, r, stages), r, config.runtime_ngpus)
         ranks[str(r)] = {
             "file": f"gencode{r}.py",
             "params": [{"local": name, "fqn": fqn, "full_shape": list(shape),

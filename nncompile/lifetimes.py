@@ -19,9 +19,9 @@ are unchanged), and a value it does not keep is freed at its last use, no later 
 plain model frees it. What is never
 deleted: the function's arguments (the caller holds them, deleting frees nothing), parameters,
 buffers and constants (attributes of the module; ZeRO-3's gathered parameters have their own
-`del`, zero_codegen.py), non-tensor values, and whatever is returned. A checkpointed closure
+`del`, passes/lower_zero3.py), non-tensor values, and whatever is returned. A checkpointed closure
 (recompute) is one statement of the enclosing forward that uses its arguments and defines
-what it returns; its body is freed the same way, inside the closure.
+what it returns; its body is freed the same way, inside the closure (render_body.py).
 """
 from __future__ import annotations
 
@@ -58,41 +58,7 @@ def del_lines(values: list[Value], indent: str) -> list[str]:
     return [f"{indent}del {', '.join(v.name for v in values)}"] if values else []
 
 
-def closure_io(g: Graph, runs, i: int, defined_inside: set[int] = frozenset(),
-               param_attrs: bool = True) -> tuple[list[Value], list[Value]]:
-    """(arguments, returned values) of run i's checkpointed closure: its inputs from outside
-    (parameters too when they are local variables, `param_attrs=False`), except the Values
-    `defined_inside` the body; what later runs or the outputs read of what it computes."""
-    mark, ops = runs[i]
-    inside = {id(v) for op in ops for v in op.outputs} | set(defined_inside)
-    later = [v for _, rest in runs[i + 1:] for op in rest for v in op.inputs()] + \
-        [v for v in g.outputs if isinstance(v, Value)]
-    attrs = {id(v) for v in g.buffers + g.consts + (g.params if param_attrs else [])}
-    args = list({id(v): v for op in ops for v in op.inputs()
-                 if id(v) not in inside and id(v) not in attrs}.values())
-    outs = list({id(v): v for v in later if id(v) in inside and id(v) not in defined_inside}
-                .values())
-    return args, outs
-
-
 def fixed_values(g: Graph) -> list[Value]:
     """What the forward never deletes: its arguments and the module's parameters, buffers and
     constants."""
     return g.inputs + g.params + g.buffers + g.consts
-
-
-def statement_frees(g: Graph, runs, param_attrs: bool = True) -> list[list[Value]]:
-    """The locals to delete after each top-level statement of the forward (codegen.runs_of's
-    runs): one statement per op outside recompute regions, one per checkpointed closure."""
-    stmts = []
-    for i, (mark, ops) in enumerate(runs):
-        if mark is None:
-            stmts += [(op.inputs(), op.outputs) for op in ops]
-        else:
-            stmts.append(closure_io(g, runs, i, param_attrs=param_attrs))
-    return last_uses(stmts, g.outputs, fixed_values(g))
-
-
-def body_frees(g: Graph, ops, args: list[Value], outs: list[Value]) -> list[list[Value]]:
-    """The locals to delete after each op of a closure's body (it returns `outs`)."""
-    return last_uses([(op.inputs(), op.outputs) for op in ops], outs, fixed_values(g) + args)

@@ -335,6 +335,7 @@ def eval_program(final: Graph, passes: list, check: bool = False) -> Graph:
             v.requires_grad = False
     log("the forward differs in eval mode (BatchNorm, or a branch on self.training): "
         "planning its eval program ...")
+    ev.plan_state.zero_units = final.plan_state.zero_units   # ZeRO-3: the same flat shards
     ev_final = run_pipeline(ev, passes, check=check).graph
     check_eval_plan(final, ev_final)
     ev_final.meta.pop("eval_graph", None)

@@ -1,4 +1,4 @@
-"""Pipelined plans: the final graph cut into stage graphs, and a rank's file with its stages.
+"""Pipelined plans: a rank's file with its stages (cut by passes/split_stages.py).
 
 A stage's inputs are the values it needs from earlier stages (stage 0: every input of the
 model); its outputs are the values later stages need, the last stage's the loss. A value that
@@ -18,82 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from nncompile.errors import ConfigError, GraphError
-from nncompile.ir import Graph, Value, fmt_literal
+from nncompile.ir import Graph, Stage, fmt_literal
 from nncompile.modes import resolve
+from nncompile.passes.split_stages import loss_value  # noqa: F401 (the pipeline's loss)
 from nncompile.pipeline_config import PipelineConfig
-
-from .zero_codegen import zero_forward_body
-
-
-def loss_value(g: Graph) -> Value:
-    """The loss the pipeline trains on: the first scalar floating-point output of forward."""
-    for v in g.outputs:
-        if isinstance(v, Value) and v.is_tensor and v.meta.dtype.is_floating_point and \
-                len(v.meta.shape) == 0:
-            return v
-    outs = [f"{v.name}: {v.meta.dtype}{list(v.meta.shape)}" for v in g.outputs
-            if isinstance(v, Value) and v.is_tensor]
-    raise ConfigError(
-        f"a pipelined plan trains on forward's loss, but {g.trace_info.model}.forward returns "
-        f"no scalar floating-point tensor ({', '.join(outs) or 'no tensors'}); return the loss "
-        "(alone or first among the outputs), e.g. pass labels/targets to forward")
-
-
-def _fill_stages(g: Graph) -> None:
-    """Ops added after the cut (collectives) run in the stage of their first consumer."""
-    users = g.users()
-    for op in reversed(g.ops):
-        if op.stage is None:
-            cons = [u.stage for v in op.outputs for u in users.get(v, []) if u.stage is not None]
-            prods = [v.producer.stage for v in op.inputs()
-                     if getattr(v, "producer", None) is not None and v.producer.stage is not None]
-            op.stage = min(cons) if cons else max(prods, default=0)
-
-
-def stage_graphs(g: Graph) -> list[Graph]:
-    """One graph per stage, sharing g's Values: inputs from earlier stages, outputs for later
-    ones (relays included), the last stage's output the loss."""
-    pp = g.plan_state.pipeline
-    _fill_stages(g)
-    k = pp.nstages
-    loss = loss_value(g)
-    defined: dict[int, int] = {id(v): -1 for v in g.inputs}
-    order: dict[int, Value] = {id(v): v for v in g.inputs}
-    last_use: dict[int, int] = {}
-    for op in g.ops:
-        for v in op.inputs():
-            if id(v) in defined:
-                last_use[id(v)] = max(last_use.get(id(v), -1), op.stage)
-        for v in op.outputs:
-            defined[id(v)] = op.stage
-            order[id(v)] = v
-    last_use[id(loss)] = k
-    for op in g.ops:         # a stage may only read what it or an earlier stage computed
-        for v in op.inputs():
-            if defined.get(id(v), -1) > op.stage:
-                raise GraphError(
-                    f"pipeline stage {op.stage} runs {op.name} ({op.module_path or 'top level'})"
-                    f" but its input {v.name} is computed later, in stage {defined[id(v)]} "
-                    f"({v.producer.module_path or 'top level'}): the layers do not run in "
-                    "order (a block called twice, or blocks interleaved); use fewer "
-                    "pipeline_stages or no pipeline for this model")
-    out = []
-    for s in range(k):
-        ops = [op for op in g.ops if op.stage == s]
-        if s == 0:
-            inputs = list(g.inputs)
-        else:
-            inputs = [v for i, v in order.items() if defined[i] < s and last_use.get(i, -2) >= s]
-        outputs = [loss] if s == k - 1 else \
-            [v for i, v in order.items() if defined[i] <= s and last_use.get(i, -2) > s]
-        used = {id(v) for op in ops for v in op.inputs()}
-        sg = Graph(inputs, [v for v in g.params if id(v) in used],
-                   [v for v in g.buffers if id(v) in used], ops, outputs, [], g.out_spec,
-                   g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state, g.runtime_ngpus)
-        sg.meta["relayed"] = [v for v in outputs if id(v) in {id(x) for x in inputs}]
-        out.append(sg)
-    return out
 
 
 def rank_position(g: Graph, rank: int) -> tuple[int, int, list[int]]:
@@ -217,22 +145,23 @@ def pipeline_tables(g: Graph, rank: int, stages: list[Graph], units=()
     def params(sg: Graph) -> tuple[str, ...]:
         if not units:
             return tuple(v.name for v in sg.params)
-        used = {id(v) for v in sg.params}
-        return tuple(attr for attr, _, vs in units if any(id(v) in used for v in vs))
+        used = {v.name for v in sg.params}
+        return tuple(attr for attr, _, names in units if any(n in used for n in names))
     rows = [(s, tuple(v.name for v in stages[s].inputs), tuple(v.name for v in stages[s].outputs),
              _metas(stages[s].inputs, n), _metas(stages[s].outputs, n), params(stages[s]))
             for s in ids]
     return info, rows
 
 
-def stage_methods(g: Graph, rank: int, stages: list[Graph], units, indent: str = "    "
-                  ) -> list[str]:
+def stage_methods(g: Graph, rank: int, stages: list[Graph], indent: str = "    ") -> list[str]:
     """`def stage_k(self, ...)` for each stage on this rank, straight-line code."""
-    from .codegen import forward_body
+    from .codegen import body_header
     from .ir.printer import value_names
+    from .render_body import render_body
     pp = g.plan_state.pipeline
     _, pipe_rank, ids = rank_position(g, rank)
     n = g.plan_ngpus
+    zero = Stage.ZERO3_LOWERED in g.stages
     lines: list[str] = []
     for s in ids:
         sg = stages[s]
@@ -245,7 +174,7 @@ def stage_methods(g: Graph, rank: int, stages: list[Graph], units, indent: str =
         dst = "the loss (last stage)" if s == pp.nstages - 1 else \
             f"stage {s + 1} (rank {stage_rank(g, rank, s + 1)})"
         names = ", ".join(v.name for v in sg.inputs)
-        attrs = sg.buffers + [v for v in g.consts] + ([] if units else sg.params)
+        attrs = sg.buffers + [v for v in g.consts] + ([] if zero else sg.params)
         lines += ["", f"{indent}def stage_{s}(self{', ' + names if names else ''}):",
                   f'{indent}    """Stage {s} of {pp.nstages} on pipeline rank {pipe_rank} of '
                   f'{pp.ranks}: layers {span}{extra}',
@@ -254,13 +183,8 @@ def stage_methods(g: Graph, rank: int, stages: list[Graph], units, indent: str =
                   f"{indent}    sends {', '.join(v.name for v in sg.outputs)} to {dst}."
                   f'"""']
         with value_names({v: f"self.{v.name}" for v in attrs}):
-            if units:
-                lines.append(f"{indent}    DEVICE, PLAN_GROUP, ZERO = self.device, "
-                             "self.plan_group, self.zero")
-                lines += zero_forward_body(sg, units, indent=indent + "    ", local_n=n)
-            else:
-                lines.append(f"{indent}    DEVICE, PLAN_GROUP = self.device, self.plan_group")
-                lines += forward_body(sg, indent=indent + "    ", local_n=n)
+            lines.append(body_header(zero, indent + "    "))
+            lines += render_body(sg, indent=indent + "    ", local_n=n)
             for v in sg.meta["relayed"]:
                 lines.append(f"{indent}    {v.name} = {v.name}.clone()  # relayed: a later "
                              "stage needs it")

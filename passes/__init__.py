@@ -2,7 +2,8 @@
 
     trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections]
           -> [pipeline_stages] -> plan(policy) -> sink_gathers -> insert_comm -> [recompute]
-          -> localize -> overlap_grad_sync -> codegen
+          -> localize -> overlap_grad_sync
+          -> [split_stages] -> [lower_zero3] -> [lower_recompute] -> codegen (a renderer)
 
 fuse_attention turns a constant causal mask into SDPA's `is_causal=True` and repeat_kv copies
 into `enable_gqa=True` (passes/fuse_attention.py). unfuse_projections (plan_ngpus > 1) cuts a
@@ -41,6 +42,9 @@ from .pipeline_stages import PartitionStages
 from .plan import Plan
 from .recompute import AUTO, Recompute
 from .sink_gathers import sink_gathers
+from .split_stages import split_stages
+from .lower_zero3 import LowerZero3
+from .lower_recompute import lower_recompute
 from .policies import POLICIES, get_policy
 from .autodist import auto_fields
 
@@ -82,12 +86,18 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         if config.pas_config.get("recompute_modules") else None,
         localize,
         overlap_grad_sync if overlap else None,
+        # lowering: what each rank runs, made explicit for codegen to print as it stands
+        split_stages if config.pipeline.enabled else None,
+        LowerZero3(config) if config.code_fields else None,
+        lower_recompute if config.pas_config.get("recompute_modules") else None,
     ] if p is not None]
 
 
-# passes that change when communication runs, not what the plan is: plan.json describes the
-# graph before them (every op's own strategy), the generated code the graph after them
-SCHEDULE_ONLY = frozenset({"overlap_grad_sync"})
+# passes that change when communication runs or how the program is laid out, not what the
+# plan is: plan.json describes the graph before them (every op's own strategy), the
+# generated code the graph after them
+SCHEDULE_ONLY = frozenset({"overlap_grad_sync", "split_stages", "lower_zero3",
+                           "lower_recompute"})
 
 
 def plan_graph(history: list[tuple[str, Graph, float]]) -> Graph:
@@ -151,4 +161,5 @@ def _stages(stages) -> str:
 
 __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce",
            "fuse_attention", "FuseAttention", "unfuse_projections", "UnfuseProjections", "Plan", "sink_gathers", "insert_comm",
-           "localize", "overlap_grad_sync", "plan_graph", "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]
+           "localize", "overlap_grad_sync", "split_stages", "LowerZero3", "lower_recompute",
+           "plan_graph", "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]

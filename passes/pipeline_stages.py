@@ -528,7 +528,7 @@ def pipeline_json(g: Graph) -> dict | None:
                                             "chosen_by": "autodist: no pipeline is faster",
                                             **search}
     from nncompile.collectives import of_target
-    from nncompile.pipeline_codegen import stage_graphs
+    from .split_stages import stage_graphs
     if "stage_graphs" not in g.meta:
         g.meta["stage_graphs"] = stage_graphs(g)
     cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)

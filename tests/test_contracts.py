@@ -17,7 +17,8 @@ def _graph():
 def test_full_pipeline_establishes_every_stage():
     cfg = ComputeConfig(2, pas_config={"recompute_modules": ["Linear"]})
     result = run_pipeline(_graph(), build_pipeline(cfg, get_policy("tp")), check=True)
-    assert result.graph.stages == set(Stage) - {Stage.STAGED}   # no pipeline asked for
+    # no pipeline, no ZeRO-3 asked for
+    assert result.graph.stages == set(Stage) - {Stage.STAGED, Stage.SPLIT, Stage.ZERO3_LOWERED}
     stages = {name: g.stages for name, g, _ in result.history}
     assert Stage.PLANNED in stages["plan"] and Stage.COMM_INSERTED not in stages["plan"]
     assert stages["trace"] == frozenset()

@@ -133,6 +133,13 @@ class Op:
         return target_name(self.target)
 
     @property
+    def is_structural(self) -> bool:
+        """A lowering marker (STRUCTURAL): a stage boundary, a checkpoint region's begin or
+        end, a ZeRO-3 gather / prefetch / free."""
+        t = self.target
+        return isinstance(t, str) and t.partition(".")[0] in STRUCTURAL
+
+    @property
     def is_inplace(self) -> bool:
         """An aten in-place op (`add_`), not a dunder (`__and__`)."""
         name = getattr(self.target, "_opname", "")
@@ -239,6 +246,16 @@ class Stage(enum.Enum):
     RECOMPUTE_MARKED = "ops of recomputed modules are marked with their region"
     LOCALIZED = "ops run on one rank's shards (local sizes, local implementations)"
     STAGED = "every op of the forward belongs to a pipeline stage"
+    # lowering: what codegen used to add as text is in the IR (structural ops, below)
+    SPLIT = "the forward is cut into stage programs: pipeline.stage / pipeline.send ops"
+    ZERO3_LOWERED = "ZeRO-3 parameter gathers, prefetches and frees are zero.* ops"
+    RECOMPUTE_LOWERED = "checkpoint regions are checkpoint.begin / checkpoint.end ops"
+
+
+# Structural ops: string targets in these namespaces mark where the program gathers ZeRO-3
+# parameters, where a checkpoint region or a pipeline stage begins and ends. They compute no
+# tensor (no outputs); the lowering passes add them, the renderer (codegen) prints them.
+STRUCTURAL = ("pipeline", "checkpoint", "zero")
 
 
 @dataclass(frozen=True)
@@ -307,6 +324,9 @@ class PlanState:
     partial_grad_params: list[str] = field(default_factory=list)   # summed by the runtime
     recompute_regions: int = 0
     pipeline: PipelinePlan | None = None
+    # ZeRO-3's flat parameters (passes/lower_zero3.py), per pipeline rank (0 without a
+    # pipeline): [(flat attribute, unit path, local parameter names)] in order of first use
+    zero_units: dict[int, list[tuple[str, str, tuple[str, ...]]]] | None = None
 
 
 @dataclass

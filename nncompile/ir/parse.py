@@ -18,7 +18,8 @@ partial-grad parameters; an argument's comment its kind, FQN, meta and placement
 part of a fused parameter, `part(source, source shape, view, box, groups)`); an op's
 comment its outputs' metas and placements, its strategy note and the input placements the
 strategy wants (the inputs' own placements when not printed); a comment line above an op its
-source line. Not printed, so not read back: module paths, module stacks, recompute marks,
+source line (none for collectives and lowering markers). Not printed, so not read back:
+module paths, module stacks, recompute marks,
 op.attrs, out_spec, trace_info and graph.meta. `graph_diff` compares two graphs structurally.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import NNCompileError
-from .graph import (CONST, PARAM, Graph, Op, ParamPart, PlanState, SourceInfo, Stage, Strategy,
+from .graph import (CONST, PARAM, STRUCTURAL, Graph, Op, ParamPart, PlanState, SourceInfo, Stage, Strategy,
                     TensorMeta,
                     Value, target_name)
 from .placement import Replicate, parse_placement
@@ -55,7 +56,7 @@ _SOURCE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?:  (?P<code>.*))?$")
 _HEADER = re.compile(r"^nncompile IR: plan_ngpus=(?P<n>\d+)(?: stages=(?P<stages>[\w,]+))?$")
 _PARTIAL = "partial_grad_params: "
 _CONSTANTS, _FORWARD = "---- constants: evaluated once at load time ----", "---- forward ----"
-_STRING_TARGETS = ("comm", "rng")          # runtime functions, kept as strings in the IR
+_STRING_TARGETS = ("comm", "rng") + STRUCTURAL   # runtime functions and lowering markers
 _SYMBOLS = {"DEVICE": DEVICE, "PLAN_GROUP": PLAN_GROUP}
 
 
@@ -231,6 +232,8 @@ class _Parser:
         if isinstance(target, str) and op.strategy is not None \
                 and target == f"comm.{op.strategy.note}":
             op.source = None                 # inserted collectives have no user line
+        if op.is_structural:
+            op.source = None                 # nor do lowering markers
         for v in outs:
             self.define(v, line)
         return op

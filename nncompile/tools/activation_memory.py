@@ -174,9 +174,10 @@ def predict(g: Graph, training: bool = True) -> Activations:
     unknown: list[str] = []
     region_args: dict[int, list[Value]] = {}    # id(first op of a region) -> its inputs
     runs: list[list] = []
-    for i, op in enumerate(g.ops):              # maximal runs of one mark, as codegen's
+    program = [op for op in g.ops if not op.is_structural]    # lowering markers compute nothing
+    for i, op in enumerate(program):            # maximal runs of one mark, as codegen's
         if op.recompute is not None:
-            if i and g.ops[i - 1].recompute == op.recompute:
+            if i and program[i - 1].recompute == op.recompute:
                 runs[-1].append(op)
             else:
                 runs.append([op])
@@ -203,7 +204,7 @@ def predict(g: Graph, training: bool = True) -> Activations:
                     if isinstance(t, torch.Tensor):
                         held.add(t.untyped_storage()._cdata)
                         keep.append(t)
-        for op in g.ops:
+        for op in program:
             new_bytes[0] = 0
             for v in region_args.get(id(op), ()):   # checkpoint keeps a region's inputs
                 if isinstance(env.get(id(v)), torch.Tensor):
