@@ -75,7 +75,7 @@ class Collective:
     ring_rounds: int = 0                        # latency terms: ring_rounds * (g-1) * alpha
     ring_bytes: Callable[[float, int], float] | None = None   # bytes sent per rank (B, g)
     greedy_weight: float = 0.0                  # volume in full tensors, as greedy ranks it
-    group: str = "plan"                         # the process group it runs on
+    group: str = "plan"                         # the mesh axis whose process group runs it
     gloo_fallback: tuple[str, ...] = ()         # the kinds runtime/comm.py runs on gloo
     reduce_grad_dual: str | None = None         # dual with reduce_grad=True (absorbs sync_grad)
     syncs_grad: bool = False                    # its backward sums the gradient over the group
@@ -129,15 +129,15 @@ def of_target(target: str) -> Collective | None:
     return TABLE.get(target[len("comm."):]) if target.startswith("comm.") else None
 
 
-def transition(src: Placement | PlacementType, dst: Placement | PlacementType
-               ) -> Collective | None:
-    """The one collective that turns placement (type) `src` into `dst`, if any; of several,
-    the one registered last."""
+def transition(src: Placement | PlacementType, dst: Placement | PlacementType,
+               axis: str = "plan") -> Collective | None:
+    """The one collective along mesh axis `axis` that turns placement (type) `src` into
+    `dst`, if any; of several, the one registered last."""
     # a strided split moves the bytes a plain one does (insert_comm runs it on an unmerged view)
     pair = tuple(Shard if isinstance(p, Shard) or p is StridedShard else
                  p if isinstance(p, type) else type(p) for p in (src, dst))
     for c in reversed(TABLE.values()):
-        if pair in c.transitions and not c.syncs_grad:
+        if pair in c.transitions and not c.syncs_grad and c.group == axis:
             return c
     return None
 
@@ -147,19 +147,27 @@ def grad_sync_collective() -> Collective:
     return next(c for c in reversed(TABLE.values()) if c.syncs_grad)
 
 
-def route(src: Placement, dst: Placement | None
+def route(src: Placement, dst: Placement | None, axis: str = "plan"
           ) -> list[tuple[Collective, Placement, Placement]]:
-    """[(collective, from, to)] turning `src` into `dst`: none when they agree, one entry when
-    the table has the transition, else two through Replicate()."""
+    """[(collective, from, to)] turning `src` into `dst` along mesh axis `axis`: none when
+    they agree, one entry when the table has the transition, else two through Replicate()."""
     if dst is None or src == dst:
         return []
-    c = transition(src, dst)
+    c = transition(src, dst, axis)
     if c is not None:
         return [(c, src, dst)]
-    first, second = transition(src, Replicate), transition(Replicate, dst)
+    first, second = transition(src, Replicate, axis), transition(Replicate, dst, axis)
     if first is None or second is None:
-        raise ValueError(f"no collective turns {src!r} into {dst!r}")
+        raise ValueError(f"no collective along mesh axis {axis!r} turns {src!r} into "
+                         f"{dst!r}; add an entry to nncompile/collectives.py's TABLE")
     return [(first, src, Replicate()), (second, Replicate(), dst)]
+
+
+def group_symbol(axis: str):
+    """The name generated code gives the process group along mesh axis `axis`: PLAN_GROUP
+    for "plan", `<AXIS>_GROUP` for any other (the runtime binds it)."""
+    from nncompile.ir import PLAN_GROUP, Symbol
+    return PLAN_GROUP if axis == "plan" else Symbol(f"{axis.upper()}_GROUP")
 
 
 @contextlib.contextmanager

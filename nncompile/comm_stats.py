@@ -27,20 +27,23 @@ def collective_rows(g: Graph) -> list[dict[str, Any]]:
             continue
         c = of_target(op.target_name)
         x, out = op.tensor_inputs()[0], op.outputs[0]
-        full, local = int(nbytes(x)), int(nbytes(x, x.placement, n))
+        axis = c.group if c is not None else "plan"     # the mesh axis it runs along
+        size = n if axis == "plan" else g.axes.get(axis, 1)
+        full, local = int(nbytes(x)), int(nbytes(x, x.placement_on(axis), size))
         if c is None:                     # cross_entropy_rows: all-reduces one scalar count
             kind, fwd, back, bwd = op.target_name[len("comm."):], out.meta.dtype.itemsize, \
                 "identity", 0
         else:
-            kind, fwd = c.name, c.payload(full, local, n)
+            kind, fwd = c.name, c.payload(full, local, size)
             back = c.backward_kind(bool(op.kwargs.get("reduce_grad")))
-            bwd = 0 if back == "-" else by_name(back).payload(full, local, n)
+            bwd = 0 if back == "-" else by_name(back).payload(full, local, size)
         if not (training and out.requires_grad):
             back, bwd = "-", 0
         # a collective fused with the linears it feeds (overlap_grad_sync) ends replicated
-        to = "R" if op.kwargs.get("linears") else repr(out.placement)
+        to = "R" if op.kwargs.get("linears") else repr(out.placement_on(axis))
         rows.append({"name": out.name, "kind": kind, "input": x.name,
-                     "from": repr(x.placement), "to": to,
+                     **({"axis": axis} if axis != "plan" else {}),
+                     "from": repr(x.placement_on(axis)), "to": to,
                      "shape": list(x.meta.shape), "dtype": str(x.meta.dtype).replace("torch.", ""),
                      "forward_bytes": fwd, "backward": back, "backward_bytes": bwd,
                      "module": op.module_path,
@@ -68,7 +71,8 @@ def fmt_bytes(b: float) -> str:
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """The collectives as an aligned text table with a total line."""
     head = ("collective", "value", "placement", "shape", "fwd bytes", "backward", "bwd bytes")
-    body = [(r["kind"], r["input"], f"{r['from']} -> {r['to']}", "x".join(map(str, r["shape"])),
+    body = [(r["kind"], r["input"], f"{r['from']} -> {r['to']}"
+             + (f" @{r['axis']}" if r.get("axis") else ""), "x".join(map(str, r["shape"])),
              fmt_bytes(r["forward_bytes"]), r["backward"], fmt_bytes(r["backward_bytes"]))
             for r in rows]
     total = ("total", f"{len(rows)} collectives", "", "",

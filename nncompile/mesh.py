@@ -33,13 +33,18 @@ class Mesh:
     dims: tuple[tuple[str, int], ...]
 
     @classmethod
-    def of(cls, plan_ngpus: int, runtime_ngpus: int, pipe_ranks: int = 1) -> "Mesh":
+    def of(cls, plan_ngpus: int, runtime_ngpus: int, pipe_ranks: int = 1,
+           axes: dict[str, int] | None = None) -> "Mesh":
         """plan_ngpus: the ranks of one (stage's) tensor-parallel plan; with pipe_ranks > 1 a
-        unit is pipe_ranks stages of plan_ngpus ranks: ("dp", "pp", "plan")."""
+        unit is pipe_ranks stages of plan_ngpus ranks: ("dp", "pp", "plan"). `axes`: further
+        axes a plan places values on (Graph.axes, e.g. {"cp": 2}), between "pp" and "plan"."""
+        inner = tuple((axes or {}).items()) + ((PLAN, plan_ngpus),)
+        unit = 1
+        for _, size in inner:
+            unit *= size
         if pipe_ranks > 1:
-            return cls(((DP, runtime_ngpus // (plan_ngpus * pipe_ranks)), (PP, pipe_ranks),
-                        (PLAN, plan_ngpus)))
-        return cls(((DP, runtime_ngpus // plan_ngpus), (PLAN, plan_ngpus)))
+            return cls(((DP, runtime_ngpus // (unit * pipe_ranks)), (PP, pipe_ranks)) + inner)
+        return cls(((DP, runtime_ngpus // unit),) + inner)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -26,12 +26,9 @@ from __future__ import annotations
 import torch
 
 from .contract import contract
-from nncompile.collectives import by_name, grad_sync_collective, of_target, route
+from nncompile.collectives import by_name, grad_sync_collective, group_symbol, of_target, route
 from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Partial, Replicate, Shard, Stage, \
     Strategy, StridedShard, TensorMeta, Value
-
-GROUPS = {"plan": PLAN_GROUP}      # a Collective's group -> the name generated code uses
-
 
 def _needs_sync(op: Op, v: Value, want) -> bool:
     return isinstance(want, Replicate) and op.strategy.is_split and v.requires_grad \
@@ -47,12 +44,33 @@ class _Inserter:
     def emit(self, kind: str, v: Value, dst, **kwargs) -> Value:
         out = Value(self.g.fresh_name(f"{v.name}_{kind}"), v.meta, requires_grad=v.requires_grad)
         out.placement = dst
-        group = GROUPS[by_name(kind).group]
+        group = group_symbol(by_name(kind).group)
         op = Op(f"comm.{kind}", (v,), {**kwargs, "group": group}, [out],
                 module_path=v.producer.module_path if v.producer else "")
         op.strategy = Strategy((v.placement,), (dst,), kind)
         self.new_ops.append(op)
         return out
+
+    def convert_on(self, axis: str, v: Value, want) -> Value:
+        """`v` placed as `want` along mesh axis `axis` (not "plan"), by that axis's
+        collectives; its plan placement is kept."""
+        key = (id(v), axis, want)
+        if key not in self.cache:
+            out = v
+            for c, _, dst in route(v.placement_on(axis), want, axis):
+                src, prev = out.placement_on(axis), out
+                out = Value(self.g.fresh_name(f"{prev.name}_{c.name}"), prev.meta,
+                            requires_grad=prev.requires_grad)
+                out.placement = prev.placement
+                out.axes = {a: p for a, p in {**prev.axes, axis: dst}.items()
+                            if not isinstance(p, Replicate)}
+                op = Op(f"comm.{c.name}", (prev,),
+                        {**c.kwargs(src, dst), "group": group_symbol(axis)}, [out],
+                        module_path=prev.producer.module_path if prev.producer else "")
+                op.strategy = Strategy((prev.placement,), (prev.placement,), c.name)
+                self.new_ops.append(op)
+            self.cache[key] = out
+        return self.cache[key]
 
     def reshape(self, v: Value, shape: tuple[int, ...], placement) -> Value:
         """A layout op (no data moves): `v` viewed as `shape`, placed as `placement`."""
@@ -135,6 +153,9 @@ def insert_comm(graph: Graph) -> Graph:
         for v, want in zip(tensors, op.strategy.inputs):
             sync = _needs_sync(op, v, want) and v.name not in partial_grad
             repl[id(v)] = ins.convert(v, want, sync)
+        for axis, wants in op.strategy.axis_inputs.items():    # the mesh's other axes
+            for v, want in zip(tensors, wants):
+                repl[id(v)] = ins.convert_on(axis, repl.get(id(v), v), want)
         op.map_values(lambda v: repl.get(id(v), v))
         ops += ins.new_ops + [op]
     ins.new_ops = []

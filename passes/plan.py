@@ -10,6 +10,8 @@ deterministic policy.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -41,6 +43,7 @@ class Plan:
             g = graph.clone()
         n = config.plan_ngpus
         g.plan_ngpus = n
+        mesh = g.mesh
         g.plan_state.policy = getattr(self.policy, "__name__", str(self.policy))
         for v in g.params + g.buffers:
             if isinstance(v.placement, Partial):
@@ -50,12 +53,14 @@ class Plan:
             if op.strategy is None:
                 op.strategy = replicated(op)
             with strided_splits():      # a policy may choose them; insert_comm converts
-                legal = {(s.inputs, s.outputs): s for s in strategies(op, n)}
+                legal = {(s.inputs, s.outputs): s for s in strategies(op, mesh)}
             chosen = legal.get((op.strategy.inputs, op.strategy.outputs))
             if chosen is None:
                 raise PolicyError(f"policy chose an illegal strategy for {op.name} "
                                   f"({op.target_name}): inputs {op.strategy.inputs} -> "
                                   f"{op.strategy.outputs}; legal: {list(legal)}")
+            if op.strategy.axis_inputs:     # what the policy asked along other mesh axes
+                chosen = replace(chosen, axis_inputs=dict(op.strategy.axis_inputs))
             op.strategy = chosen
             for v, p in zip(op.outputs, chosen.outputs):
                 v.placement = p if v.is_tensor else Replicate()

@@ -73,7 +73,10 @@ class Value:
         self.kind = kind            # 'op' or one of the input kinds above
         self.fqn = fqn              # original module FQN for params and buffers
         self.requires_grad = requires_grad
-        self.placement: Placement = Replicate()
+        self.placement: Placement = Replicate()     # along the plan axis
+        # along the mesh's other axes that a plan places (Graph.axes: cp, ep, ...), where
+        # not Replicate; "dp" and "pp" are implicit (each unit's own batch; stages)
+        self.axes: dict[str, Placement] = {}
         self.producer: Op | None = None
         self.part: ParamPart | None = None    # a piece of a fused parameter (PARAM only)
 
@@ -83,6 +86,14 @@ class Value:
 
     def local_shape(self, n: int) -> tuple[int, ...]:
         return local_shape(self.meta.shape, self.placement, n)
+
+    def placement_on(self, axis: str) -> Placement:
+        """The placement along mesh axis `axis` ("plan": `placement`)."""
+        return self.placement if axis == _mesh.PLAN else self.axes.get(axis, Replicate())
+
+    def placements(self, mesh: "_mesh.Mesh") -> tuple[Placement, ...]:
+        """One placement per axis of `mesh`, outermost first (DTensor's `placements`)."""
+        return tuple(self.placement_on(a) for a in mesh.names)
 
     def __repr__(self) -> str:
         return f"%{self.name}"
@@ -95,6 +106,8 @@ class Strategy:
     outputs: tuple[Placement, ...]
     note: str = ""                          # e.g. 'split k' — shown in plan.json and explain()
     local_target: Any = None                # op to call on local shards when it differs
+    # what each tensor input must be along the mesh's other axes (Graph.axes), by axis
+    axis_inputs: dict[str, tuple[Placement | None, ...]] = field(default_factory=dict)
 
     @property
     def is_split(self) -> bool:
@@ -346,6 +359,9 @@ class Graph:
     trace_info: TraceInfo = field(default_factory=TraceInfo)
     plan_state: PlanState = field(default_factory=PlanState)
     runtime_ngpus: int | None = None    # the job's ranks (None: one plan unit); see `mesh`
+    # mesh axes beyond dp, pp and plan that the plan places values on ({"cp": 2}), outermost
+    # first; each its own process group (`<AXIS>_GROUP` in the generated code)
+    axes: dict[str, int] = field(default_factory=dict)
 
     @property
     def mesh(self) -> "_mesh.Mesh":
@@ -359,7 +375,10 @@ class Graph:
         """This graph's mesh for a job of `runtime_ngpus` ranks (None: one plan unit)."""
         pp = self.plan_state.pipeline
         tp, pipe = (pp.tp, pp.ranks) if pp is not None else (self.plan_ngpus, 1)
-        return _mesh.Mesh.of(tp, runtime_ngpus or tp * pipe, pipe)
+        extra = 1
+        for size in self.axes.values():
+            extra *= size
+        return _mesh.Mesh.of(tp, runtime_ngpus or tp * pipe * extra, pipe, self.axes)
 
     @property
     def consts(self) -> list[Value]:
@@ -404,6 +423,8 @@ class Graph:
             if nv is None:
                 nv = vmap[v] = Value(v.name, v.meta, v.kind, v.fqn, v.requires_grad)
                 nv.placement, nv.part = v.placement, v.part
+                if v.axes:
+                    nv.axes = dict(v.axes)
             return nv
 
         def cop(op: Op) -> Op:
@@ -411,8 +432,8 @@ class Graph:
                      [cv(v) for v in op.outputs], op.source, op.module_path, op.multi_output)
             s = op.strategy
             new.strategy = None if s is None else Strategy(
-                s.inputs, s.outputs, s.note, s.local_target) if type(s) is Strategy \
-                else replace(s)
+                s.inputs, s.outputs, s.note, s.local_target, dict(s.axis_inputs)) \
+                if type(s) is Strategy else replace(s)
             new.attrs = dict(op.attrs)
             new.module_stack, new.recompute = op.module_stack, op.recompute
             new.stage = op.stage
@@ -428,4 +449,4 @@ class Graph:
                      self.plan_ngpus, dict(self.meta), self.stages, replace(self.trace_info),
                      replace(self.plan_state,
                              partial_grad_params=list(self.plan_state.partial_grad_params)),
-                     self.runtime_ngpus)
+                     self.runtime_ngpus, dict(self.axes))

@@ -39,7 +39,7 @@ from .graph import (CONST, PARAM, STRUCTURAL, Graph, Op, ParamPart, PlanState, S
                     TensorMeta,
                     Value, target_name)
 from .placement import Replicate, parse_placement
-from .printer import _DTYPES, DEVICE, PLAN_GROUP, default_requires_grad, fmt_literal, print_graph
+from .printer import _DTYPES, DEVICE, PLAN_GROUP, Symbol, default_requires_grad, fmt_literal, print_graph
 
 
 class IRParseError(NNCompileError, ValueError):
@@ -51,7 +51,9 @@ _STR = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
 _INPUT = re.compile(rf"^(?:(?P<frozen>frozen )?(?P<kind>input|param|buffer|const|op)"
                     rf"(?: (?P<fqn>{_STR}))? )?(?P<meta>.*)$")
 _META = re.compile(r"^(?P<dt>\w+)\[(?P<shape>[-\d, ]*)\](?: of \[(?P<full>[-\d, ]*)\])? "
-                   r"(?P<pl>R|P|S\(-?\d+(?:\|\d+)?\))(?: (?P<mark>requires_grad|no_grad))?$")
+                   r"(?P<pl>R|P|S\(-?\d+(?:\|\d+)?\))"
+                   r"(?P<axes>(?: @\w+=(?:R|P|S\(-?\d+(?:\|\d+)?\)))*)"
+                   r"(?: (?P<mark>requires_grad|no_grad))?$")
 _SOURCE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?:  (?P<code>.*))?$")
 _HEADER = re.compile(r"^nncompile IR: plan_ngpus=(?P<n>\d+)(?: stages=(?P<stages>[\w,]+))?$")
 _PARTIAL = "partial_grad_params: "
@@ -140,9 +142,10 @@ class _Parser:
         return n, stages, partial
 
     # ---- values ----
-    def meta(self, text: str, line: int) -> tuple[TensorMeta | None, Any, str | None]:
+    def meta(self, text: str, line: int) -> tuple[TensorMeta | None, Any, str | None, dict]:
+        """(meta, plan placement, requires_grad mark, placements on other axes)."""
         if not text:
-            return None, Replicate(), None
+            return None, Replicate(), None, {}
         m = _META.match(text)
         if m is None:
             self.fail(line, f"cannot read tensor meta {text!r} (e.g. 'f32[4, 8] S(1)')")
@@ -151,7 +154,9 @@ class _Parser:
             self.fail(line, f"unknown dtype {m['dt']!r}")
         shape = m["full"] if m["full"] is not None else m["shape"]
         dims = tuple(int(s) for s in shape.split(",") if s.strip())
-        return TensorMeta(dims, dtype), parse_placement(m["pl"]), m["mark"]
+        axes = dict(a.split("=", 1) for a in m["axes"].split(" @")[1:])
+        return TensorMeta(dims, dtype), parse_placement(m["pl"]), m["mark"], \
+            {a: parse_placement(p) for a, p in axes.items()}
 
     def part(self, text: str, line: int) -> tuple[ParamPart | None, str]:
         """`part(source, source_shape, view, box, groups) <meta>` -> (ParamPart, meta text)."""
@@ -188,10 +193,10 @@ class _Parser:
         kind = m["kind"] or "input"
         fqn = ast.literal_eval(m["fqn"]) if m["fqn"] else None
         part, rest = self.part(m["meta"], arg.lineno)
-        meta, placement, mark = self.meta(rest, arg.lineno)
+        meta, placement, mark, axes = self.meta(rest, arg.lineno)
         rg = not m["frozen"] if kind == PARAM else mark == "requires_grad"
         v = Value(arg.arg, meta, kind, fqn, requires_grad=rg)
-        v.placement, v.part = placement, part
+        v.placement, v.part, v.axes = placement, part, axes
         return self.define(v, arg.lineno)
 
     # ---- ops ----
@@ -219,7 +224,7 @@ class _Parser:
         outs = [Value(e.id, None) for e in names]
         op = Op(target, args, kwargs, outs, source, multi_output=multi)
         for v, text in zip(outs, metas or [""] * len(outs)):
-            v.meta, v.placement, mark = self.meta(text, line)
+            v.meta, v.placement, mark, v.axes = self.meta(text, line)
             v.requires_grad = default_requires_grad(v) if mark is None \
                 else mark == "requires_grad"
         if note is not None:
@@ -307,6 +312,8 @@ class _Parser:
                 return self.env[node.id]
             if node.id in _SYMBOLS:
                 return _SYMBOLS[node.id]
+            if re.fullmatch(r"[A-Z][A-Z0-9]*_GROUP", node.id):    # a mesh axis's group
+                return Symbol(node.id)
             self.fail(line, f"{node.id!r} is used before it is defined")
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) \
                 and isinstance(node.operand, ast.Constant) \
@@ -339,7 +346,8 @@ class _Parser:
 # ---- structural equality ----
 def _value_row(v: Value) -> tuple:
     meta = None if v.meta is None else (tuple(v.meta.shape), v.meta.dtype)
-    return (v.name, v.kind, v.fqn, meta, v.placement, v.requires_grad, v.part)
+    return (v.name, v.kind, v.fqn, meta, v.placement, v.requires_grad, v.part,
+            tuple(sorted(v.axes.items())))
 
 
 def _strategy_row(s: Strategy | None) -> Any:

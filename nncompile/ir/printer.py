@@ -125,6 +125,11 @@ def fmt_literal(x: Any) -> str:
     raise TypeError(f"cannot print literal {x!r} of type {type(x).__name__}")
 
 
+def fmt_axes(v: Value) -> str:
+    """A value's placements along the mesh's other axes (Graph.axes): " @cp=S(1)" each."""
+    return "".join(f" @{axis}={p!r}" for axis, p in v.axes.items())
+
+
 def fmt_meta(v: Value, n: int | None = None) -> str:
     meta = v.meta
     if meta is None:
@@ -135,6 +140,7 @@ def fmt_meta(v: Value, n: int | None = None) -> str:
         text = f"{dt}{list(v.local_shape(n))} of {shape} {v.placement!r}"
     else:
         text = f"{dt}{shape} {v.placement!r}"
+    text += fmt_axes(v)
     if v.kind != PARAM and v.requires_grad != default_requires_grad(v):   # params say frozen
         text += " requires_grad" if v.requires_grad else " no_grad"
     return text
@@ -198,6 +204,8 @@ def _meta(v: Value, n: int | None, inputs_grad: bool) -> str:
         text = f"{dt}{list(v.local_shape(n))} of {shape} {v.placement!r}"
     else:
         text = f"{dt}{shape} {v.placement!r}"
+    if v.axes:
+        text += fmt_axes(v)
     if v.kind != PARAM and v.requires_grad != (floating and inputs_grad):
         text += " requires_grad" if v.requires_grad else " no_grad"
     return text

@@ -143,8 +143,10 @@ def _strided_ok(op: Op, s: Strategy) -> bool:
                                    for v, p in zip(tensor_inputs_of(op), s.inputs))
 
 
-def strategies(op: Op, n: int) -> list[Strategy]:
-    """All legal strategies of `op` on n ranks; the replicate strategy comes last."""
+def strategies(op: Op, mesh: "int | Mesh") -> list[Strategy]:
+    """All legal strategies of `op` on a mesh (or n ranks of the plan axis) along its "plan"
+    axis; the replicate strategy comes last."""
+    n = mesh if isinstance(mesh, int) else mesh.size("plan")
     out: list[Strategy] = []
     saved = _CURRENT[:]
     _CURRENT[:] = [op, op.tensor_inputs()]

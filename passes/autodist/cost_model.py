@@ -43,7 +43,7 @@ the way problem.py sums them for the ILP: on autodist's own plan it equals the I
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nncompile.custom_ops import annotation_flops, is_custom_op
 from nncompile.errors import ConfigError
@@ -124,6 +124,11 @@ class CostModel:
     training: bool = True
     optimizer_state_bytes: float = 8.0
     bucket_bytes: float = 25 * 2 ** 20      # the runtime's gradient bucket (reducer_bucket_cap_mb)
+    axes: dict[str, int] = field(default_factory=dict)   # the mesh's other axes (Graph.axes)
+
+    def axis_size(self, axis: str) -> int:
+        """The ranks along mesh axis `axis`: the group a collective on it runs over."""
+        return {"plan": self.n, "dp": self.dp, **self.axes}.get(axis, 1)
 
     @property
     def stretch(self) -> float:
@@ -174,8 +179,8 @@ class CostModel:
         (decides intra-node or network); `bucketed`: one gradient among others in the
         runtime's buckets, paying its share (bytes / bucket_bytes) of a bucket's overhead and
         latency."""
-        g = self.n if group is None else group
         c = by_name(kind)
+        g = self.axis_size(c.group) if group is None else group     # priced by its axis
         if g <= 1 or c.is_local or full_bytes == 0:
             return 0.0
         if self.profile.backend == "gloo" and c.gloo_fallback:
@@ -195,10 +200,11 @@ class CostModel:
         return self.profile.collective_overhead + alpha + full_bytes / bw
 
     def transition(self, v: Value, src: Placement, want: Placement | None,
-                   backward: bool) -> tuple[float, list[str]]:
-        """Seconds to turn `src` into `want` with insert_comm's collectives (forward, plus
-        their backward duals when the value needs a gradient), and the forward kinds used."""
-        steps = [c for c, _, _ in route(src, want)]
+                   backward: bool, axis: str = "plan") -> tuple[float, list[str]]:
+        """Seconds to turn `src` into `want` along mesh axis `axis` with insert_comm's
+        collectives (forward, plus their backward duals when the value needs a gradient),
+        and the forward kinds used."""
+        steps = [c for c, _, _ in route(src, want, axis)]
         full = nbytes(v)
         t = sum(self.collective(c.name, full) for c in steps)
         if backward and self.training:
@@ -322,6 +328,9 @@ def step_cost(g: Graph, model: CostModel, recompute=(), memory=None,
             if v.kind in FREE_KINDS:
                 read[id(v)] = v
             est.comm += model.transition(v, _placed(g, v), s.inputs[i], v.requires_grad)[0]
+            for axis, wants in s.axis_inputs.items():      # the mesh's other axes
+                est.comm += model.transition(v, v.placement_on(axis), wants[i],
+                                             v.requires_grad, axis)[0]
             est.grad_sync += model.gathered_sync(v, _placed(g, v), s.inputs[i], s.is_split)
             if isinstance(s.inputs[i], Replicate) and s.is_split and v.requires_grad \
                     and model.training and model.n > 1:
