@@ -1,6 +1,8 @@
-"""Sharding vocabulary, in DTensor's words: one placement per plan-mesh dimension.
+"""Sharding vocabulary, in DTensor's words: one placement per mesh axis.
 
-The plan mesh is 1-D for now, so a value carries one placement.
+A value carries its placement along the plan axis (`Value.placement`) and, along the other
+axes a plan places values on (Graph.axes: cp, ep, ...), one per axis (`Value.axes`);
+`Value.placements(mesh)` is the tuple, outermost axis first.
 """
 from __future__ import annotations
 
