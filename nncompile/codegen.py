@@ -197,6 +197,9 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
     if g.trace_info.buffer_updates:
         text += buffer_updates_line(g)
     text += mode_lines(g)
+    if g.axes:
+        text += (f"    MESH_AXES = {g.axes!r}  # mesh axes beyond dp, pp and plan: "
+                 f"<AXIS>_GROUP in the code\n")
     grad_inputs = [v.name for v in g.inputs if v.requires_grad]
     if grad_inputs:
         text += (f"    GRAD_INPUTS = {grad_inputs!r}  # inputs traced requiring grad: their "

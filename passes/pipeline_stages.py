@@ -532,6 +532,7 @@ def pipeline_json(g: Graph) -> dict | None:
     if "stage_graphs" not in g.meta:
         g.meta["stage_graphs"] = stage_graphs(g)
     cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)
+    mesh = g.mesh
     stages = []
     for s, sg in enumerate(g.meta["stage_graphs"]):
         pipe = next(p for p in range(pp.ranks) if s in cfg.stage_ids(p, pp.ranks))
@@ -542,7 +543,8 @@ def pipeline_json(g: Graph) -> dict | None:
                 comm[c.name] = comm.get(c.name, 0) + 1
         stages.append({
             "stage": s, "pipe_rank": pipe,
-            "ranks": [pipe * pp.tp + t for t in range(pp.tp)],
+            "ranks": mesh.ranks_along(("plan",), mesh.rank_of({"dp": 0, "pp": pipe, "plan": 0}))
+            if pp.ranks > 1 else list(range(pp.tp)),
             "layers": pp.layers[s],
             "predicted_ms": pp.predicted_ms[s] if s < len(pp.predicted_ms) else None,
             "memory_bytes": int(pp.memory_bytes[s]) if s < len(pp.memory_bytes) else None,

@@ -72,10 +72,16 @@ class ParallelModule(torch.nn.Module):
     PIPE_RANKS = 1                     # pipeline ranks per plan unit (runtime/pipeline.py)
     PIPELINE: dict | None = None       # a pipelined plan's stages and schedule
     STAGES: list[tuple] = []           # this rank's stages
+    MESH_AXES: dict[str, int] = {}     # mesh axes beyond dp, pp and plan the program uses
 
     def __init__(self, module: torch.nn.Module | None = None, device: Any = None,
                  compute_config: ComputeConfig | None = None):
         super().__init__()
+        if self.MESH_AXES:
+            raise ConfigError(
+                f"this program (rank {self.RANK}) places values along mesh axes "
+                f"{self.MESH_AXES} beyond dp, pp and plan, whose process groups this runtime "
+                "does not make: compile without them (a policy that sets graph.axes)")
         self.compute_config = compute_config or ComputeConfig(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
         self.plan_group, self.dp_group = get_groups(self.PLAN_NGPUS, self.RUNTIME_NGPUS,
                                                     self.PIPE_RANKS)

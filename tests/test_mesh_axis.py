@@ -2,6 +2,8 @@
 the cost model, the printed IR and `nncompile show` account for it."""
 import json
 
+import pytest
+
 import models
 import nncompile
 from nncompile import ComputeConfig
@@ -13,6 +15,7 @@ from nncompile.passes import insert_comm
 from nncompile.passes.autodist.cost_model import CostModel, nbytes, step_cost
 from nncompile.passes.autodist.profiles import get_profile
 from nncompile.passes.policies import POLICIES
+from nncompile.runtime.loader import load_rank_module
 from nncompile.tools.inspection import show
 
 # gathers a split along the fake axis; its backward (chunk) moves nothing
@@ -51,9 +54,8 @@ def test_insert_comm_converts_along_the_fake_axis_with_its_group():
         Replicate(), Replicate(), Replicate())
     text = print_graph(g)
     assert "x,  # f32[4, 8] R @fake=S(0)" in text and "group=FAKE_GROUP" in text
-    back = parse_graph(text)                     # the axis placements read back
-    back.axes = g.axes
-    assert_graph_equal(back, g)
+    assert text.startswith("# nncompile IR: plan_ngpus=2 axes=fake:4 stages=")
+    assert_graph_equal(parse_graph(text), g)     # the axes and placements on them read back
 
 
 def test_without_the_entry_insert_comm_names_the_axis():
@@ -77,7 +79,12 @@ def test_the_cost_model_prices_the_collective_by_its_axis():
             g.ops[0].strategy.axis_inputs = {"fake": (Replicate(), None)}
             price = model.collective("fake_gather", nbytes(x))
             assert price > 0 and abs((with_axis - without) - price) < 1e-12
-            assert price == model.collective("fake_gather", nbytes(x), group=size)
+            assert model.axis_span("fake") == 2 * size          # outside the plan axis
+            assert price == model.collective("fake_gather", nbytes(x), group=size,
+                                             span=2 * size)
+        # 8 x 2 ranks span two nodes of 8: the network's link, slower per byte
+        assert model.collective("fake_gather", nbytes(x)) > \
+            model.collective("fake_gather", nbytes(x), group=8, span=8)
         assert model.collective("fake_gather", nbytes(x)) != \
             CostModel(get_profile("h100-80g"), 2, axes={"fake": 2}).collective("fake_gather",
                                                                           nbytes(x))
@@ -106,5 +113,8 @@ def test_nncompile_show_lists_the_collective_on_its_axis(tmp_path):
     assert rows[0]["forward_bytes"] == 4 * 16 * 4            # the full input, f32[4, 16]
     text = show(out)
     assert "fake_gather" in text and "S(0) -> R @fake" in text
-    assert "group=FAKE_GROUP" in (out / "gencode0.py").read_text()
+    code = (out / "gencode0.py").read_text()
+    assert "group=FAKE_GROUP" in code and "MESH_AXES = {'fake': 2}" in code
+    with pytest.raises(nncompile.errors.ConfigError, match="beyond dp, pp and plan"):
+        load_rank_module(out, 0, None)            # no runtime groups for it: said at load
     assert "S(0) -> R @fake" in format_rows(rows)          # the table show prints

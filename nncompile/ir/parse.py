@@ -55,7 +55,8 @@ _META = re.compile(r"^(?P<dt>\w+)\[(?P<shape>[-\d, ]*)\](?: of \[(?P<full>[-\d, 
                    r"(?P<axes>(?: @\w+=(?:R|P|S\(-?\d+(?:\|\d+)?\)))*)"
                    r"(?: (?P<mark>requires_grad|no_grad))?$")
 _SOURCE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?:  (?P<code>.*))?$")
-_HEADER = re.compile(r"^nncompile IR: plan_ngpus=(?P<n>\d+)(?: stages=(?P<stages>[\w,]+))?$")
+_HEADER = re.compile(r"^nncompile IR: plan_ngpus=(?P<n>\d+)(?: axes=(?P<axes>[\w:,]+))?"
+                     r"(?: stages=(?P<stages>[\w,]+))?$")
 _PARTIAL = "partial_grad_params: "
 _CONSTANTS, _FORWARD = "---- constants: evaluated once at load time ----", "---- forward ----"
 _STRING_TARGETS = ("comm", "rng") + STRUCTURAL   # runtime functions and lowering markers
@@ -118,7 +119,7 @@ class _Parser:
         if outputs is None:
             self.fail(fn.end_lineno, "forward has no return")
         g = Graph(inputs, params, buffers, sections["forward"], outputs, sections["const"],
-                  plan_ngpus=n, stages=stages)
+                  plan_ngpus=n, stages=stages, axes=self.axes)
         g.plan_state = PlanState(partial_grad_params=partial)
         used = {id(v) for op in g.ops for v in op.inputs()} | {id(v) for v in outputs}
         for op in g.const_ops:                  # as constant_fold and dce mark them
@@ -128,12 +129,17 @@ class _Parser:
 
     def header(self, def_line: int) -> tuple[int, frozenset, list[str]]:
         n, stages, partial = 1, frozenset(), []
+        self.axes: dict[str, int] = {}
         for row in range(1, def_line):
             text = self.comments.get(row, ("", False))[0]
             if text.startswith(_PARTIAL):
                 partial = [p.strip() for p in text[len(_PARTIAL):].split(",") if p.strip()]
             elif (m := _HEADER.match(text)) is not None:
                 n = int(m["n"])
+                for item in (m["axes"] or "").split(","):
+                    if item:
+                        axis, _, size = item.partition(":")
+                        self.axes[axis] = int(size)
                 try:
                     stages = frozenset(Stage[s.upper()] for s in (m["stages"] or "").split(",")
                                        if s)
@@ -380,6 +386,7 @@ def graph_diff(a: Graph, b: Graph) -> list[str]:
 
     cmp("plan_ngpus", a.plan_ngpus, b.plan_ngpus)
     cmp("stages", sorted(s.name for s in a.stages), sorted(s.name for s in b.stages))
+    cmp("axes", a.axes, b.axes)
     cmp("partial_grad_params", list(a.plan_state.partial_grad_params),
         list(b.plan_state.partial_grad_params))
     for part in ("inputs", "params", "buffers"):

@@ -299,11 +299,13 @@ def fmt_input(v: Value, local_n: int | None = None) -> str:
 
 
 def fmt_header(g: Graph) -> list[str]:
-    """plan_ngpus, the stages the passes established and the replicated parameters whose
+    """plan_ngpus, the mesh's other axes (Graph.axes, when there are any), the stages the
+    passes established and the replicated parameters whose
     gradient the runtime sums over the plan unit (after insert_comm)."""
     stages = ",".join(s.name.lower() for s in Stage if s in g.stages)
-    lines = [f"# nncompile IR: plan_ngpus={g.plan_ngpus}" + (f" stages={stages}" if stages
-                                                              else "")]
+    axes = ",".join(f"{a}:{size}" for a, size in g.axes.items())
+    lines = [f"# nncompile IR: plan_ngpus={g.plan_ngpus}" + (f" axes={axes}" if axes else "")
+             + (f" stages={stages}" if stages else "")]
     if g.plan_state.partial_grad_params:
         lines.append(f"# partial_grad_params: {', '.join(g.plan_state.partial_grad_params)}")
     return lines

@@ -130,6 +130,18 @@ class CostModel:
         """The ranks along mesh axis `axis`: the group a collective on it runs over."""
         return {"plan": self.n, "dp": self.dp, **self.axes}.get(axis, 1)
 
+    def axis_span(self, axis: str) -> int:
+        """How far apart (in ranks) the ranks of a group along `axis` lie at most: the axis's
+        size times the sizes of the axes inside it (mesh order dp, [pp,] axes..., plan).
+        It decides whether the collective stays inside a node."""
+        if axis == "plan":
+            return self.n
+        inner = self.n
+        names = list(self.axes)
+        for a in (names[names.index(axis):] if axis in self.axes else names):
+            inner *= self.axes[a]
+        return inner if axis in self.axes else inner * self.dp
+
     @property
     def stretch(self) -> float:
         """How much slower a rank computes because ranks share the profile's CPU cores."""
@@ -180,7 +192,10 @@ class CostModel:
         runtime's buckets, paying its share (bytes / bucket_bytes) of a bucket's overhead and
         latency."""
         c = by_name(kind)
-        g = self.axis_size(c.group) if group is None else group     # priced by its axis
+        if group is None:               # priced by its axis: its size and where its ranks lie
+            g, span = self.axis_size(c.group), span or self.axis_span(c.group)
+        else:
+            g = group
         if g <= 1 or c.is_local or full_bytes == 0:
             return 0.0
         if self.profile.backend == "gloo" and c.gloo_fallback:
@@ -206,9 +221,10 @@ class CostModel:
         and the forward kinds used."""
         steps = [c for c, _, _ in route(src, want, axis)]
         full = nbytes(v)
-        t = sum(self.collective(c.name, full) for c in steps)
+        on = {"group": self.axis_size(axis), "span": self.axis_span(axis)}   # duals too
+        t = sum(self.collective(c.name, full, **on) for c in steps)
         if backward and self.training:
-            t += sum(self.collective(c.dual, full) for c in steps)
+            t += sum(self.collective(c.dual, full, **on) for c in steps)
         return t, [c.name for c in steps]
 
     def grad_sync(self, v: Value) -> float:
