@@ -168,6 +168,8 @@ def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Diverg
     mesh = Mesh.of(graph.plan_ngpus, len(ranks))    # one Capture per rank of the job
     users: dict[str, list[str]] = {}
     for op in graph.ops:
+        if op.is_structural:            # lowering markers read values but compute nothing
+            continue
         for v in op.inputs():
             users.setdefault(v.name, []).append(op.target_name)
     # an uninitialized tensor, and a slice of one written into (`z = x.new_empty(...);
