@@ -25,7 +25,7 @@ from .codegen_notes import comm_note, reduction_header
 from .passes.split_stages import stage_views
 from .mesh import DP, PLAN, PP, Mesh
 from .lifetimes import del_lines, last_uses
-from .ir.printer import fmt_body, op_notes, value_names
+from .ir.printer import axis_sizes, fmt_body, op_notes, value_names
 from .render_body import render_body
 from .symbolic import Sym
 from .rows import BufferRow, ConstRow, ParamRow
@@ -200,6 +200,9 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
     if g.axes:
         text += (f"    MESH_AXES = {g.axes!r}  # mesh axes beyond dp, pp and plan: "
                  f"<AXIS>_GROUP in the code\n")
+    if any(g.plan_state.axis_partial_grad.values()):
+        text += (f"    PARTIAL_GRAD_AXES = {g.plan_state.axis_partial_grad!r}  # gradients "
+                 f"summed over these axes too\n")
     grad_inputs = [v.name for v in g.inputs if v.requires_grad]
     if grad_inputs:
         text += (f"    GRAD_INPUTS = {grad_inputs!r}  # inputs traced requiring grad: their "
@@ -276,12 +279,12 @@ def forward_method(g: Graph, name: str, n: int, doc: str = "") -> list[str]:
     lines = [""]
     zero = Stage.ZERO3_LOWERED in g.stages
     attrs = g.buffers + g.consts + ([] if zero else g.params)
-    with value_names({v: f"self.{v.name}" for v in attrs}):
+    with value_names({v: f"self.{v.name}" for v in attrs}), axis_sizes(g.axes):
         args = ", ".join(v.name for v in g.inputs)
         lines.append(f"    def {name}(self{', ' + args if args else ''}):")
         if doc:
             lines.append(f'        """{doc[0].upper() + doc[1:]}."""')
-        lines.append(body_header(zero, "        "))
+        lines.append(body_header(zero, "        ", g.axes))
         lines += size_lines(g, "        ")
         with op_notes(comm_note):       # each collective's backward as a comment above it
             lines += render_body(g, indent="        ", local_n=n)
@@ -289,12 +292,14 @@ def forward_method(g: Graph, name: str, n: int, doc: str = "") -> list[str]:
     return lines
 
 
-def body_header(zero: bool, indent: str) -> str:
-    """The names a body reads from the module: the device, the plan unit's group and, under
-    ZeRO-3, the data-parallel group it gathers over."""
-    if zero:
-        return f"{indent}DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, self.zero"
-    return f"{indent}DEVICE, PLAN_GROUP = self.device, self.plan_group"
+def body_header(zero: bool, indent: str, axes: dict | None = None) -> str:
+    """The names a body reads from the module: the device, the plan unit's group, under
+    ZeRO-3 the data-parallel group it gathers over, and the group along each other mesh axis
+    (CP_GROUP)."""
+    head = f"{indent}DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, self.zero" \
+        if zero else f"{indent}DEVICE, PLAN_GROUP = self.device, self.plan_group"
+    return head + "".join(f"\n{indent}{axis.upper()}_GROUP = self.axis_group({axis!r})"
+                          for axis in axes or {})
 
 
 def rank_units(g: Graph, pipe_rank: int = 0) -> list[tuple[str, str, tuple[str, ...]]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .collectives import of_target
+from .collectives import axis_of, of_target
 from .comm_stats import fmt_bytes
 from .ir import Graph, Op
 from .mesh import DP, PLAN, PP, Mesh, grad_reduction
@@ -31,6 +31,12 @@ FORWARD = {
     "all_to_all": "exchange slices",
     "to_partial": "rank 0 keeps the value, the others zeros; no communication",
     "sync_grad": "identity in forward",
+}
+# local implementations of split ops (a strategy's local_target), what they do
+LOCAL = {
+    "cross_entropy_rows": "this rank's rows, the count of targets all-reduced over {group}",
+    "attention_rows": "this rank's query rows against every key and value, a causal mask "
+                      "shifted by the rows before them",
 }
 BACKWARD = {
     "identity": "identity",
@@ -52,13 +58,19 @@ def comm_note(op: Op) -> list[str]:
         part = op.attrs.get("unfused")             # passes/unfuse_projections.py
         return [f"attention: {form}"] if form else [part] if part else []
     kind = target[len("comm."):]
+    axis = axis_of(op)
     ins, outs = op.tensor_inputs(), [v for v in op.outputs if v.is_tensor]
-    move = f" {ins[0].placement!r} -> {outs[0].placement!r}" if ins and outs else ""
+    move = f" {ins[0].placement_on(axis)!r} -> {outs[0].placement_on(axis)!r}" \
+        if ins and outs else ""
+    if axis != PLAN:
+        move += f" along {axis}"
     grad = bool(outs) and outs[0].requires_grad
     c = of_target(target)
-    if c is None:              # a local implementation that communicates (cross_entropy_rows)
-        return [f"{kind}{move}: this rank's rows, the count of targets all-reduced over "
-                f"PLAN_GROUP ({'backward: local, no communication' if grad else 'no backward'})"]
+    if c is None:              # a local implementation that communicates
+        group = str(op.kwargs.get("group", "PLAN_GROUP"))
+        what = LOCAL.get(kind, "a local implementation").format(group=group)
+        return [f"{kind}{move}: {what} "
+                f"({'backward: local, no communication' if grad else 'no backward'})"]
     back = c.backward_kind(bool(op.kwargs.get("reduce_grad")))
     what = FORWARD.get(kind, c.forward or "no forward work")
     linears = op.kwargs.get("linears")
@@ -84,6 +96,8 @@ def _group(dims: tuple[str, ...], mesh: Mesh) -> str:
                f"{size} ranks)"
     if dims == (DP,):
         return f"the data-parallel group ({size} ranks)"
+    if PLAN not in dims:
+        return f"the {' x '.join(dims)} ranks ({size} ranks)"
     return f"the plan unit's ranks across the data-parallel units ({size} ranks)"
 
 
@@ -100,13 +114,15 @@ def reduction_header(g: Graph, params: list[tuple], runtime_ngpus: int, pipe_ran
     if zero == 3:
         return (f"{head}\n{indent}#   ZeRO-3: each unit's gradient is reduce-scattered in "
                 "the backward of its gather (runtime/zero.py), no bucketed reducer\n")
-    mesh = Mesh.of(g.plan_ngpus, runtime_ngpus, pipe_ranks)
+    mesh = Mesh.of(g.plan_ngpus, runtime_ngpus, pipe_ranks, g.axes)
+    axis_partial = g.plan_state.axis_partial_grad
     dtypes = {v.name: v.meta.dtype for v in g.params}
     trainable = {v.name for v in g.params if v.requires_grad}
     groups: dict[tuple, dict[str, Any]] = {}
     cap = DEFAULT_BUCKET_CAP_MB * 2 ** 20
     for name, _fqn, _shape, _place, slices, partial, *_ in reversed(params):
-        red = grad_reduction(mesh, bool(partial), name in trainable)
+        red = grad_reduction(mesh, bool(partial), name in trainable,
+                             tuple(a for a, names in axis_partial.items() if name in names))
         if red is None:
             continue
         dtype = dtypes[name]

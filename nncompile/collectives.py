@@ -75,7 +75,7 @@ class Collective:
     ring_rounds: int = 0                        # latency terms: ring_rounds * (g-1) * alpha
     ring_bytes: Callable[[float, int], float] | None = None   # bytes sent per rank (B, g)
     greedy_weight: float = 0.0                  # volume in full tensors, as greedy ranks it
-    group: str = "plan"                         # the mesh axis whose process group runs it
+    group: str = "plan"     # the mesh axis it runs on ("plan": any of TENSOR_AXES, each on its group)
     gloo_fallback: tuple[str, ...] = ()         # the kinds runtime/comm.py runs on gloo
     reduce_grad_dual: str | None = None         # dual with reduce_grad=True (absorbs sync_grad)
     syncs_grad: bool = False                    # its backward sums the gradient over the group
@@ -87,6 +87,17 @@ class Collective:
 
     def backward_kind(self, reduce_grad: bool = False) -> str:
         return self.reduce_grad_dual if reduce_grad and self.reduce_grad_dual else self.dual
+
+
+# Axes that split tensors the way the plan axis does: the plan's collectives run on each, on
+# the axis's own process group (PLAN_GROUP, CP_GROUP). An entry whose `group` names another
+# axis runs on that axis only.
+TENSOR_AXES = ("plan", "cp")
+
+
+def runs_on(c: Collective, axis: str) -> bool:
+    """Entry `c` may run along mesh axis `axis`."""
+    return c.group == axis or (c.group == "plan" and axis in TENSOR_AXES)
 
 
 TABLE: dict[str, Collective] = {c.name: c for c in (
@@ -137,14 +148,15 @@ def transition(src: Placement | PlacementType, dst: Placement | PlacementType,
     pair = tuple(Shard if isinstance(p, Shard) or p is StridedShard else
                  p if isinstance(p, type) else type(p) for p in (src, dst))
     for c in reversed(TABLE.values()):
-        if pair in c.transitions and not c.syncs_grad and c.group == axis:
+        if pair in c.transitions and not c.syncs_grad and runs_on(c, axis):
             return c
     return None
 
 
-def grad_sync_collective() -> Collective:
-    """The collective whose backward sums a replicated value's partial gradients."""
-    return next(c for c in reversed(TABLE.values()) if c.syncs_grad)
+def grad_sync_collective(axis: str = "plan") -> Collective:
+    """The collective whose backward sums a replicated value's partial gradients over
+    `axis`."""
+    return next(c for c in reversed(TABLE.values()) if c.syncs_grad and runs_on(c, axis))
 
 
 def route(src: Placement, dst: Placement | None, axis: str = "plan"
@@ -168,6 +180,14 @@ def group_symbol(axis: str):
     for "plan", `<AXIS>_GROUP` for any other (the runtime binds it)."""
     from nncompile.ir import PLAN_GROUP, Symbol
     return PLAN_GROUP if axis == "plan" else Symbol(f"{axis.upper()}_GROUP")
+
+
+def axis_of(op) -> str:
+    """The mesh axis a comm op runs along, read from its group (`group=CP_GROUP`: "cp");
+    "plan" for PLAN_GROUP or no group."""
+    group = str(op.kwargs.get("group", "PLAN_GROUP"))
+    return "plan" if group == "PLAN_GROUP" or not group.endswith("_GROUP") \
+        else group[:-len("_GROUP")].lower()
 
 
 @contextlib.contextmanager

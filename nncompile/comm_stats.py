@@ -14,7 +14,7 @@ from typing import Any
 
 from .ir import Graph
 from nncompile.passes.autodist.cost_model import nbytes
-from nncompile.collectives import by_name, of_target
+from nncompile.collectives import axis_of, by_name, of_target
 
 
 def collective_rows(g: Graph) -> list[dict[str, Any]]:
@@ -27,7 +27,7 @@ def collective_rows(g: Graph) -> list[dict[str, Any]]:
             continue
         c = of_target(op.target_name)
         x, out = op.tensor_inputs()[0], op.outputs[0]
-        axis = c.group if c is not None else "plan"     # the mesh axis it runs along
+        axis = axis_of(op)                               # the mesh axis it runs along
         size = n if axis == "plan" else g.axes.get(axis, 1)
         full, local = int(nbytes(x)), int(nbytes(x, x.placement_on(axis), size))
         if c is None:                     # cross_entropy_rows: all-reduces one scalar count

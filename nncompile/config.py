@@ -17,7 +17,7 @@ PAS_CONFIG_KEYS = frozenset({
     "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
     "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
     "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank",
-    "overlap_grad_sync", "batched_inputs"})
+    "overlap_grad_sync", "batched_inputs", "context_parallel"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
                "offload_params", "check", "compile", "init_sync")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -88,6 +88,7 @@ class ComputeConfig:
                 raise ConfigError(f"{name}={value!r}; {name} must be a dict (got "
                                   f"{type(value).__name__}), e.g. {name}={{}}")
         check_pas_config_keys(self.pas_config)
+        self._check_context_parallel()
         if self.pipeline.enabled and self.check:     # (checks the pipeline options too)
             raise ConfigError("check=True runs the plan in one process through forward, which "
                               "a pipelined plan does not have; leave check off with "
@@ -124,6 +125,29 @@ class ComputeConfig:
                 f"zero_ngroups={self.zero_ngroups} does not divide the {self.dp_size} "
                 f"data-parallel ranks (runtime_ngpus // plan_ngpus); pick a divisor of "
                 f"{self.dp_size}")
+
+    @property
+    def context_parallel(self) -> int:
+        """C, the context-parallel ranks of a plan unit (pas_config["context_parallel"],
+        default 1): each unit is C context ranks x plan_ngpus // C tensor ranks."""
+        return self.pas_config.get("context_parallel", 1)
+
+    def _check_context_parallel(self) -> None:
+        c = self.context_parallel
+        if not _is_int(c) or c < 1 or self.plan_ngpus % c:
+            divisors = [d for d in range(1, self.plan_ngpus + 1) if self.plan_ngpus % d == 0]
+            raise ConfigError(f"pas_config['context_parallel']={c!r}: the context-parallel "
+                              f"ranks of a plan unit, an int that divides plan_ngpus="
+                              f"{self.plan_ngpus}: one of {divisors}")
+        if c == 1:
+            return
+        for what, on in (("pipeline_stages", self.pipeline.enabled),
+                         ("use_zero=3", self.zero_stage in (3, AUTO)),
+                         ("compile=True", self.compile),
+                         ("inference_only=True", self.inference_only)):
+            if on:
+                raise ConfigError(f"pas_config['context_parallel']={c} does not combine with "
+                                  f"{what} yet; drop one of them")
 
     def _check_memory_fields(self) -> None:
         z = self.use_zero

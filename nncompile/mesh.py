@@ -142,14 +142,16 @@ class GradReduction:
     scale: float
 
 
-def grad_reduction(mesh: Mesh, partial_sum: bool, trainable: bool = True
-                   ) -> GradReduction | None:
-    """The reduction a gradient needs (None: it is complete on every rank as it is)."""
+def grad_reduction(mesh: Mesh, partial_sum: bool, trainable: bool = True,
+                   partial_axes: tuple[str, ...] = ()) -> GradReduction | None:
+    """The reduction a gradient needs (None: it is complete on every rank as it is).
+    `partial_axes`: other mesh axes (cp) over which it is a partial sum too."""
     dp = mesh.size(DP)
     if not trainable:
         return None
+    dims = tuple(a for a in partial_axes if mesh.size(a) > 1)
     if partial_sum and mesh.size(PLAN) > 1:
-        return GradReduction((DP, PLAN) if dp > 1 else (PLAN,), 1.0 / dp)
+        dims += (PLAN,)
     if dp > 1:
-        return GradReduction((DP,), 1.0 / dp)
-    return None
+        dims = (DP,) + dims
+    return GradReduction(dims, 1.0 / dp) if dims else None

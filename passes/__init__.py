@@ -1,7 +1,8 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
     trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections]
-          -> [pipeline_stages] -> plan(policy) -> sink_gathers -> insert_comm -> [recompute]
+          -> [pipeline_stages] -> plan(policy) -> [context_parallel] -> sink_gathers
+          -> insert_comm -> [recompute]
           -> localize -> overlap_grad_sync
           -> [split_stages] -> [lower_zero3] -> [lower_recompute] -> codegen (a renderer)
 
@@ -40,6 +41,7 @@ from .localize import localize
 from .overlap_grad_sync import overlap_grad_sync
 from .pipeline_stages import PartitionStages
 from .plan import Plan
+from .context_parallel import ContextParallel
 from .recompute import AUTO, Recompute
 from .sink_gathers import sink_gathers
 from .split_stages import split_stages
@@ -80,6 +82,7 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         PartitionStages(config, autodist=policy is POLICIES["autodist"])
         if config.pipeline.enabled else None,
         Plan(policy, config),
+        ContextParallel(config.context_parallel) if config.context_parallel > 1 else None,
         sink_gathers,
         insert_comm,
         Recompute(config.pas_config["recompute_modules"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from nncompile.collectives import group_symbol
 from nncompile.ir import PLAN_GROUP, Graph, Shard, Stage
 from nncompile.rules import LOCAL_ARGS, RANDOM_LOCAL, draws_random
 
@@ -47,17 +48,23 @@ def localize(graph: Graph) -> Graph:
         return graph
     g = graph.clone()
     for op in g.ops:
-        localize_op(op, g.plan_ngpus)
+        localize_op(op, g.plan_ngpus, g.axes)
     g.stages = g.stages | {Stage.LOCALIZED}
     return g
 
 
-def localize_op(op, n: int) -> None:
-    """Rewrite one op (in place) to run on one rank's shards of a plan unit of n ranks."""
+def localize_op(op, n: int, axes: dict[str, int] | None = None) -> None:
+    """Rewrite one op (in place) to run on one rank's shards of a plan unit of n ranks (and
+    of the mesh's other `axes`, by size)."""
     s = op.strategy
     if s is not None and s.local_target is not None:
         op.target = s.local_target
         op.kwargs = {**op.kwargs, "group": PLAN_GROUP}
+    axis_target = s.axis_local if s is not None else None
+    if axis_target is not None:           # a local implementation along another axis
+        axis, target = axis_target
+        op.target = target
+        op.kwargs = {**op.kwargs, "group": group_symbol(axis)}
     name = getattr(op.target, "_opname", None)
     if n > 1 and draws_random(op):
         out = s.outputs[0] if s is not None else None
@@ -72,5 +79,5 @@ def localize_op(op, n: int) -> None:
     idx = _SIZE_ARG.get(name)
     if idx is not None and len(op.args) > idx and op.outputs[0].is_tensor:
         args = list(op.args)
-        args[idx] = list(op.outputs[0].local_shape(n))
+        args[idx] = list(op.outputs[0].local_shape(n, axes))
         op.args = tuple(args)

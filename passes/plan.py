@@ -5,14 +5,13 @@ Before:                                         After (tp, plan_ngpus=2):
 
 Every op ends with a legal strategy (ops the policy left alone run replicated) and every op
 output takes the placement its strategy names. Under a pipeline (plan_state.pipeline) the
-policy plans for one stage's tensor-parallel ranks. Precondition: none. Idempotent: yes, for a
+policy plans for one stage's tensor-parallel ranks, under context parallelism for the
+plan_ngpus // C tensor ranks of a unit (passes/context_parallel.py). Precondition: none. Idempotent: yes, for a
 deterministic policy.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
 
 from nncompile.errors import PolicyError
@@ -20,6 +19,7 @@ from nncompile.ir import Graph, Partial, Replicate, Stage
 from nncompile.rules import replicated, strategies, strided_splits
 
 from .pipeline_stages import stage_config
+from .context_parallel import tensor_config
 
 
 @dataclass
@@ -35,6 +35,8 @@ class Plan:
         pp = graph.plan_state.pipeline
         if pp is not None:         # each stage runs on its pp.tp tensor-parallel ranks
             config = stage_config(config, pp.tp, pp.ranks)
+        if config.context_parallel > 1:     # the tensor axis: plan_ngpus // C ranks
+            config = tensor_config(config, config.context_parallel)
         g = self.policy(graph, config)
         if not isinstance(g, Graph):
             raise PolicyError(f"policy {getattr(self.policy, '__name__', self.policy)!r} "

@@ -307,3 +307,24 @@ def cross_entropy_rows(input, target, weight=None, reduction=1, ignore_index=-10
                             label_smoothing=label_smoothing)
     count = _reduce((target != ignore_index).sum().to(local.dtype), group)
     return local / count
+
+
+def attention_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False, *, group):
+    """Attention of this rank's query rows (the sequence split across `group`, rank r holding
+    rows r*L .. (r+1)*L-1) against every key and value: a causal mask is shifted by the rows
+    before this rank's, so each row sees exactly the keys it sees unsplit."""
+    if is_causal:
+        rows, cols = query.shape[-2], key.shape[-2]
+        offset = (_rank(group) if group is not None else 0) * rows
+        causal = torch.arange(cols, device=query.device)[None, :] <= \
+            torch.arange(rows, device=query.device)[:, None] + offset
+        if attn_mask is None:
+            attn_mask = causal
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask & causal
+        else:
+            attn_mask = attn_mask.masked_fill(~causal, float("-inf"))
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                          dropout_p=dropout_p, is_causal=False, scale=scale,
+                                          enable_gqa=enable_gqa)

@@ -21,14 +21,17 @@ from nncompile.mesh import DP, PLAN, PP, Mesh
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> groups
 
 
-def shard_ranks(rank: int, plan: int, runtime: int, pipe: int = 1) -> list[int]:
-    """The ranks holding the same shard as `rank`: its group along "dp"."""
-    return Mesh.of(plan, runtime, pipe).ranks_along((DP,), rank)
+def shard_ranks(rank: int, plan: int, runtime: int, pipe: int = 1, axes: tuple = ()
+                ) -> list[int]:
+    """The ranks holding the same shard as `rank`: its group along "dp". `axes`: the mesh's
+    other axes as ((name, size), ...) (a file's MESH_AXES)."""
+    return Mesh.of(plan, runtime, pipe, dict(axes)).ranks_along((DP,), rank)
 
 
-def zero_ranks(rank: int, plan: int, runtime: int, ngroups: int, pipe: int = 1) -> list[int]:
+def zero_ranks(rank: int, plan: int, runtime: int, ngroups: int, pipe: int = 1,
+               axes: tuple = ()) -> list[int]:
     """The ranks this rank shards optimizer state with (a slice of its shard group)."""
-    ranks = shard_ranks(rank, plan, runtime, pipe)
+    ranks = shard_ranks(rank, plan, runtime, pipe, axes)
     size = len(ranks) // ngroups
     i = ranks.index(rank) // size
     return ranks[i * size:(i + 1) * size]
@@ -59,25 +62,26 @@ def _cached(key: tuple, all_ranks: list[list[int]]) -> list:
     return next(g for ranks, g in cache[key] if rank in ranks)
 
 
-def get_groups(plan: int, runtime: int, pipe: int = 1):
+def get_groups(plan: int, runtime: int, pipe: int = 1, axes: tuple = ()):
     """(plan group, data-parallel group) of this rank; None where the group has one rank.
     Under a pipeline (pipe > 1) the plan group is one stage's tensor-parallel ranks."""
     if not dist.is_initialized():
         return None, None
-    mesh = Mesh.of(plan, runtime, pipe)
-    return (_cached(("unit", plan, runtime, pipe), mesh.groups_along((PLAN,))),
-            _cached(("shard", plan, runtime, pipe), mesh.groups_along((DP,))))
+    mesh = Mesh.of(plan, runtime, pipe, dict(axes))
+    return (_cached(("unit", plan, runtime, pipe, axes), mesh.groups_along((PLAN,))),
+            _cached(("shard", plan, runtime, pipe, axes), mesh.groups_along((DP,))))
 
 
-def group_along(dims: tuple[str, ...], plan: int, runtime: int, pipe: int = 1):
+def group_along(dims: tuple[str, ...], plan: int, runtime: int, pipe: int = 1,
+                axes: tuple = ()):
     """This rank's group along mesh `dims` (the default group for all of them)."""
-    mesh = Mesh.of(plan, runtime, pipe)
+    mesh = Mesh.of(plan, runtime, pipe, dict(axes))
     if set(dims) == set(mesh.names):
         return dist.group.WORLD
     if dims in ((PLAN,), (DP,)):
-        unit, shard = get_groups(plan, runtime, pipe)
+        unit, shard = get_groups(plan, runtime, pipe, axes)
         return unit if dims == (PLAN,) else shard
-    return _cached(("along", tuple(sorted(dims)), plan, runtime, pipe),
+    return _cached(("along", tuple(sorted(dims)), plan, runtime, pipe, axes),
                    mesh.groups_along(tuple(dims)))
 
 
@@ -104,10 +108,12 @@ def tie_group(pipe_ranks: tuple[int, ...], plan: int, runtime: int, pipe: int):
     return next((g for ranks, g in cache[key] if rank in ranks), None)
 
 
-def get_zero_group(plan: int, runtime: int, ngroups: int, pipe: int = 1):
+def get_zero_group(plan: int, runtime: int, ngroups: int, pipe: int = 1, axes: tuple = ()):
     """(group, ranks) this rank shards optimizer state over; group is None for one rank."""
     if not dist.is_initialized():
         return None, [0]
-    groups = sorted({tuple(zero_ranks(r, plan, runtime, ngroups, pipe)) for r in range(runtime)})
-    ranks = zero_ranks(dist.get_rank(), plan, runtime, ngroups, pipe)
-    return _cached(("zero", plan, runtime, ngroups, pipe), [list(g) for g in groups]), ranks
+    groups = sorted({tuple(zero_ranks(r, plan, runtime, ngroups, pipe, axes))
+                     for r in range(runtime)})
+    ranks = zero_ranks(dist.get_rank(), plan, runtime, ngroups, pipe, axes)
+    return _cached(("zero", plan, runtime, ngroups, pipe, axes), [list(g) for g in groups]), \
+        ranks

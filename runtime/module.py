@@ -28,6 +28,8 @@ from nncompile import arguments
 
 from . import consistency
 from .groups import get_groups, group_along
+
+RUNTIME_AXES = ("cp",)      # mesh axes beyond dp, pp and plan the runtime makes groups for
 from .reducer import Reducer
 from .zero import ZeroRuntime
 from .param_handles import make_handles, release_original, take_original
@@ -73,18 +75,23 @@ class ParallelModule(torch.nn.Module):
     PIPELINE: dict | None = None       # a pipelined plan's stages and schedule
     STAGES: list[tuple] = []           # this rank's stages
     MESH_AXES: dict[str, int] = {}     # mesh axes beyond dp, pp and plan the program uses
+    PARTIAL_GRAD_AXES: dict[str, list[str]] = {}   # per such axis: gradients summed over it
 
     def __init__(self, module: torch.nn.Module | None = None, device: Any = None,
                  compute_config: ComputeConfig | None = None):
         super().__init__()
-        if self.MESH_AXES:
+        unknown = sorted(set(self.MESH_AXES) - set(RUNTIME_AXES))
+        if unknown:
             raise ConfigError(
-                f"this program (rank {self.RANK}) places values along mesh axes "
-                f"{self.MESH_AXES} beyond dp, pp and plan, whose process groups this runtime "
-                "does not make: compile without them (a policy that sets graph.axes)")
+                f"this program (rank {self.RANK}) places values along mesh axes {unknown} "
+                f"beyond dp, pp, plan and {', '.join(RUNTIME_AXES)}, whose process groups this "
+                "runtime does not make: compile without them (a policy that sets graph.axes)")
         self.compute_config = compute_config or ComputeConfig(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
         self.plan_group, self.dp_group = get_groups(self.PLAN_NGPUS, self.RUNTIME_NGPUS,
-                                                    self.PIPE_RANKS)
+                                                    self.PIPE_RANKS, self.mesh_axes)
+        self.axis_groups = {axis: group_along((axis,), self.PLAN_NGPUS, self.RUNTIME_NGPUS,
+                                              self.PIPE_RANKS, self.mesh_axes)
+                            if dist.is_initialized() else None for axis in self.MESH_AXES}
         if device is None:
             device = next((t.device for t in (module.parameters() if module is not None else [])
                            if not t.is_meta), torch.device("cpu"))
@@ -345,16 +352,30 @@ class ParallelModule(torch.nn.Module):
         return self.__dict__.get("_original_module")
 
     @property
+    def mesh_axes(self) -> tuple[tuple[str, int], ...]:
+        """MESH_AXES as ((name, size), ...), what runtime/groups.py's functions take."""
+        return tuple(self.MESH_AXES.items())
+
+    @property
+    def mesh(self) -> Mesh:
+        """The job's mesh as this file was generated for: ("dp", ["pp",] [axes...,] "plan")."""
+        return Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS, self.MESH_AXES)
+
+    def axis_group(self, axis: str):
+        """This rank's process group along mesh axis `axis` (CP_GROUP in the code)."""
+        return self.axis_groups[axis]
+
+    @property
     def dp_size(self) -> int:
         """How many data-parallel units run the plan (runtime_ngpus // ranks per unit)."""
-        return Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS).size("dp")
+        return self.mesh.size("dp")
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel unit, 0..dp_size-1 (rank // plan_ngpus without a
         pipeline): seed or shard the data by it, so a unit's ranks get the same batch."""
         rank = dist.get_rank() if dist.is_initialized() else self.RANK
-        return Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS).unit_of(rank)
+        return self.mesh.unit_of(rank)
 
     # ---- gradients ----------------------------------------------------------------------
     def _build_reducer(self) -> Reducer | None:
@@ -363,17 +384,19 @@ class ParallelModule(torch.nn.Module):
         data-parallel group, all averaged over data-parallel units; frozen ones not at all."""
         if not dist.is_initialized() or self.INFERENCE_ONLY or self.zero is not None:
             return None         # ZeRO-3 reduces each unit's gradient in the gather's backward
-        mesh = Mesh.of(self.PLAN_NGPUS, self.RUNTIME_NGPUS, self.PIPE_RANKS)
+        mesh = self.mesh
         params = []
         for name, param in self.named_parameters():
-            reduction = grad_reduction(mesh, name in self._partial_grad, param.requires_grad)
+            reduction = grad_reduction(mesh, name in self._partial_grad, param.requires_grad,
+                                       tuple(a for a, names in self.PARTIAL_GRAD_AXES.items()
+                                             if name in names))
             if reduction is None:
                 continue
             size = 1
             for dim in reduction.dims:
                 size *= mesh.size(dim)
             group = group_along(reduction.dims, self.PLAN_NGPUS, self.RUNTIME_NGPUS,
-                                self.PIPE_RANKS)
+                                self.PIPE_RANKS, self.mesh_axes)
             params.append((param, group, size, reduction.scale))
         if not params:
             return None

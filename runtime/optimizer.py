@@ -156,7 +156,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.group, self.ranks = None, [dist.get_rank() if dist.is_initialized() else 0]
         else:
             self.group, self.ranks = get_zero_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS,
-                                                    cfg.zero_ngroups, pm.PIPE_RANKS)
+                                                    cfg.zero_ngroups, pm.PIPE_RANKS,
+                                                    pm.mesh_axes)
         self.zero_rank = self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
         self.zero_size = len(self.ranks)
         self.host = torch.device("cpu") if memory.offload_optimizer else None

@@ -183,6 +183,7 @@ class Cell:
     offload: bool = False
     stages: int = 0                 # pipeline_stages (microbatches = loop.accum)
     dynamic: bool = False
+    cp: int = 1                     # context_parallel: ranks splitting the sequence
     compile: bool = False
     process: bool = False           # torchrun processes (tests/workers/conformance.py)
     rtol: float = 1e-5              # losses and norms
@@ -222,6 +223,9 @@ CELLS = [
     Cell("bn_dp", "dp", 1, 2, BN, rtol=1e-4),
     Cell("bn_data", "data", 2, 2, BN, rtol=1e-4),
     Cell("bn_tp", "tp", 2, 2, BN, rtol=1e-4),
+    # the sequence split along cp (ring-free: k and v gathered), with data parallelism
+    Cell("cp_dp", "tp", 2, 4, cp=2),
+    Cell("cp_tp", "tp", 4, 4, cp=2),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),
@@ -234,6 +238,8 @@ BY_NAME = {c.name: c for c in CELLS}
 def compute_config(cell: Cell) -> nncompile.ComputeConfig:
     pas = {"pipeline_stages": cell.stages, "pipeline_schedule": "1f1b",
            "microbatches": cell.loop.accum} if cell.stages else {}
+    if cell.cp > 1:
+        pas["context_parallel"] = cell.cp
     return nncompile.ComputeConfig(cell.plan, cell.runtime, use_zero=cell.zero,
                                    offload_optimizer=cell.offload, compile=cell.compile,
                                    pas_config=pas)

@@ -115,6 +115,6 @@ def test_nncompile_show_lists_the_collective_on_its_axis(tmp_path):
     assert "fake_gather" in text and "S(0) -> R @fake" in text
     code = (out / "gencode0.py").read_text()
     assert "group=FAKE_GROUP" in code and "MESH_AXES = {'fake': 2}" in code
-    with pytest.raises(nncompile.errors.ConfigError, match="beyond dp, pp and plan"):
+    with pytest.raises(nncompile.errors.ConfigError, match=r"axes \[.fake.\] beyond dp, pp, plan"):
         load_rank_module(out, 0, None)            # no runtime groups for it: said at load
     assert "S(0) -> R @fake" in format_rows(rows)          # the table show prints

@@ -84,8 +84,13 @@ class Value:
     def is_tensor(self) -> bool:
         return self.meta is not None
 
-    def local_shape(self, n: int) -> tuple[int, ...]:
-        return local_shape(self.meta.shape, self.placement, n)
+    def local_shape(self, n: int, axes: dict[str, int] | None = None) -> tuple[int, ...]:
+        """One rank's piece: split along the plan axis of n ranks and, where placed along the
+        mesh's other axes, along those (`axes`: their sizes, Graph.axes)."""
+        shape = local_shape(self.meta.shape, self.placement, n)
+        for axis, p in self.axes.items():
+            shape = local_shape(shape, p, (axes or {})[axis])
+        return shape
 
     def placement_on(self, axis: str) -> Placement:
         """The placement along mesh axis `axis` ("plan": `placement`)."""
@@ -108,6 +113,7 @@ class Strategy:
     local_target: Any = None                # op to call on local shards when it differs
     # what each tensor input must be along the mesh's other axes (Graph.axes), by axis
     axis_inputs: dict[str, tuple[Placement | None, ...]] = field(default_factory=dict)
+    axis_local: tuple[str, Any] | None = None  # (axis, op on local pieces along that axis)
 
     @property
     def is_split(self) -> bool:
@@ -335,6 +341,9 @@ class PlanState:
     memory: MemoryChoice | None = None     # None: ComputeConfig's explicit values
     autodist: dict | None = None           # autodist's explanation data (plan_report)
     partial_grad_params: list[str] = field(default_factory=list)   # summed by the runtime
+    # per mesh axis beyond plan (Graph.axes): the parameters whose gradients the runtime sums
+    # over it (every use reads them whole there while running on pieces)
+    axis_partial_grad: dict[str, list[str]] = field(default_factory=dict)
     recompute_regions: int = 0
     pipeline: PipelinePlan | None = None
     # ZeRO-3's flat parameters (passes/lower_zero3.py), per pipeline rank (0 without a
@@ -432,7 +441,8 @@ class Graph:
                      [cv(v) for v in op.outputs], op.source, op.module_path, op.multi_output)
             s = op.strategy
             new.strategy = None if s is None else Strategy(
-                s.inputs, s.outputs, s.note, s.local_target, dict(s.axis_inputs)) \
+                s.inputs, s.outputs, s.note, s.local_target, dict(s.axis_inputs),
+                s.axis_local) \
                 if type(s) is Strategy else replace(s)
             new.attrs = dict(op.attrs)
             new.module_stack, new.recompute = op.module_stack, op.recompute

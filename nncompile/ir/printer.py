@@ -58,6 +58,20 @@ def value_names(names: dict[Value, str]):
         _NAMES.reset(token)
 
 
+_AXIS_SIZES: contextvars.ContextVar[dict] = contextvars.ContextVar("axis_sizes", default={})
+
+
+@contextlib.contextmanager
+def axis_sizes(sizes: dict[str, int]):
+    """Local shapes printed while inside split values along the mesh's other axes too
+    (Graph.axes: their sizes)."""
+    token = _AXIS_SIZES.set(dict(sizes))
+    try:
+        yield
+    finally:
+        _AXIS_SIZES.reset(token)
+
+
 _NOTES: contextvars.ContextVar[Any] = contextvars.ContextVar("op_notes", default=None)
 
 
@@ -136,8 +150,8 @@ def fmt_meta(v: Value, n: int | None = None) -> str:
         return ""
     dt = _DTYPES.get(meta.dtype) or str(meta.dtype).replace("torch.", "")
     shape = list(meta.shape)
-    if n is not None and n > 1:
-        text = f"{dt}{list(v.local_shape(n))} of {shape} {v.placement!r}"
+    if n is not None and (n > 1 or v.axes):
+        text = f"{dt}{list(v.local_shape(n, _AXIS_SIZES.get()))} of {shape} {v.placement!r}"
     else:
         text = f"{dt}{shape} {v.placement!r}"
     text += fmt_axes(v)
@@ -200,8 +214,8 @@ def _meta(v: Value, n: int | None, inputs_grad: bool) -> str:
     floating = meta.dtype.is_floating_point or meta.dtype.is_complex
     dt = _DTYPES.get(meta.dtype) or str(meta.dtype).replace("torch.", "")
     shape = list(meta.shape)
-    if n is not None and n > 1:
-        text = f"{dt}{list(v.local_shape(n))} of {shape} {v.placement!r}"
+    if n is not None and (n > 1 or v.axes):
+        text = f"{dt}{list(v.local_shape(n, _AXIS_SIZES.get()))} of {shape} {v.placement!r}"
     else:
         text = f"{dt}{shape} {v.placement!r}"
     if v.axes:
@@ -315,6 +329,11 @@ def print_graph(g: Graph, local_n: int | None = None, source: bool = True) -> st
     """The whole graph as a Python function `forward`; constants first, marked as such.
     source=False leaves out the user's source-line comments (file paths and line numbers),
     e.g. for the plan fingerprint."""
+    with axis_sizes(g.axes):
+        return _print_graph(g, local_n, source)
+
+
+def _print_graph(g: Graph, local_n: int | None, source: bool) -> str:
     lines = fmt_header(g)
     lines.append("def forward(")
     lines += [f"    {fmt_input(v, local_n)}" for v in g.inputs]
@@ -335,6 +354,11 @@ def print_graph(g: Graph, local_n: int | None = None, source: bool = True) -> st
 def print_graph_texts(g: Graph, local_n: int | None = None) -> tuple[str, str]:
     """(print_graph(g, local_n), print_graph(g, local_n, source=False)), each op formatted
     once for both."""
+    with axis_sizes(g.axes):
+        return _print_graph_texts(g, local_n)
+
+
+def _print_graph_texts(g: Graph, local_n: int | None) -> tuple[str, str]:
     lines = fmt_header(g)
     lines.append("def forward(")
     lines += [f"    {fmt_input(v, local_n)}" for v in g.inputs]

@@ -62,6 +62,12 @@ def verify(graph: Graph) -> Graph:
                 define(v, where)
             if comm_done and op.strategy is not None:
                 tensors = [v for v in ins if v.is_tensor]
+                for axis, wants in op.strategy.axis_inputs.items():
+                    for v, want in zip(tensors, wants):
+                        if want is not None and v.placement_on(axis) != want:
+                            raise GraphError(f"{where}: input %{v.name} is "
+                                             f"{v.placement_on(axis)!r} along {axis}, "
+                                             f"strategy wants {want!r}")
                 if len(tensors) != len(op.strategy.inputs):
                     raise GraphError(f"{where}: strategy has {len(op.strategy.inputs)} inputs, "
                                      f"op has {len(tensors)}")
@@ -73,6 +79,7 @@ def verify(graph: Graph) -> Graph:
         if isinstance(v, Value):
             if id(v) not in defined:
                 raise GraphError(f"output %{v.name} is never defined")
-            if comm_done and v.placement != Replicate():
-                raise GraphError(f"output %{v.name} is {v.placement!r}, not replicated")
+            if comm_done and (v.placement != Replicate() or v.axes):
+                raise GraphError(f"output %{v.name} is {v.placement!r} "
+                                 f"{dict(v.axes) or ''}, not replicated")
     return graph

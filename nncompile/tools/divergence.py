@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..ir import Graph, Partial, Shard, Value, join_pieces
+from ..ir import Graph, Partial, Replicate, Shard, Value, join_pieces
 from ..ir.interpret import run_graph
-from ..mesh import Mesh
+from ..mesh import DP, Mesh
 
 # intermediate values: generous enough for float32 reordering, far below real plan bugs
 VALUE_RTOL, VALUE_ATOL = 1e-4, 1e-5
@@ -136,6 +136,35 @@ def _error(a: torch.Tensor, ref: torch.Tensor) -> float | None:
     return None if err <= bound and err == err else err
 
 
+def _check_axes(pieces_by_rank: dict[int, Any], ref: torch.Tensor, v, mesh: Mesh,
+                grad: bool) -> tuple[int, float] | None:
+    """_check for a mesh with axes beyond dp and plan (cp): each unit's pieces combined along
+    plan, then along each other axis, innermost first (S joined, P summed, R the first piece;
+    a gradient of a value whole along an axis may also be a partial sum there)."""
+    inner = [a for a in mesh.names if a not in (DP,)]
+    units: dict[int, list[int]] = {}
+    for r in sorted(pieces_by_rank):
+        units.setdefault(mesh.unit_of(r), []).append(r)
+    for unit, ranks in units.items():
+        errs = []
+        for summed in ((False, True) if grad else (False,)):
+            level = {tuple(mesh.coords(r)[a] for a in inner): pieces_by_rank[r] for r in ranks}
+            for depth in range(len(inner), 0, -1):
+                axis = inner[depth - 1]
+                p = v.placement_on(axis)
+                if grad and isinstance(p, Partial):
+                    p = Replicate()          # a partial sum's gradient is whole on every rank
+                groups: dict[tuple, list] = {}
+                for key in sorted(level):
+                    groups.setdefault(key[:depth - 1], []).append(level[key])
+                level = {k: (torch.stack(ps).sum(0) if summed and isinstance(p, Replicate)
+                             else _unit_value(ps, p)) for k, ps in groups.items()}
+            errs.append(_error(level[()], ref))
+        if all(e is not None for e in errs):
+            return ranks[0], errs[0]
+    return None
+
+
 def _check(pieces_by_rank: dict[int, Any], ref: torch.Tensor, placement, mesh: Mesh,
            grad: bool) -> tuple[int, float] | None:
     """(rank, error) of the first wrong plan unit's piece, or None."""
@@ -165,7 +194,10 @@ def _check(pieces_by_rank: dict[int, Any], ref: torch.Tensor, placement, mesh: M
 
 def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Divergence | None:
     """Compare every op output of the final (localized) `graph` with the reference."""
-    mesh = Mesh.of(graph.plan_ngpus, len(ranks))    # one Capture per rank of the job
+    mesh = Mesh.of(graph.plan_ngpus, len(ranks), 1, graph.axes)   # a Capture per rank
+    check = (lambda pieces, ref, v, grad: _check_axes(pieces, ref, v, mesh, grad)) \
+        if graph.axes else (lambda pieces, ref, v, grad: _check(pieces, ref, v.placement, mesh,
+                                                               grad))
     users: dict[str, list[str]] = {}
     for op in graph.ops:
         if op.is_structural:            # lowering markers read values but compute nothing
@@ -198,7 +230,7 @@ def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Diverg
         pieces = {r: c.values.get(v.name) for r, c in enumerate(ranks)}
         if any(p is None for p in pieces.values()):
             continue
-        hit = _check(pieces, ref.values[v.name], v.placement, mesh, grad=False)
+        hit = check(pieces, ref.values[v.name], v, False)
         if hit:
             return make("forward", v, hit)
     for v in reversed(order):
@@ -210,7 +242,7 @@ def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Diverg
                   for r, p in pieces.items() if v.name in ranks[r].values}
         if len(pieces) != len(ranks):
             continue
-        hit = _check(pieces, want, v.placement, mesh, grad=True)
+        hit = check(pieces, want, v, True)
         if hit:
             return make("backward", v, hit)
     return None

@@ -1,0 +1,156 @@
+"""context_parallel: place the program along the `cp` mesh axis, the sequence split.
+
+With `pas_config={"context_parallel": C}` each plan unit is C context ranks x plan_ngpus // C
+tensor ranks (the plan pass planned the tensor axis). Every rank of a context group gets the
+unit's whole batch; the program splits the inputs along the sequence (dim 1 of each input
+shaped [batch, seq, ...]) and every token-wise op runs on its rank's T/C positions.
+Attention keeps its query rows and reads every key and value (nncompile/rules/sequence.py:
+k and v all-gathered along cp, their gradients reduce-scattered; a causal mask shifted by the
+rows before the rank's); the mean loss divides each rank's sum by the global count of
+targets. Parameters stay whole along cp; their gradients are partial sums over it, summed
+by the runtime (plan_state.axis_partial_grad).
+
+Before (planned on the plan axis):           After (along cp, C = 2):
+    emb = aten.embedding.default(w, ids)         emb = ...   # f32[2, 64, 32] R @cp=S(1)
+    ...                                          (ids wants S(1) along cp: insert_comm chunks it)
+    y = aten.scaled_dot_product_attention...     y = ...     # [rows: split q's rows, ...]
+
+How: a greedy walk over the ops (passes/policies/greedy.py's engine) on a scratch copy of
+the graph, seeded with the inputs' sequence dims, keeps every op on the sequence split where a
+rule allows it; random ops and parameters stay whole along cp. A choice that would split a dim
+the tensor plan splits, or that needs a local implementation where the tensor plan already
+uses one, is not taken. Precondition: plan. Idempotent: yes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from nncompile.errors import ConfigError
+from nncompile.ir import PARAM, Graph, Partial, Replicate, Shard, Stage, StridedShard
+from nncompile.rules import draws_random, strategies, strided_splits
+from nncompile.rules.sequence import sequence_strategies
+
+from .policies.greedy import Walk
+
+CP = "cp"
+
+
+def tensor_config(config, c: int):
+    """The ComputeConfig the policy plans the tensor axis with: plan_ngpus // C ranks, the
+    data-parallel units as many as before."""
+    pas = {k: v for k, v in config.pas_config.items() if k != "context_parallel"}
+    runtime = (config.runtime_ngpus or config.plan_ngpus) // c
+    return dataclasses.replace(config, plan_ngpus=config.plan_ngpus // c,
+                               runtime_ngpus=runtime, pas_config=pas)
+
+
+def sequence_dims(g: Graph) -> dict[int, int]:
+    """{id(input): 1} for the inputs shaped [batch, seq, ...] (dim 1 the length of the first
+    input's dim 1)."""
+    shaped = [v for v in g.inputs if v.is_tensor and len(v.meta.shape) >= 2]
+    if not shaped:
+        return {}
+    seq = shaped[0].meta.shape[1]
+    return {id(v): 1 for v in shaped if v.meta.shape[1] == seq}
+
+
+def _rank(walk: Walk, op, s) -> int | None:
+    """Smaller is preferred; None: not allowed along cp."""
+    if any(v.kind == PARAM and not isinstance(p, Replicate)
+           for v, p in zip(op.tensor_inputs(), s.inputs)):
+        return None                              # parameters stay whole along cp
+    if s.is_split and draws_random(op):
+        return None                              # random draws over the whole tensor
+    if walk.is_batch_split(op, s) or s.note.startswith("rows"):
+        return 0
+    if s.is_split and all(isinstance(p, Partial) for p in s.outputs):
+        return 0                                 # keep a partial sum (the loss)
+    return 1 if not s.is_split else None
+
+
+def _conflicts(plan, s) -> bool:
+    """`s` (along cp) splits an input dim the tensor plan splits, or needs a local
+    implementation where the plan uses one."""
+    if s.local_target is not None and plan.local_target is not None:
+        return True
+    return any(isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim
+               for a, b in zip(plan.inputs, s.inputs))
+
+
+class SequenceWalk(Walk):
+    """The greedy walk with the sequence dim as the dim it keeps split."""
+
+    def __init__(self, graph: Graph):
+        super().__init__(graph)
+        self.batch_dim = sequence_dims(graph)
+        self.placed |= {id(v) for v in graph.params + graph.buffers + graph.consts}
+
+    def apply(self, op, s, candidates) -> None:
+        super().apply(op, s, candidates)
+        if s.note.startswith("rows"):             # attention's output keeps the query rows
+            out = op.outputs[0]
+            self.batch_dim[id(out)] = s.outputs[0].dim
+
+
+class ContextParallel:
+    """The pass (see the module docstring)."""
+    name = "context_parallel"
+    requires = (Stage.PLANNED,)
+    produces = ()
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+
+    def __call__(self, graph: Graph) -> Graph:
+        if CP in graph.axes:
+            return graph
+        c = self.ranks
+        g = graph.clone()
+        g.axes = {CP: c, **g.axes}
+        scratch = graph.clone()                  # placements along cp, walked on full shapes
+        for v in scratch.values():
+            v.placement, v.axes = Replicate(), {}
+        if not sequence_dims(scratch):
+            raise ConfigError(f"pas_config['context_parallel']={c} splits the sequence, but "
+                              f"{g.trace_info.model}.forward has no input shaped [batch, seq, "
+                              "...]; pass token ids (or embeddings) batch-first")
+        seq = next(v.meta.shape[1] for v in scratch.inputs if id(v) in sequence_dims(scratch))
+        if type(seq) is int and seq % c:
+            raise ConfigError(f"pas_config['context_parallel']={c} splits the sequence into "
+                              f"{c} pieces, but it is {seq} long; use a sequence length that "
+                              f"is a multiple of {c}")
+        walk = SequenceWalk(scratch)
+        for op, mine in zip(scratch.ops, g.ops):
+            with strided_splits():
+                candidates = strategies(op, c) + sequence_strategies(op, c)
+            scored = []
+            for i, s in enumerate(candidates):
+                if s.note == "keep partial" and not any(
+                        isinstance(v.placement, Partial) for v in op.tensor_inputs()):
+                    continue
+                if _conflicts(mine.strategy, s):
+                    continue
+                r = _rank(walk, op, s)
+                if r is not None:
+                    scored.append((r, walk.cost(op, s), i, s))
+            best = min(scored)[3] if scored else candidates[-1]
+            walk.apply(op, best, candidates)
+            mine.strategy.axis_inputs = {**mine.strategy.axis_inputs, CP: best.inputs}
+            if best.local_target is not None:
+                mine.strategy.axis_local = (CP, best.local_target)
+            for v, p in zip(mine.outputs, best.outputs):
+                if v.is_tensor and not isinstance(p, Replicate):
+                    v.axes = {**v.axes, CP: p}
+        _check_even(g, c)
+        return g
+
+
+def _check_even(g: Graph, c: int) -> None:
+    """Every split along cp divides evenly (the sequence by C, strided blocks too)."""
+    for v in g.values():
+        p = v.axes.get(CP)
+        if isinstance(p, Shard) and v.meta.shape[p.dim] % (c * getattr(p, "outer", 1)):
+            raise ConfigError(
+                f"{v.name} {list(v.meta.shape)} splits dim {p.dim} along cp into {c}, which "
+                f"does not divide it{' (in blocks of ' + str(p.outer) + ')' if isinstance(p, StridedShard) else ''}; "
+                f"use a sequence length that is a multiple of {c}")

@@ -1,0 +1,100 @@
+"""Context parallelism (pas_config["context_parallel"]): the sequence split along the cp mesh
+axis equals one device on Hugging Face causal LMs (GQA, rotary, labels=input_ids, a padding
+mask), alone and with tensor parallelism; the training loop with data parallelism is in the
+conformance suite (cells cp_dp, cp_tp)."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import nncompile
+from nncompile import ComputeConfig
+from nncompile.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+
+class CausalLM(nn.Module):
+    """A training script's call: labels=input_ids (the model shifts them), a padding mask."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask,
+                       labels=input_ids).loss
+
+
+def hf(arch: str) -> nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  attn_implementation="sdpa")
+    cfg, cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+    return CausalLM(cls(cfg(**common))).train()
+
+
+def batch(seq: int, padded: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seq)
+    out = {"input_ids": torch.randint(0, 64, (2, seq), generator=g)}
+    if padded:                       # the second row's last quarter is padding
+        mask = torch.ones(2, seq, dtype=torch.long)
+        mask[1, -seq // 4:] = 0
+        out["attention_mask"] = mask
+    return out
+
+
+@pytest.mark.parametrize("arch, seq, plan, padded", [
+    ("llama", 64, 2, False), ("qwen2", 128, 2, False), ("llama", 64, 4, False),
+    ("qwen2", 64, 4, True), ("llama", 256, 2, True)])
+def test_sequence_split_equals_one_device(arch, seq, plan, padded, tmp_path):
+    """cp 2 alone (plan 2) or with tp 2 (plan 4): loss and every gradient (verify: rtol 1e-5)."""
+    cfg = ComputeConfig(plan, plan, pas_config={"context_parallel": 2})
+    report = nncompile.verify(hf(arch), batch(seq, padded), cfg, "tp",
+                              gen_savedir=str(tmp_path))
+    assert report.ok, str(report)
+    code = next(tmp_path.rglob("gencode0.py")).read_text()
+    assert "CP_GROUP = self.axis_group('cp')" in code
+    assert code.count("comm.attention_rows(") == 2                # one per layer
+    assert "comm.cross_entropy_rows(" in code and "group=CP_GROUP" in code
+
+
+def test_the_plan_splits_the_sequence_and_gathers_only_keys_and_values(tmp_path):
+    out = nncompile.parallelize(hf("llama"), batch(64), ComputeConfig(2, 2, pas_config={
+        "context_parallel": 2}), pas_policy="tp", gen_savedir=str(tmp_path),
+        load_module=False)
+    plan = json.loads((out / "plan.json").read_text())
+    cp = [r for r in plan["collective_ops"] if r.get("axis") == "cp"]
+    gathers = [r for r in cp if r["kind"] == "all_gather"]     # k and v of each layer
+    assert len(gathers) == 2 * 2
+    # every rank's gradient of the gathered k and v is partial (its own query rows): summed
+    # over cp, by the gather's backward (reduce_scatter) or a sync_grad after the key cache's
+    # cat (the default use_cache) and before attention
+    summed = [r for r in gathers if r["backward"] == "reduce_scatter"] + \
+        [r for r in cp if r["kind"] == "sync_grad"]
+    assert len(summed) == 2 * 2, cp
+    assert not [r for r in plan["collective_ops"] if r.get("axis") != "cp"]   # no tp: plan 1
+    code = (out / "gencode0.py").read_text()
+    assert "input_ids_chunk = comm.chunk(input_ids, dim=1, group=CP_GROUP)" in code
+    assert "MESH_AXES = {'cp': 2}" in code and "PARTIAL_GRAD_AXES = {'cp': [" in code
+    assert "# nncompile IR: plan_ngpus=1 axes=cp:2" in \
+        sorted((out / "graphs").glob("*.py"))[-1].read_text()
+
+
+@pytest.mark.parametrize("pas, match", [
+    ({"context_parallel": 3}, r"divides plan_ngpus=2: one of \[1, 2\]"),
+    ({"context_parallel": 2, "pipeline_stages": 2}, "does not combine with pipeline_stages"),
+])
+def test_bad_context_parallel_is_refused(pas, match):
+    with pytest.raises(ConfigError, match=match):
+        ComputeConfig(2, 2, pas_config=pas)
+
+
+def test_a_sequence_that_does_not_split_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        nncompile.parallelize(hf("llama"), batch(63), ComputeConfig(2, 2, pas_config={
+            "context_parallel": 2}), pas_policy="tp", gen_savedir=str(tmp_path),
+            load_module=False)
