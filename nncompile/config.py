@@ -17,7 +17,7 @@ PAS_CONFIG_KEYS = frozenset({
     "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
     "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
     "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank",
-    "overlap_grad_sync", "batched_inputs", "context_parallel"})
+    "overlap_grad_sync", "batched_inputs", "context_parallel", "context_parallel_attention"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
                "offload_params", "check", "compile", "init_sync")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -139,6 +139,11 @@ class ComputeConfig:
             raise ConfigError(f"pas_config['context_parallel']={c!r}: the context-parallel "
                               f"ranks of a plan unit, an int that divides plan_ngpus="
                               f"{self.plan_ngpus}: one of {divisors}")
+        how = self.pas_config.get("context_parallel_attention", "allgather")
+        if how not in ("allgather", "ulysses"):
+            raise ConfigError(f"pas_config['context_parallel_attention']={how!r}: 'allgather' "
+                              "(each rank's query rows against gathered keys and values, the "
+                              "default) or 'ulysses' (all-to-all from sequence to heads)")
         if c == 1:
             return
         for what, on in (("pipeline_stages", self.pipeline.enabled),

@@ -82,7 +82,9 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         PartitionStages(config, autodist=policy is POLICIES["autodist"])
         if config.pipeline.enabled else None,
         Plan(policy, config),
-        ContextParallel(config.context_parallel) if config.context_parallel > 1 else None,
+        ContextParallel(config.context_parallel,
+                        config.pas_config.get("context_parallel_attention", "allgather"))
+        if config.context_parallel > 1 else None,
         sink_gathers,
         insert_comm,
         Recompute(config.pas_config["recompute_modules"])

@@ -6,8 +6,10 @@ unit's whole batch; the program splits the inputs along the sequence (dim 1 of e
 shaped [batch, seq, ...]) and every token-wise op runs on its rank's T/C positions.
 Attention keeps its query rows and reads every key and value (nncompile/rules/sequence.py:
 k and v all-gathered along cp, their gradients reduce-scattered; a causal mask shifted by the
-rows before the rank's); the mean loss divides each rank's sum by the global count of
-targets. Parameters stay whole along cp; their gradients are partial sums over it, summed
+rows before the rank's), or, with `"context_parallel_attention": "ulysses"` where the heads
+(and k/v heads) divide by C, runs on C-th of the heads over the whole sequence (q, k, v
+all-to-all from sequence to heads, the output back: DeepSpeed-Ulysses); the mean loss divides
+each rank's sum by the global count of targets. Parameters stay whole along cp; their gradients are partial sums over it, summed
 by the runtime (plan_state.axis_partial_grad).
 
 Before (planned on the plan axis):           After (along cp, C = 2):
@@ -33,6 +35,7 @@ from nncompile.rules.sequence import sequence_strategies
 from .policies.greedy import Walk
 
 CP = "cp"
+ALLGATHER, ULYSSES = "allgather", "ulysses"       # pas_config["context_parallel_attention"]
 
 
 def tensor_config(config, c: int):
@@ -54,15 +57,17 @@ def sequence_dims(g: Graph) -> dict[int, int]:
     return {id(v): 1 for v in shaped if v.meta.shape[1] == seq}
 
 
-def _rank(walk: Walk, op, s) -> int | None:
+def _rank(walk: Walk, op, s, attention: str) -> int | None:
     """Smaller is preferred; None: not allowed along cp."""
     if any(v.kind == PARAM and not isinstance(p, Replicate)
            for v, p in zip(op.tensor_inputs(), s.inputs)):
         return None                              # parameters stay whole along cp
     if s.is_split and draws_random(op):
         return None                              # random draws over the whole tensor
+    if _is_attention(op) and attention == ULYSSES and s.note.startswith("split heads"):
+        return 0                                 # all-to-all: heads <-> sequence
     if walk.is_batch_split(op, s) or s.note.startswith("rows"):
-        return 0
+        return 0 if attention == ALLGATHER or not _is_attention(op) else 1
     if s.is_split and all(isinstance(p, Partial) for p in s.outputs):
         return 0                                 # keep a partial sum (the loss)
     return 1 if not s.is_split else None
@@ -77,6 +82,10 @@ def _conflicts(plan, s) -> bool:
                for a, b in zip(plan.inputs, s.inputs))
 
 
+def _is_attention(op) -> bool:
+    return getattr(op.target, "_opname", "") == "scaled_dot_product_attention"
+
+
 class SequenceWalk(Walk):
     """The greedy walk with the sequence dim as the dim it keeps split."""
 
@@ -87,9 +96,9 @@ class SequenceWalk(Walk):
 
     def apply(self, op, s, candidates) -> None:
         super().apply(op, s, candidates)
-        if s.note.startswith("rows"):             # attention's output keeps the query rows
-            out = op.outputs[0]
-            self.batch_dim[id(out)] = s.outputs[0].dim
+        if _is_attention(op) and s.is_split:    # its output goes on along the sequence:
+            out = op.outputs[0]                  # rows stay split, heads go back (all-to-all)
+            self.batch_dim[id(out)] = len(out.meta.shape) - 2
 
 
 class ContextParallel:
@@ -98,8 +107,9 @@ class ContextParallel:
     requires = (Stage.PLANNED,)
     produces = ()
 
-    def __init__(self, ranks: int):
+    def __init__(self, ranks: int, attention: str = "allgather"):
         self.ranks = ranks
+        self.attention = attention
 
     def __call__(self, graph: Graph) -> Graph:
         if CP in graph.axes:
@@ -130,7 +140,7 @@ class ContextParallel:
                     continue
                 if _conflicts(mine.strategy, s):
                     continue
-                r = _rank(walk, op, s)
+                r = _rank(walk, op, s, self.attention)
                 if r is not None:
                     scored.append((r, walk.cost(op, s), i, s))
             best = min(scored)[3] if scored else candidates[-1]

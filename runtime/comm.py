@@ -312,19 +312,91 @@ def cross_entropy_rows(input, target, weight=None, reduction=1, ignore_index=-10
 def attention_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                    scale=None, enable_gqa=False, *, group):
     """Attention of this rank's query rows (the sequence split across `group`, rank r holding
-    rows r*L .. (r+1)*L-1) against every key and value: a causal mask is shifted by the rows
-    before this rank's, so each row sees exactly the keys it sees unsplit."""
-    if is_causal:
-        rows, cols = query.shape[-2], key.shape[-2]
-        offset = (_rank(group) if group is not None else 0) * rows
-        causal = torch.arange(cols, device=query.device)[None, :] <= \
-            torch.arange(rows, device=query.device)[:, None] + offset
-        if attn_mask is None:
-            attn_mask = causal
-        elif attn_mask.dtype == torch.bool:
-            attn_mask = attn_mask & causal
-        else:
-            attn_mask = attn_mask.masked_fill(~causal, float("-inf"))
+    rows r*L .. (r+1)*L-1) against every key and value, each row seeing exactly the keys it
+    sees unsplit. A causal mask is never materialized: the keys after the rank's last row are
+    dropped, and the rest is the keys before its rows (all visible) plus a causal diagonal
+    block, merged by their log-sum-exps (CPU: the flash kernel's own lse), or on CUDA one
+    call with a lower-right causal bias; with a mask of the model's own, the causal part is
+    and-ed into it."""
+    if not is_causal:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                              dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=enable_gqa)
+    rows = query.shape[-2]
+    offset = (_rank(group) if group is not None else 0) * rows
+    key, value = key[..., :offset + rows, :], value[..., :offset + rows, :]
+    if attn_mask is None and not dropout_p and query.dim() == 4:
+        if query.device.type == "cpu":
+            return _CausalRows.apply(query, key, value, offset, scale)
+        from torch.nn.attention.bias import causal_lower_right
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=causal_lower_right(rows, offset + rows),
+            scale=scale, enable_gqa=enable_gqa)
+    causal = torch.arange(offset + rows, device=query.device)[None, :] <= \
+        torch.arange(rows, device=query.device)[:, None] + offset
+    if attn_mask is None:
+        attn_mask = causal
+    else:
+        attn_mask = attn_mask[..., :offset + rows]
+        attn_mask = attn_mask & causal if attn_mask.dtype == torch.bool else \
+            attn_mask.masked_fill(~causal, float("-inf"))
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                          dropout_p=dropout_p, is_causal=False, scale=scale,
+                                          dropout_p=dropout_p, scale=scale,
                                           enable_gqa=enable_gqa)
+
+
+def _blocks(offset: int, rows: int) -> list[tuple[int, int, bool]]:
+    """(first key, end key, causal) of the keys before a rank's rows and its diagonal."""
+    return ([(0, offset, False)] if offset else []) + [(offset, offset + rows, True)]
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v with each of its heads repeated for the query heads it serves (GQA)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+class _CausalRows(torch.autograd.Function):
+    """Causal attention of rows offset..offset+L-1 against keys 0..offset+L-1 on CPU, as
+    blocks of the flash kernel merged by log-sum-exp; backward runs each block's flash
+    backward with the merged output and lse (the merge's exact gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offset, scale):
+        heads, rows = q.shape[1], q.shape[-2]
+        kx, vx = _heads(k, heads), _heads(v, heads)
+        wide = torch.promote_types(q.dtype, torch.float32)     # the merge's precision
+        out = lse = None
+        for a, b, causal in _blocks(offset, rows):
+            o, s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, kx[..., a:b, :], vx[..., a:b, :], 0.0, causal, scale=scale)
+            if out is None:
+                out, lse = o.to(wide), s
+                continue
+            merged = torch.logaddexp(lse, s)
+            out = out * torch.exp(lse - merged).unsqueeze(-1) + \
+                o.to(wide) * torch.exp(s - merged).unsqueeze(-1)
+            lse = merged
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.offset, ctx.scale = offset, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        heads, rows = q.shape[1], q.shape[-2]
+        kx, vx = _heads(k, heads), _heads(v, heads)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kx), torch.zeros_like(vx)
+        for a, b, causal in _blocks(ctx.offset, rows):
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad.contiguous(), q, kx[..., a:b, :], vx[..., a:b, :], out, lse, 0.0, causal,
+                scale=ctx.scale)
+            dq += gq
+            dk[..., a:b, :] += gk
+            dv[..., a:b, :] += gv
+        if k.shape[1] != heads:         # GQA: each k/v head's gradient from its query heads
+            g = heads // k.shape[1]
+            dk = dk.unflatten(1, (k.shape[1], g)).sum(2)
+            dv = dv.unflatten(1, (v.shape[1], g)).sum(2)
+        return dq, dk, dv, None, None

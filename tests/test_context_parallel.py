@@ -98,3 +98,45 @@ def test_a_sequence_that_does_not_split_is_refused(tmp_path):
         nncompile.parallelize(hf("llama"), batch(63), ComputeConfig(2, 2, pas_config={
             "context_parallel": 2}), pas_policy="tp", gen_savedir=str(tmp_path),
             load_module=False)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_ulysses_all_to_all_equals_one_device(padded, tmp_path):
+    """context_parallel_attention='ulysses': attention on C-th of the heads over the whole
+    sequence (all-to-all from sequence to heads and back)."""
+    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": 2,
+                                          "context_parallel_attention": "ulysses"})
+    report = nncompile.verify(hf("llama"), batch(64, padded), cfg, "tp",
+                              gen_savedir=str(tmp_path))
+    assert report.ok, str(report)
+    code = next(tmp_path.rglob("gencode0.py")).read_text()
+    assert "comm.attention_rows(" not in code
+    assert code.count("comm.all_to_all(") >= 2 * 2 and "group=CP_GROUP" in code
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_causal_rows_are_exact_blocks_merged_by_their_lse(ranks, monkeypatch):
+    """comm.attention_rows on each rank's rows (float64, GQA): outputs and the gradients of
+    q, k and v summed over the ranks equal one causal attention, without a mask."""
+    from nncompile.runtime import comm
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 32, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                           enable_gqa=True)
+    grad = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    rows, outs, dq, dk, dv = 32 // ranks, [], [], 0, 0
+    for r in range(ranks):
+        monkeypatch.setattr(comm, "_rank", lambda group, r=r: r)
+        qr = q[:, :, r * rows:(r + 1) * rows].detach().requires_grad_()
+        kr, vr = k.detach().requires_grad_(), v.detach().requires_grad_()
+        out = comm.attention_rows(qr, kr, vr, is_causal=True, enable_gqa=True, group="cp")
+        assert "CausalRows" in type(out.grad_fn).__name__         # no mask materialized
+        a, b, c = torch.autograd.grad(out, (qr, kr, vr), grad[:, :, r * rows:(r + 1) * rows])
+        outs.append(out)
+        dq.append(a)
+        dk, dv = dk + b, dv + c
+    got = (torch.cat(outs, 2), torch.cat(dq, 2), dk, dv)
+    for x, y in zip(got, (ref,) + want):
+        assert (x - y).abs().max() < 1e-12
