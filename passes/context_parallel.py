@@ -21,7 +21,9 @@ How: a greedy walk over the ops (passes/policies/greedy.py's engine) on a scratc
 the graph, seeded with the inputs' sequence dims, keeps every op on the sequence split where a
 rule allows it; random ops and parameters stay whole along cp. A choice that would split a dim
 the tensor plan splits, or that needs a local implementation where the tensor plan already
-uses one, is not taken. Precondition: plan. Idempotent: yes.
+uses one, is not taken. A random op (dropout) splits along cp only where the tensor plan
+does not split it: it then draws the whole tensor's mask on every rank and keeps its piece
+(runtime/rng.py), as along the plan axis. Precondition: plan. Idempotent: yes.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import dataclasses
 
 from nncompile.errors import ConfigError
 from nncompile.ir import PARAM, Graph, Partial, Replicate, Shard, Stage, StridedShard
-from nncompile.rules import draws_random, strategies, strided_splits
+from nncompile.rules import RANDOM_LOCAL, draws_random, strategies, strided_splits
 from nncompile.rules.sequence import sequence_strategies
 
 from .policies.greedy import Walk
@@ -62,8 +64,6 @@ def _rank(walk: Walk, op, s, attention: str) -> int | None:
     if any(v.kind == PARAM and not isinstance(p, Replicate)
            for v, p in zip(op.tensor_inputs(), s.inputs)):
         return None                              # parameters stay whole along cp
-    if s.is_split and draws_random(op):
-        return None                              # random draws over the whole tensor
     if _is_attention(op) and attention == ULYSSES and s.note.startswith("split heads"):
         return 0                                 # all-to-all: heads <-> sequence
     if walk.is_batch_split(op, s) or s.note.startswith("rows"):
@@ -73,10 +73,15 @@ def _rank(walk: Walk, op, s, attention: str) -> int | None:
     return 1 if not s.is_split else None
 
 
-def _conflicts(plan, s) -> bool:
-    """`s` (along cp) splits an input dim the tensor plan splits, or needs a local
-    implementation where the plan uses one."""
+def _conflicts(op, plan, s) -> bool:
+    """`s` (along cp) splits an input dim the tensor plan splits, needs a local
+    implementation where the plan uses one, or splits a random op that the plan splits too
+    or that has no full-draw local implementation (rng.py)."""
     if s.local_target is not None and plan.local_target is not None:
+        return True
+    if s.is_split and draws_random(op) and (
+            plan.is_split or getattr(op.target, "_opname", "") not in RANDOM_LOCAL or
+            any(isinstance(p, StridedShard) or not isinstance(p, Shard) for p in s.outputs)):
         return True
     return any(isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim
                for a, b in zip(plan.inputs, s.inputs))
@@ -138,7 +143,7 @@ class ContextParallel:
                 if s.note == "keep partial" and not any(
                         isinstance(v.placement, Partial) for v in op.tensor_inputs()):
                     continue
-                if _conflicts(mine.strategy, s):
+                if _conflicts(op, mine.strategy, s):
                     continue
                 r = _rank(walk, op, s, self.attention)
                 if r is not None:

@@ -66,11 +66,15 @@ def localize_op(op, n: int, axes: dict[str, int] | None = None) -> None:
         op.target = target
         op.kwargs = {**op.kwargs, "group": group_symbol(axis)}
     name = getattr(op.target, "_opname", None)
-    if n > 1 and draws_random(op):
+    if (n > 1 or axes) and draws_random(op):
         out = s.outputs[0] if s is not None else None
+        dim, group = (out.dim if isinstance(out, Shard) else None), PLAN_GROUP
+        for axis in axes or {}:                   # split along another axis (cp) instead
+            p = op.outputs[0].placement_on(axis)
+            if isinstance(p, Shard):
+                dim, group = p.dim, group_symbol(axis)
         op.target = RANDOM_LOCAL[name]
-        op.kwargs = {**op.kwargs, "dim": out.dim if isinstance(out, Shard) else None,
-                     "group": PLAN_GROUP}
+        op.kwargs = {**op.kwargs, "dim": dim, "group": group}
         return
     if n > 1 and name in LOCAL_ARGS:
         LOCAL_ARGS[name](op, n)       # e.g. a grouped convolution's groups // n

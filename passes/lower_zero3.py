@@ -46,10 +46,12 @@ def unit_path(fqn: str) -> str:
     return ".".join(parts[:-1]) or "root"
 
 
-def zero_units(ops: list[Op], params: list[Value], partial_grad: list[str]
+def zero_units(ops: list[Op], params: list[Value], partial_grad: list[str],
+               axis_partial: dict[str, list[str]] | None = None
                ) -> list[tuple[str, str, tuple[str, ...]]]:
     """(flat attribute, unit path, parameter names) of `params` in order of first use by
-    `ops`; parameters no op uses come last."""
+    `ops`; parameters no op uses come last. One unit's parameters share dtype, trainability,
+    placement and the axes their gradients are summed over (`partial_grad`, `axis_partial`)."""
     first: dict[int, int] = {}
     for i, op in enumerate(ops):
         for v in op.inputs():
@@ -58,7 +60,8 @@ def zero_units(ops: list[Op], params: list[Value], partial_grad: list[str]
     groups: dict[tuple, list[Value]] = {}
     for v in sorted(params, key=lambda v: first.get(id(v), len(ops))):
         key = (unit_path(v.fqn), str(v.meta.dtype), v.requires_grad,
-               type(v.placement).__name__, v.name in partial)
+               type(v.placement).__name__, v.name in partial,
+               tuple(a for a, names in (axis_partial or {}).items() if v.name in names))
         groups.setdefault(key, []).append(v)
     out, taken = [], set()
     for key, values in groups.items():
@@ -174,7 +177,8 @@ class LowerZero3:
         g = graph.clone()
         by_name = {v.name: v for v in g.params}
         if g.plan_state.pipeline is None:
-            units = seeded or {0: zero_units(g.ops, g.params, g.plan_state.partial_grad_params)}
+            units = seeded or {0: zero_units(g.ops, g.params, g.plan_state.partial_grad_params,
+                                             g.plan_state.axis_partial_grad)}
             g.ops = lower_body(g.ops, g.outputs, units[0], by_name)
         else:
             units = seeded or pipeline_units(g)

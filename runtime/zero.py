@@ -153,14 +153,14 @@ class ZeroRuntime:
     def __init__(self, pm, units: list[tuple], offload_params: bool, ngroups: int):
         self.pm = pm
         self.group, self.ranks = get_zero_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, ngroups,
-                                                 pm.PIPE_RANKS)
+                                                 pm.PIPE_RANKS, pm.mesh_axes)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
         self.device = pm.device
         self.host = torch.device("cpu") if offload_params else pm.device
         self.offload = offload_params
         self.same_group = ngroups == 1
-        mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
+        mesh = pm.mesh
         self.mesh = mesh
         rows = {row.name: row for row in param_rows(pm)}
         partial = pm._partial_grad
@@ -170,7 +170,9 @@ class ZeroRuntime:
             shapes = [rows[n].local_shape for n in names]
             trainable = not pm.INFERENCE_ONLY and names[0] not in pm.FROZEN
             u = Unit(attr, path, FlatLayout(names, shapes, self.rank, self.size), trainable)
-            red = grad_reduction(mesh, names[0] in partial, trainable) \
+            red = grad_reduction(mesh, names[0] in partial, trainable,
+                                 tuple(a for a, ns in pm.PARTIAL_GRAD_AXES.items()
+                                       if names[0] in ns)) \
                 if dist.is_initialized() else None
             if red is not None:
                 u.reduce_dims, u.scale = red.dims, red.scale
@@ -299,7 +301,7 @@ class ZeroRuntime:
         if unit.reduce_dims is not None:
             dims = unit.reduce_dims
             group = group_along(dims, self.pm.PLAN_NGPUS, self.pm.RUNTIME_NGPUS,
-                                    self.pm.PIPE_RANKS)
+                                self.pm.PIPE_RANKS, self.pm.mesh_axes)
             if dims == (DP,) and self.same_group and self.group is not None:
                 piece = torch.empty(layout.chunk, dtype=g.dtype, device=g.device)
                 _REDUCE_SCATTER(piece, g, group=self.group)

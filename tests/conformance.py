@@ -224,8 +224,10 @@ CELLS = [
     Cell("bn_data", "data", 2, 2, BN, rtol=1e-4),
     Cell("bn_tp", "tp", 2, 2, BN, rtol=1e-4),
     # the sequence split along cp (ring-free: k and v gathered), with data parallelism
-    Cell("cp_dp", "tp", 2, 4, cp=2),
+    Cell("cp_dp", "tp", 2, 4, DROP, cp=2),
     Cell("cp_tp", "tp", 4, 4, cp=2),
+    Cell("cp_zero3", "tp", 2, 4, cp=2, zero=3),
+    Cell("cp_dynamic", "tp", 2, 2, DYN, dynamic=True, cp=2),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),

@@ -87,6 +87,7 @@ def test_the_plan_splits_the_sequence_and_gathers_only_keys_and_values(tmp_path)
 @pytest.mark.parametrize("pas, match", [
     ({"context_parallel": 3}, r"divides plan_ngpus=2: one of \[1, 2\]"),
     ({"context_parallel": 2, "pipeline_stages": 2}, "does not combine with pipeline_stages"),
+    ({"context_parallel": 2, "context_parallel_attention": "ring"}, "'allgather'"),
 ])
 def test_bad_context_parallel_is_refused(pas, match):
     with pytest.raises(ConfigError, match=match):
