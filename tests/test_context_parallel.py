@@ -141,3 +141,18 @@ def test_causal_rows_are_exact_blocks_merged_by_their_lse(ranks, monkeypatch):
     got = (torch.cat(outs, 2), torch.cat(dq, 2), dk, dv)
     for x, y in zip(got, (ref,) + want):
         assert (x - y).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("arch, attention", [("llama", "allgather"), ("qwen2", "ulysses")])
+def test_cp_times_data_parallel_on_four_ranks(arch, attention, tmp_path):
+    """cp 2 x dp 2 (4 threaded ranks, a process group each): loss and every gradient after the
+    runtime's reduction over cp and dp equal one device, with a padding mask."""
+    from nncompile.tools.simulate import run_ranks
+    model, data = hf(arch), batch(64, padded=True)
+    cfg = ComputeConfig(2, 4, pas_config={"context_parallel": 2,
+                                          "context_parallel_attention": attention})
+    reports = run_ranks(4, lambda rank: nncompile.verify(model, data, cfg, "tp",
+                                                         gen_savedir=str(tmp_path)))
+    assert all(r.ok for r in reports), "\n".join(map(str, reports))
+    code = next(tmp_path.rglob("gencode3.py")).read_text()
+    assert "CP_GROUP = self.axis_group('cp')" in code and "rank 3 of 4" in code
