@@ -17,7 +17,8 @@ PAS_CONFIG_KEYS = frozenset({
     "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
     "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
     "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank",
-    "overlap_grad_sync", "batched_inputs", "context_parallel", "context_parallel_attention"})
+    "overlap_grad_sync", "batched_inputs", "context_parallel", "context_parallel_attention",
+    "context_parallel_order"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
                "offload_params", "check", "compile", "init_sync")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -144,6 +145,12 @@ class ComputeConfig:
             raise ConfigError(f"pas_config['context_parallel_attention']={how!r}: 'allgather' "
                               "(each rank's query rows against gathered keys and values, the "
                               "default) or 'ulysses' (all-to-all from sequence to heads)")
+        order = self.pas_config.get("context_parallel_order")
+        if order not in (None, "zigzag", "contiguous") or (order == "zigzag" and how == "ulysses"):
+            raise ConfigError(f"pas_config['context_parallel_order']={order!r}: 'zigzag' (rank r "
+                              "holds chunks r and 2C-1-r of 2C, the default with 'allgather' "
+                              "attention: causal work balanced) or 'contiguous' (the only order "
+                              "'ulysses' runs)")
         if c == 1:
             return
         for what, on in (("pipeline_stages", self.pipeline.enabled),

@@ -83,7 +83,8 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         if config.pipeline.enabled else None,
         Plan(policy, config),
         ContextParallel(config.context_parallel,
-                        config.pas_config.get("context_parallel_attention", "allgather"))
+                        config.pas_config.get("context_parallel_attention", "allgather"),
+                        config.pas_config.get("context_parallel_order"))
         if config.context_parallel > 1 else None,
         sink_gathers,
         insert_comm,

@@ -28,6 +28,7 @@ does not split it: it then draws the whole tensor's mask on every rank and keeps
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from nncompile.errors import ConfigError
 from nncompile.ir import PARAM, Graph, Partial, Replicate, Shard, Stage, StridedShard
@@ -38,6 +39,7 @@ from .policies.greedy import Walk
 
 CP = "cp"
 ALLGATHER, ULYSSES = "allgather", "ulysses"       # pas_config["context_parallel_attention"]
+ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"       # pas_config["context_parallel_order"]
 
 
 def tensor_config(config, c: int):
@@ -73,14 +75,14 @@ def _rank(walk: Walk, op, s, attention: str) -> int | None:
     return 1 if not s.is_split else None
 
 
-def _conflicts(op, plan, s) -> bool:
+def _conflicts(op, plan, s, zigzag: bool = False) -> bool:
     """`s` (along cp) splits an input dim the tensor plan splits, needs a local
     implementation where the plan uses one, or splits a random op that the plan splits too
     or that has no full-draw local implementation (rng.py)."""
     if s.local_target is not None and plan.local_target is not None:
         return True
     if s.is_split and draws_random(op) and (
-            plan.is_split or getattr(op.target, "_opname", "") not in RANDOM_LOCAL or
+            zigzag or plan.is_split or getattr(op.target, "_opname", "") not in RANDOM_LOCAL or
             any(isinstance(p, StridedShard) or not isinstance(p, Shard) for p in s.outputs)):
         return True
     return any(isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim
@@ -112,9 +114,10 @@ class ContextParallel:
     requires = (Stage.PLANNED,)
     produces = ()
 
-    def __init__(self, ranks: int, attention: str = "allgather"):
+    def __init__(self, ranks: int, attention: str = ALLGATHER, order: str | None = None):
         self.ranks = ranks
         self.attention = attention
+        self.order = order or (ZIGZAG if attention == ALLGATHER else CONTIGUOUS)
 
     def __call__(self, graph: Graph) -> Graph:
         if CP in graph.axes:
@@ -130,10 +133,18 @@ class ContextParallel:
                               f"{g.trace_info.model}.forward has no input shaped [batch, seq, "
                               "...]; pass token ids (or embeddings) batch-first")
         seq = next(v.meta.shape[1] for v in scratch.inputs if id(v) in sequence_dims(scratch))
-        if type(seq) is int and seq % c:
+        pieces = 2 * c if self.order == ZIGZAG else c
+        if type(seq) is int and seq % pieces:
             raise ConfigError(f"pas_config['context_parallel']={c} splits the sequence into "
-                              f"{c} pieces, but it is {seq} long; use a sequence length that "
-                              f"is a multiple of {c}")
+                              f"{pieces} pieces ({self.order} order), but it is {seq} long; use "
+                              f"a sequence length that is a multiple of {pieces}")
+        if self.order == ZIGZAG:
+            g.plan_state.zigzag_axes = (*g.plan_state.zigzag_axes, CP)
+        name = seq.code() if type(seq) is not int else None
+        if name in g.trace_info.sizes:           # a dynamic length: a multiple of the pieces
+            lo, hi, mult = g.trace_info.sizes[name]
+            g.trace_info = dataclasses.replace(g.trace_info, sizes={
+                **g.trace_info.sizes, name: (lo, hi, math.lcm(mult, pieces))})
         walk = SequenceWalk(scratch)
         for op, mine in zip(scratch.ops, g.ops):
             with strided_splits():
@@ -143,7 +154,7 @@ class ContextParallel:
                 if s.note == "keep partial" and not any(
                         isinstance(v.placement, Partial) for v in op.tensor_inputs()):
                     continue
-                if _conflicts(op, mine.strategy, s):
+                if _conflicts(op, mine.strategy, s, self.order == ZIGZAG):
                     continue
                 r = _rank(walk, op, s, self.attention)
                 if r is not None:
@@ -161,10 +172,14 @@ class ContextParallel:
 
 
 def _check_even(g: Graph, c: int) -> None:
-    """Every split along cp divides evenly (the sequence by C, strided blocks too)."""
+    """Every split along cp divides evenly (the sequence by C, or 2C in the zigzag order,
+    strided blocks too)."""
+    if CP in g.plan_state.zigzag_axes:
+        c *= 2
     for v in g.values():
         p = v.axes.get(CP)
-        if isinstance(p, Shard) and v.meta.shape[p.dim] % (c * getattr(p, "outer", 1)):
+        if isinstance(p, Shard) and type(v.meta.shape[p.dim]) is int and \
+                v.meta.shape[p.dim] % (c * getattr(p, "outer", 1)):
             raise ConfigError(
                 f"{v.name} {list(v.meta.shape)} splits dim {p.dim} along cp into {c}, which "
                 f"does not divide it{' (in blocks of ' + str(p.outer) + ')' if isinstance(p, StridedShard) else ''}; "

@@ -32,6 +32,9 @@ from nncompile.mesh import PLAN
 from nncompile.ir import PARAM, PLAN_GROUP, Graph, Op, Partial, Replicate, Shard, Stage, \
     Strategy, StridedShard, TensorMeta, Value
 
+ZIGZAG_KINDS = ("chunk", "all_gather", "reduce_scatter")   # the ones a zigzag order changes
+
+
 def _needs_sync(op: Op, v: Value, want, axis: str = PLAN) -> bool:
     """A use of `v` that leaves a partial gradient along `axis`: `op` is split along it and
     reads `v` whole there."""
@@ -74,6 +77,8 @@ class _Inserter:
 
     def emit(self, kind: str, v: Value, dst, axis: str = PLAN, **kwargs) -> Value:
         out = self._value(v, f"{v.name}_{kind}", v.meta, axis, dst)
+        if axis in self.g.plan_state.zigzag_axes and kind in ZIGZAG_KINDS:
+            kwargs = {**kwargs, "zigzag": True}
         op = Op(f"comm.{kind}", (v,), {**kwargs, "group": group_symbol(axis)}, [out],
                 module_path=v.producer.module_path if v.producer else "")
         src = v.placement_on(axis)

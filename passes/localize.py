@@ -48,12 +48,12 @@ def localize(graph: Graph) -> Graph:
         return graph
     g = graph.clone()
     for op in g.ops:
-        localize_op(op, g.plan_ngpus, g.axes)
+        localize_op(op, g.plan_ngpus, g.axes, g.plan_state.zigzag_axes)
     g.stages = g.stages | {Stage.LOCALIZED}
     return g
 
 
-def localize_op(op, n: int, axes: dict[str, int] | None = None) -> None:
+def localize_op(op, n: int, axes: dict[str, int] | None = None, zigzag: tuple = ()) -> None:
     """Rewrite one op (in place) to run on one rank's shards of a plan unit of n ranks (and
     of the mesh's other `axes`, by size)."""
     s = op.strategy
@@ -65,6 +65,8 @@ def localize_op(op, n: int, axes: dict[str, int] | None = None) -> None:
         axis, target = axis_target
         op.target = target
         op.kwargs = {**op.kwargs, "group": group_symbol(axis)}
+        if axis in zigzag and target == "comm.attention_rows":
+            op.kwargs["zigzag"] = True
     name = getattr(op.target, "_opname", None)
     if (n > 1 or axes) and draws_random(op):
         out = s.outputs[0] if s is not None else None

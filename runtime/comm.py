@@ -102,6 +102,32 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group) -> torch.Ten
     return torch.cat(recvs, dim=src_dim)
 
 
+# The zigzag order of a sequence split over C ranks (context parallelism's load balance for
+# causal attention): the sequence in 2C chunks, rank r holding chunks r and 2C-1-r, so every
+# rank has as many early (cheap) as late (costly) query rows.
+def _zig_chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n, r = _size(group), _rank(group)
+    parts = x.chunk(2 * n, dim=dim)
+    return torch.cat([parts[r], parts[2 * n - 1 - r]], dim=dim)
+
+
+def _zig_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = _size(group)
+    pieces = _gather(x, dim, group).chunk(2 * n, dim=dim)     # rank r: chunks r, 2n-1-r
+    order = [None] * (2 * n)
+    for r in range(n):
+        order[r], order[2 * n - 1 - r] = pieces[2 * r], pieces[2 * r + 1]
+    return torch.cat(order, dim=dim)
+
+
+def _zig_reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _zig_chunk(_reduce(x, group), dim, group)
+
+
+_ZIGZAG = {False: (_chunk, _gather, _reduce_scatter),
+           True: (_zig_chunk, _zig_gather, _zig_reduce_scatter)}
+
+
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -114,40 +140,41 @@ class _AllReduce(torch.autograd.Function):
 
 class _Chunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _chunk(x, dim, group)
+    def forward(ctx, x, dim, group, zigzag=False):
+        ctx.dim, ctx.group, ctx.zigzag = dim, group, zigzag
+        return _ZIGZAG[zigzag][0](x, dim, group)
 
     @staticmethod
     @once_differentiable            # its backward's collective is not differentiable
     def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
+        return _ZIGZAG[ctx.zigzag][1](g, ctx.dim, ctx.group), None, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, reduce_grad):
-        ctx.dim, ctx.group, ctx.reduce_grad = dim, group, reduce_grad
-        return _gather(x, dim, group)
+    def forward(ctx, x, dim, group, reduce_grad, zigzag=False):
+        ctx.dim, ctx.group, ctx.reduce_grad, ctx.zigzag = dim, group, reduce_grad, zigzag
+        return _ZIGZAG[zigzag][1](x, dim, group)
 
     @staticmethod
     @once_differentiable            # its backward's collective is not differentiable
     def backward(ctx, g):
+        chunk, _, reduce_scatter = _ZIGZAG[ctx.zigzag]
         if ctx.reduce_grad:
-            return _reduce_scatter(g, ctx.dim, ctx.group), None, None, None
-        return _chunk(g, ctx.dim, ctx.group), None, None, None
+            return reduce_scatter(g, ctx.dim, ctx.group), None, None, None, None
+        return chunk(g, ctx.dim, ctx.group), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+    def forward(ctx, x, dim, group, zigzag=False):
+        ctx.dim, ctx.group, ctx.zigzag = dim, group, zigzag
+        return _ZIGZAG[zigzag][2](x, dim, group)
 
     @staticmethod
     @once_differentiable            # its backward's collective is not differentiable
     def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
+        return _ZIGZAG[ctx.zigzag][1](g, ctx.dim, ctx.group), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -263,23 +290,25 @@ def all_reduce(x, *, group):
     return _AllReduce.apply(x, group)
 
 
-def chunk(x, *, dim, group):
-    return _Chunk.apply(x, dim, group)
+def chunk(x, *, dim, group, zigzag=False):
+    """R -> S(dim); `zigzag`: this rank's two chunks of 2 x group size (see _zig_chunk)."""
+    return _Chunk.apply(x, dim, group, zigzag)
 
 
-def all_gather(x, *, dim, group, reduce_grad=False, linears=None):
+def all_gather(x, *, dim, group, reduce_grad=False, linears=None, zigzag=False):
     """S(dim) -> R. With reduce_grad the users' gradients are partial sums: reduce-scatter them
     (all_gather + sync_grad in one step). With `linears` ((weight, bias), ...; reduce_grad
     only): the column-split linears the gathered value feeds, returned as a tuple, their
-    weight gradients computed while the input gradient is reduce-scattered."""
+    weight gradients computed while the input gradient is reduce-scattered. `zigzag`: the
+    pieces are in the zigzag order (context parallelism), put back in sequence order."""
     if linears is None:
-        return _AllGather.apply(x, dim, group, reduce_grad)
+        return _AllGather.apply(x, dim, group, reduce_grad, zigzag)
     return _with_linears(x, group, dim, linears,
-                         lambda: _AllGather.apply(x, dim, group, reduce_grad))
+                         lambda: _AllGather.apply(x, dim, group, reduce_grad, zigzag))
 
 
-def reduce_scatter(x, *, dim, group):
-    return _ReduceScatter.apply(x, dim, group)
+def reduce_scatter(x, *, dim, group, zigzag=False):
+    return _ReduceScatter.apply(x, dim, group, zigzag)
 
 
 def all_to_all(x, *, src_dim, dst_dim, group):
@@ -310,24 +339,36 @@ def cross_entropy_rows(input, target, weight=None, reduction=1, ignore_index=-10
 
 
 def attention_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                   scale=None, enable_gqa=False, *, group):
-    """Attention of this rank's query rows (the sequence split across `group`, rank r holding
-    rows r*L .. (r+1)*L-1) against every key and value, each row seeing exactly the keys it
-    sees unsplit. A causal mask is never materialized: the keys after the rank's last row are
-    dropped, and the rest is the keys before its rows (all visible) plus a causal diagonal
-    block, merged by their log-sum-exps (CPU: the flash kernel's own lse), or on CUDA one
-    call with a lower-right causal bias; with a mask of the model's own, the causal part is
-    and-ed into it."""
+                   scale=None, enable_gqa=False, *, group, zigzag=False):
+    """Attention of this rank's query rows against every key and value (the sequence split
+    across `group`: rank r holds rows r*L .. (r+1)*L-1, or with `zigzag` the chunks r and
+    2C-1-r of 2C), each row seeing exactly the keys it sees unsplit. A causal mask is never
+    materialized: each block of rows attends to the keys before it and to its causal
+    diagonal block, merged by their log-sum-exps (CPU: the flash kernel's own lse), or on
+    CUDA to the keys up to its last row with a lower-right causal bias; with a mask of the
+    model's own, the causal part is and-ed into it."""
     if not is_causal:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                               dropout_p=dropout_p, scale=scale,
                                               enable_gqa=enable_gqa)
+    n, r = (_size(group), _rank(group)) if group is not None else (1, 0)
     rows = query.shape[-2]
-    offset = (_rank(group) if group is not None else 0) * rows
+    blocks = ((0, rows, r * rows),) if not zigzag else \
+        ((0, rows // 2, r * rows // 2), (rows // 2, rows // 2, (2 * n - 1 - r) * rows // 2))
+    if attn_mask is None and not dropout_p and query.dim() == 4 and query.device.type == "cpu":
+        return _CausalRows.apply(query, key, value, blocks, scale)
+    return torch.cat([_rows_at(query[..., a:a + m, :], key, value,
+                               None if attn_mask is None else attn_mask[..., a:a + m, :],
+                               dropout_p, offset, scale, enable_gqa)
+                      for a, m, offset in blocks], dim=-2)
+
+
+def _rows_at(query, key, value, attn_mask, dropout_p, offset, scale, enable_gqa):
+    """Causal attention of rows offset .. offset+L-1 against the keys up to its last row: a
+    lower-right causal bias (CUDA), or a boolean mask (CPU with a mask of the model's own)."""
+    rows = query.shape[-2]
     key, value = key[..., :offset + rows, :], value[..., :offset + rows, :]
     if attn_mask is None and not dropout_p and query.dim() == 4:
-        if query.device.type == "cpu":
-            return _CausalRows.apply(query, key, value, offset, scale)
         from torch.nn.attention.bias import causal_lower_right
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=causal_lower_right(rows, offset + rows),
@@ -345,8 +386,8 @@ def attention_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                                           enable_gqa=enable_gqa)
 
 
-def _blocks(offset: int, rows: int) -> list[tuple[int, int, bool]]:
-    """(first key, end key, causal) of the keys before a rank's rows and its diagonal."""
+def _key_blocks(offset: int, rows: int) -> list[tuple[int, int, bool]]:
+    """(first key, end key, causal) of the keys before a block of rows and its diagonal."""
     return ([(0, offset, False)] if offset else []) + [(offset, offset + rows, True)]
 
 
@@ -356,45 +397,55 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class _CausalRows(torch.autograd.Function):
-    """Causal attention of rows offset..offset+L-1 against keys 0..offset+L-1 on CPU, as
-    blocks of the flash kernel merged by log-sum-exp; backward runs each block's flash
-    backward with the merged output and lse (the merge's exact gradient)."""
+    """Causal attention of blocks of rows (first row in q, rows, first row in the sequence)
+    on CPU: per block, the flash kernel on the keys before it and on its diagonal, merged by
+    log-sum-exp into one output; backward runs each piece's flash backward with the merged
+    output and lse (the merge's exact gradient). Saves q, k, v, the output and the lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offset, scale):
-        heads, rows = q.shape[1], q.shape[-2]
+    def forward(ctx, q, k, v, blocks, scale):
+        heads = q.shape[1]
         kx, vx = _heads(k, heads), _heads(v, heads)
         wide = torch.promote_types(q.dtype, torch.float32)     # the merge's precision
-        out = lse = None
-        for a, b, causal in _blocks(offset, rows):
-            o, s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, kx[..., a:b, :], vx[..., a:b, :], 0.0, causal, scale=scale)
-            if out is None:
-                out, lse = o.to(wide), s
-                continue
-            merged = torch.logaddexp(lse, s)
-            out = out * torch.exp(lse - merged).unsqueeze(-1) + \
-                o.to(wide) * torch.exp(s - merged).unsqueeze(-1)
-            lse = merged
-        out = out.to(q.dtype)
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:-1], dtype=wide)
+        for a, m, offset in blocks:
+            o = s = None
+            for ka, kb, causal in _key_blocks(offset, m):
+                ob, sb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q[..., a:a + m, :], kx[..., ka:kb, :], vx[..., ka:kb, :], 0.0, causal,
+                    scale=scale)
+                if o is None:
+                    o, s = ob.to(wide), sb
+                    continue
+                merged = torch.logaddexp(s, sb)
+                o = o * torch.exp(s - merged).unsqueeze(-1) + \
+                    ob.to(wide) * torch.exp(sb - merged).unsqueeze(-1)
+                s = merged
+            out[..., a:a + m, :] = o
+            lse[..., a:a + m] = s
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.offset, ctx.scale = offset, scale
+        ctx.blocks, ctx.scale = blocks, scale
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        heads, rows = q.shape[1], q.shape[-2]
+        heads = q.shape[1]
         kx, vx = _heads(k, heads), _heads(v, heads)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kx), torch.zeros_like(vx)
-        for a, b, causal in _blocks(ctx.offset, rows):
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad.contiguous(), q, kx[..., a:b, :], vx[..., a:b, :], out, lse, 0.0, causal,
-                scale=ctx.scale)
-            dq += gq
-            dk[..., a:b, :] += gk
-            dv[..., a:b, :] += gv
+        for a, m, offset in ctx.blocks:
+            rows = slice(a, a + m)
+            g, qb = grad[..., rows, :].contiguous(), q[..., rows, :].contiguous()
+            ob, sb = out[..., rows, :].contiguous(), lse[..., rows].contiguous()
+            for ka, kb, causal in _key_blocks(offset, m):
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    g, qb, kx[..., ka:kb, :], vx[..., ka:kb, :], ob, sb, 0.0, causal,
+                    scale=ctx.scale)
+                dq[..., rows, :] += gq
+                dk[..., ka:kb, :] += gk
+                dv[..., ka:kb, :] += gv
         if k.shape[1] != heads:         # GQA: each k/v head's gradient from its query heads
             g = heads // k.shape[1]
             dk = dk.unflatten(1, (k.shape[1], g)).sum(2)

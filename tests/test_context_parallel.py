@@ -47,12 +47,16 @@ def batch(seq: int, padded: bool = False) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch, seq, plan, padded", [
-    ("llama", 64, 2, False), ("qwen2", 128, 2, False), ("llama", 64, 4, False),
-    ("qwen2", 64, 4, True), ("llama", 256, 2, True)])
-def test_sequence_split_equals_one_device(arch, seq, plan, padded, tmp_path):
-    """cp 2 alone (plan 2) or with tp 2 (plan 4): loss and every gradient (verify: rtol 1e-5)."""
-    cfg = ComputeConfig(plan, plan, pas_config={"context_parallel": 2})
+@pytest.mark.parametrize("arch, seq, plan, padded, order", [
+    ("llama", 64, 2, False, "zigzag"), ("qwen2", 128, 2, False, "zigzag"),
+    ("llama", 64, 4, False, "zigzag"), ("qwen2", 64, 4, True, "zigzag"),
+    ("llama", 256, 2, True, "zigzag"), ("llama", 64, 2, True, "contiguous"),
+    ("qwen2", 64, 4, False, "contiguous")])
+def test_sequence_split_equals_one_device(arch, seq, plan, padded, order, tmp_path):
+    """cp 2 alone (plan 2) or with tp 2 (plan 4), in the zigzag (default) or contiguous
+    order: loss and every gradient (verify: rtol 1e-5)."""
+    cfg = ComputeConfig(plan, plan, pas_config={"context_parallel": 2,
+                                                "context_parallel_order": order})
     report = nncompile.verify(hf(arch), batch(seq, padded), cfg, "tp",
                               gen_savedir=str(tmp_path))
     assert report.ok, str(report)
@@ -78,7 +82,9 @@ def test_the_plan_splits_the_sequence_and_gathers_only_keys_and_values(tmp_path)
     assert len(summed) == 2 * 2, cp
     assert not [r for r in plan["collective_ops"] if r.get("axis") != "cp"]   # no tp: plan 1
     code = (out / "gencode0.py").read_text()
-    assert "input_ids_chunk = comm.chunk(input_ids, dim=1, group=CP_GROUP)" in code
+    # the zigzag order (the default): rank r holds chunks r and 3 - r of 4
+    assert "input_ids_chunk = comm.chunk(input_ids, dim=1, zigzag=True, group=CP_GROUP)" in code
+    assert "zigzag=True" in code[code.index("comm.attention_rows("):][:400]
     assert "MESH_AXES = {'cp': 2}" in code and "PARTIAL_GRAD_AXES = {'cp': [" in code
     assert "# nncompile IR: plan_ngpus=1 axes=cp:2" in \
         sorted((out / "graphs").glob("*.py"))[-1].read_text()
@@ -88,6 +94,8 @@ def test_the_plan_splits_the_sequence_and_gathers_only_keys_and_values(tmp_path)
     ({"context_parallel": 3}, r"divides plan_ngpus=2: one of \[1, 2\]"),
     ({"context_parallel": 2, "pipeline_stages": 2}, "does not combine with pipeline_stages"),
     ({"context_parallel": 2, "context_parallel_attention": "ring"}, "'allgather'"),
+    ({"context_parallel": 2, "context_parallel_attention": "ulysses",
+      "context_parallel_order": "zigzag"}, "the only order 'ulysses' runs"),
 ])
 def test_bad_context_parallel_is_refused(pas, match):
     with pytest.raises(ConfigError, match=match):
@@ -95,8 +103,8 @@ def test_bad_context_parallel_is_refused(pas, match):
 
 
 def test_a_sequence_that_does_not_split_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="multiple of 2"):
-        nncompile.parallelize(hf("llama"), batch(63), ComputeConfig(2, 2, pas_config={
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        nncompile.parallelize(hf("llama"), batch(62), ComputeConfig(2, 2, pas_config={
             "context_parallel": 2}), pas_policy="tp", gen_savedir=str(tmp_path),
             load_module=False)
 
@@ -115,10 +123,11 @@ def test_ulysses_all_to_all_equals_one_device(padded, tmp_path):
     assert code.count("comm.all_to_all(") >= 2 * 2 and "group=CP_GROUP" in code
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_causal_rows_are_exact_blocks_merged_by_their_lse(ranks, monkeypatch):
-    """comm.attention_rows on each rank's rows (float64, GQA): outputs and the gradients of
-    q, k and v summed over the ranks equal one causal attention, without a mask."""
+@pytest.mark.parametrize("ranks, zigzag", [(2, False), (4, False), (2, True), (4, True)])
+def test_causal_rows_are_exact_blocks_merged_by_their_lse(ranks, zigzag, monkeypatch):
+    """comm.attention_rows on each rank's rows (float64, GQA; contiguous, or the zigzag order:
+    chunks r and 2C-1-r of 2C): outputs and the gradients of q, k and v summed over the ranks
+    equal one causal attention, without a mask."""
     from nncompile.runtime import comm
     torch.manual_seed(0)
     q = torch.randn(2, 4, 32, 8, dtype=torch.float64, requires_grad=True)
@@ -127,19 +136,22 @@ def test_causal_rows_are_exact_blocks_merged_by_their_lse(ranks, monkeypatch):
                                                            enable_gqa=True)
     grad = torch.randn_like(ref)
     want = torch.autograd.grad(ref, (q, k, v), grad)
-    rows, outs, dq, dk, dv = 32 // ranks, [], [], 0, 0
+    monkeypatch.setattr(comm, "_size", lambda group: ranks)
+    chunk = 32 // (2 * ranks)
+    out, dq, dk, dv = torch.zeros_like(ref), torch.zeros_like(q), 0, 0
     for r in range(ranks):
         monkeypatch.setattr(comm, "_rank", lambda group, r=r: r)
-        qr = q[:, :, r * rows:(r + 1) * rows].detach().requires_grad_()
+        blocks = [2 * r, 2 * r + 1] if not zigzag else [r, 2 * ranks - 1 - r]
+        rows = [i for b in blocks for i in range(b * chunk, (b + 1) * chunk)]
+        qr = q[:, :, rows].detach().requires_grad_()
         kr, vr = k.detach().requires_grad_(), v.detach().requires_grad_()
-        out = comm.attention_rows(qr, kr, vr, is_causal=True, enable_gqa=True, group="cp")
-        assert "CausalRows" in type(out.grad_fn).__name__         # no mask materialized
-        a, b, c = torch.autograd.grad(out, (qr, kr, vr), grad[:, :, r * rows:(r + 1) * rows])
-        outs.append(out)
-        dq.append(a)
+        o = comm.attention_rows(qr, kr, vr, is_causal=True, enable_gqa=True, group="cp",
+                                zigzag=zigzag)
+        assert "CausalRows" in str(o.grad_fn) or "Cat" in str(o.grad_fn)   # no mask
+        a, b, c = torch.autograd.grad(o, (qr, kr, vr), grad[:, :, rows])
+        out[:, :, rows], dq[:, :, rows] = o.detach(), a
         dk, dv = dk + b, dv + c
-    got = (torch.cat(outs, 2), torch.cat(dq, 2), dk, dv)
-    for x, y in zip(got, (ref,) + want):
+    for x, y in zip((out, dq, dk, dv), (ref,) + want):
         assert (x - y).abs().max() < 1e-12
 
 

@@ -344,6 +344,9 @@ class PlanState:
     # per mesh axis beyond plan (Graph.axes): the parameters whose gradients the runtime sums
     # over it (every use reads them whole there while running on pieces)
     axis_partial_grad: dict[str, list[str]] = field(default_factory=dict)
+    # mesh axes whose splits are in the zigzag order (context parallelism's load balance:
+    # rank r holds chunks r and 2C-1-r of 2C); their chunk/gather collectives say zigzag=True
+    zigzag_axes: tuple[str, ...] = ()
     recompute_regions: int = 0
     pipeline: PipelinePlan | None = None
     # ZeRO-3's flat parameters (passes/lower_zero3.py), per pipeline rank (0 without a

@@ -136,8 +136,24 @@ def _error(a: torch.Tensor, ref: torch.Tensor) -> float | None:
     return None if err <= bound and err == err else err
 
 
+def _unzigzag(pieces: list, placement) -> torch.Tensor:
+    """The whole tensor from pieces in the zigzag order (piece r: chunks r and 2n-1-r; of
+    each outer block under a strided split)."""
+    d = placement.dim % pieces[0].dim()
+    outer = getattr(placement, "outer", 1)
+    if outer > 1:
+        pieces = [p.unflatten(d, (outer, -1)) for p in pieces]
+        d += 1
+    n = len(pieces)
+    order = [None] * (2 * n)
+    for r, p in enumerate(pieces):
+        order[r], order[2 * n - 1 - r] = p.chunk(2, dim=d)
+    whole = torch.cat(order, dim=d)
+    return whole.flatten(d - 1, d) if outer > 1 else whole
+
+
 def _check_axes(pieces_by_rank: dict[int, Any], ref: torch.Tensor, v, mesh: Mesh,
-                grad: bool) -> tuple[int, float] | None:
+                grad: bool, zigzag: tuple = ()) -> tuple[int, float] | None:
     """_check for a mesh with axes beyond dp and plan (cp): each unit's pieces combined along
     plan, then along each other axis, innermost first (S joined, P summed, R the first piece;
     a gradient of a value whole along an axis may also be a partial sum there)."""
@@ -158,6 +174,7 @@ def _check_axes(pieces_by_rank: dict[int, Any], ref: torch.Tensor, v, mesh: Mesh
                 for key in sorted(level):
                     groups.setdefault(key[:depth - 1], []).append(level[key])
                 level = {k: (torch.stack(ps).sum(0) if summed and isinstance(p, Replicate)
+                             else _unzigzag(ps, p) if axis in zigzag and isinstance(p, Shard)
                              else _unit_value(ps, p)) for k, ps in groups.items()}
             errs.append(_error(level[()], ref))
         if all(e is not None for e in errs):
@@ -195,7 +212,8 @@ def _check(pieces_by_rank: dict[int, Any], ref: torch.Tensor, placement, mesh: M
 def first_divergence(graph: Graph, ref: Capture, ranks: list[Capture]) -> Divergence | None:
     """Compare every op output of the final (localized) `graph` with the reference."""
     mesh = Mesh.of(graph.plan_ngpus, len(ranks), 1, graph.axes)   # a Capture per rank
-    check = (lambda pieces, ref, v, grad: _check_axes(pieces, ref, v, mesh, grad)) \
+    zigzag = graph.plan_state.zigzag_axes
+    check = (lambda pieces, ref, v, grad: _check_axes(pieces, ref, v, mesh, grad, zigzag)) \
         if graph.axes else (lambda pieces, ref, v, grad: _check(pieces, ref, v.placement, mesh,
                                                                grad))
     users: dict[str, list[str]] = {}
