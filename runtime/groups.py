@@ -16,6 +16,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from nncompile.errors import ConfigError
 from nncompile.mesh import DP, PLAN, PP, Mesh
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> groups
@@ -83,6 +84,22 @@ def group_along(dims: tuple[str, ...], plan: int, runtime: int, pipe: int = 1,
         return unit if dims == (PLAN,) else shard
     return _cached(("along", tuple(sorted(dims)), plan, runtime, pipe, axes),
                    mesh.groups_along(tuple(dims)))
+
+
+RUNTIME_AXES = ("cp",)      # mesh axes beyond dp, pp and plan the runtime makes groups for
+
+
+def axis_groups(rank: int, plan: int, runtime: int, pipe: int, axes: tuple) -> dict:
+    """{axis: this rank's group along it} for a file's MESH_AXES (None without a process
+    group); a ConfigError for an axis the runtime makes no group for."""
+    unknown = sorted(set(dict(axes)) - set(RUNTIME_AXES))
+    if unknown:
+        raise ConfigError(
+            f"this program (rank {rank}) places values along mesh axes {unknown} beyond dp, "
+            f"pp, plan and {', '.join(RUNTIME_AXES)}, whose process groups this runtime does "
+            "not make: compile without them (a policy that sets graph.axes)")
+    return {axis: group_along((axis,), plan, runtime, pipe, axes) if dist.is_initialized()
+            else None for axis, _ in axes}
 
 
 def pipe_group(plan: int, runtime: int, pipe: int):

@@ -27,9 +27,7 @@ from nncompile.rows import buffer_rows, const_rows, param_rows, take
 from nncompile import arguments
 
 from . import consistency
-from .groups import get_groups, group_along
-
-RUNTIME_AXES = ("cp",)      # mesh axes beyond dp, pp and plan the runtime makes groups for
+from .groups import axis_groups, get_groups, group_along
 from .reducer import Reducer
 from .zero import ZeroRuntime
 from .param_handles import make_handles, release_original, take_original
@@ -80,18 +78,11 @@ class ParallelModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module | None = None, device: Any = None,
                  compute_config: ComputeConfig | None = None):
         super().__init__()
-        unknown = sorted(set(self.MESH_AXES) - set(RUNTIME_AXES))
-        if unknown:
-            raise ConfigError(
-                f"this program (rank {self.RANK}) places values along mesh axes {unknown} "
-                f"beyond dp, pp, plan and {', '.join(RUNTIME_AXES)}, whose process groups this "
-                "runtime does not make: compile without them (a policy that sets graph.axes)")
+        self.axis_groups = axis_groups(self.RANK, self.PLAN_NGPUS, self.RUNTIME_NGPUS,
+                                       self.PIPE_RANKS, self.mesh_axes)
         self.compute_config = compute_config or ComputeConfig(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
         self.plan_group, self.dp_group = get_groups(self.PLAN_NGPUS, self.RUNTIME_NGPUS,
                                                     self.PIPE_RANKS, self.mesh_axes)
-        self.axis_groups = {axis: group_along((axis,), self.PLAN_NGPUS, self.RUNTIME_NGPUS,
-                                              self.PIPE_RANKS, self.mesh_axes)
-                            if dist.is_initialized() else None for axis in self.MESH_AXES}
         if device is None:
             device = next((t.device for t in (module.parameters() if module is not None else [])
                            if not t.is_meta), torch.device("cpu"))
