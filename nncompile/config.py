@@ -128,18 +128,22 @@ class ComputeConfig:
                 f"{self.dp_size}")
 
     @property
-    def context_parallel(self) -> int:
+    def context_parallel(self) -> int | str:
         """C, the context-parallel ranks of a plan unit (pas_config["context_parallel"],
-        default 1): each unit is C context ranks x plan_ngpus // C tensor ranks."""
+        default 1): each unit is C context ranks x plan_ngpus // C tensor ranks; "auto":
+        autodist chooses C."""
         return self.pas_config.get("context_parallel", 1)
 
     def _check_context_parallel(self) -> None:
         c = self.context_parallel
-        if not _is_int(c) or c < 1 or self.plan_ngpus % c:
+        if c == AUTO:
+            c = 2               # the combinations below are refused for any C > 1
+        elif not _is_int(c) or c < 1 or self.plan_ngpus % c:
             divisors = [d for d in range(1, self.plan_ngpus + 1) if self.plan_ngpus % d == 0]
             raise ConfigError(f"pas_config['context_parallel']={c!r}: the context-parallel "
                               f"ranks of a plan unit, an int that divides plan_ngpus="
-                              f"{self.plan_ngpus}: one of {divisors}")
+                              f"{self.plan_ngpus}: one of {divisors}, or 'auto' (autodist "
+                              f"chooses)")
         how = self.pas_config.get("context_parallel_attention", "allgather")
         if how not in ("allgather", "ulysses"):
             raise ConfigError(f"pas_config['context_parallel_attention']={how!r}: 'allgather' "
@@ -158,8 +162,9 @@ class ComputeConfig:
                          ("compile=True", self.compile),
                          ("inference_only=True", self.inference_only)):
             if on:
-                raise ConfigError(f"pas_config['context_parallel']={c} does not combine with "
-                                  f"{what} yet; drop one of them")
+                raise ConfigError(f"pas_config['context_parallel']="
+                                  f"{self.context_parallel!r} does not combine with {what} "
+                                  f"yet; drop one of them")
 
     def _check_memory_fields(self) -> None:
         z = self.use_zero

@@ -54,8 +54,13 @@ Pass = Callable[[Graph], Graph]
 
 
 def check_auto_memory(config: Any, policy: Callable) -> None:
-    """"auto" memory options (use_zero, offload_optimizer, recompute_modules) are chosen by
-    autodist with the plan: ConfigError under any other policy."""
+    """"auto" memory options (use_zero, offload_optimizer, recompute_modules) and
+    context_parallel are chosen by autodist with the plan: ConfigError under any other
+    policy."""
+    if config.context_parallel == AUTO and policy is not POLICIES["autodist"]:
+        raise ConfigError(f"pas_config['context_parallel']='auto' is chosen by autodist, but "
+                          f"the policy is {getattr(policy, '__name__', repr(policy))!r}; pass "
+                          "pas_policy='autodist' or the number of context-parallel ranks")
     auto = auto_fields(config)
     if auto and policy is not POLICIES["autodist"]:
         name = getattr(policy, "__name__", repr(policy))
@@ -85,7 +90,7 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         ContextParallel(config.context_parallel,
                         config.pas_config.get("context_parallel_attention", "allgather"),
                         config.pas_config.get("context_parallel_order"))
-        if config.context_parallel > 1 else None,
+        if config.context_parallel != 1 else None,
         sink_gathers,
         insert_comm,
         Recompute(config.pas_config["recompute_modules"])

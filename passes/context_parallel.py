@@ -45,10 +45,62 @@ ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"       # pas_config["context_parallel
 def tensor_config(config, c: int):
     """The ComputeConfig the policy plans the tensor axis with: plan_ngpus // C ranks, the
     data-parallel units as many as before."""
-    pas = {k: v for k, v in config.pas_config.items() if k != "context_parallel"}
+    pas = {k: v for k, v in config.pas_config.items() if not k.startswith("context_parallel")}
     runtime = (config.runtime_ngpus or config.plan_ngpus) // c
     return dataclasses.replace(config, plan_ngpus=config.plan_ngpus // c,
                                runtime_ngpus=runtime, pas_config=pas)
+
+
+def choose_context(graph: Graph, config, policy) -> Graph:
+    """context_parallel="auto": autodist plans the tensor axis for every C dividing
+    plan_ngpus whose pieces divide the sequence, each priced with its sequence split (compute
+    and activations / C, keys and values gathered along cp: cost_model.py), and keeps the
+    fastest plan that fits; the candidates and why are in plan_state.autodist
+    ["context_parallel"]. The graph returned carries axes["cp"] = C (none for C = 1)."""
+    from .autodist import PlanInfeasibleError
+    order = config.pas_config.get("context_parallel_order")
+    attention = config.pas_config.get("context_parallel_attention", ALLGATHER)
+    zigzag = (order or (ZIGZAG if attention == ALLGATHER else CONTIGUOUS)) == ZIGZAG
+    seqs = [v.meta.shape[1] for v in graph.inputs if id(v) in sequence_dims(graph)]
+    rows, best, errors = [], None, []
+    for c in [d for d in range(1, config.plan_ngpus + 1) if config.plan_ngpus % d == 0]:
+        pieces = 2 * c if zigzag and c > 1 else c
+        if c > 1 and (not seqs or (type(seqs[0]) is int and seqs[0] % pieces)):
+            rows.append({"cp": c, "fits": False, "why": "the sequence does not split"})
+            continue
+        g = graph.clone()
+        if c > 1:
+            g.axes = {CP: c, **g.axes}
+        try:
+            planned = policy(g, tensor_config(config, c))
+        except PlanInfeasibleError as e:
+            rows.append({"cp": c, "fits": False, "why": str(e).splitlines()[0][:200]})
+            errors.append(e)
+            continue
+        data = planned.plan_state.autodist or {}
+        ms, gb = data.get("objective_ms"), data.get("memory_gb")
+        rows.append({"cp": c, "fits": True, "ms": ms, "gb": gb})
+        if best is None or (ms is not None and ms < best[0]):
+            best = (ms if ms is not None else float("inf"), c, planned)
+    if best is None:
+        raise errors[-1] if errors else ConfigError(
+            "context_parallel='auto': no context-parallel size fits; give one")
+    _, c, planned = best
+    why = (f"autodist: context_parallel={c} of {[r['cp'] for r in rows]}: the fastest plan "
+           f"that fits ({'; '.join(_row_text(r) for r in rows)})")
+    planned.plan_state.autodist = {**(planned.plan_state.autodist or {}),
+                                   "context_parallel": {"chosen": c, "candidates": rows,
+                                                        "why": why}}
+    from nncompile.log import log
+    log(why)
+    return planned
+
+
+def _row_text(r: dict) -> str:
+    if not r["fits"]:
+        return f"cp {r['cp']}: {r['why']}"
+    return f"cp {r['cp']}: {r['ms']:.1f} ms, {r['gb']:.1f} GB" if r.get("ms") is not None \
+        else f"cp {r['cp']}: fits"
 
 
 def sequence_dims(g: Graph) -> dict[int, int]:
@@ -114,17 +166,19 @@ class ContextParallel:
     requires = (Stage.PLANNED,)
     produces = ()
 
-    def __init__(self, ranks: int, attention: str = ALLGATHER, order: str | None = None):
-        self.ranks = ranks
+    def __init__(self, ranks: int | str, attention: str = ALLGATHER, order: str | None = None):
+        self.ranks = ranks              # "auto": the C autodist chose (graph.axes["cp"])
         self.attention = attention
         self.order = order or (ZIGZAG if attention == ALLGATHER else CONTIGUOUS)
 
     def __call__(self, graph: Graph) -> Graph:
-        if CP in graph.axes:
-            return graph
-        c = self.ranks
+        if any(CP in op.strategy.axis_inputs for op in graph.ops):
+            return graph                         # placed along cp already
+        c = graph.axes.get(CP, 1) if self.ranks == "auto" else self.ranks
+        if c == 1:
+            return graph                         # autodist chose no context parallelism
         g = graph.clone()
-        g.axes = {CP: c, **g.axes}
+        g.axes = {CP: c, **{a: s for a, s in g.axes.items() if a != CP}}
         scratch = graph.clone()                  # placements along cp, walked on full shapes
         for v in scratch.values():
             v.placement, v.axes = Replicate(), {}

@@ -19,7 +19,7 @@ from nncompile.ir import Graph, Partial, Replicate, Stage
 from nncompile.rules import replicated, strategies, strided_splits
 
 from .pipeline_stages import stage_config
-from .context_parallel import tensor_config
+from .context_parallel import CP, choose_context, tensor_config
 
 
 @dataclass
@@ -35,9 +35,15 @@ class Plan:
         pp = graph.plan_state.pipeline
         if pp is not None:         # each stage runs on its pp.tp tensor-parallel ranks
             config = stage_config(config, pp.tp, pp.ranks)
-        if config.context_parallel > 1:     # the tensor axis: plan_ngpus // C ranks
-            config = tensor_config(config, config.context_parallel)
-        g = self.policy(graph, config)
+        if config.context_parallel == "auto":       # autodist tries each C (context_parallel.py)
+            g = choose_context(graph, config, self.policy)
+            config = tensor_config(config, g.axes.get(CP, 1))
+        else:
+            if config.context_parallel > 1:     # the tensor axis: plan_ngpus // C ranks, the
+                config = tensor_config(config, config.context_parallel)     # cp axis priced
+                graph = graph.clone()                                       # by autodist
+                graph.axes = {CP: self.config.context_parallel, **graph.axes}
+            g = self.policy(graph, config)
         if not isinstance(g, Graph):
             raise PolicyError(f"policy {getattr(self.policy, '__name__', self.policy)!r} "
                               f"returned {type(g).__name__}, not a Graph")

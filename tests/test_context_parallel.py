@@ -168,3 +168,28 @@ def test_cp_times_data_parallel_on_four_ranks(arch, attention, tmp_path):
     assert all(r.ok for r in reports), "\n".join(map(str, reports))
     code = next(tmp_path.rglob("gencode3.py")).read_text()
     assert "CP_GROUP = self.axis_group('cp')" in code and "rank 3 of 4" in code
+
+
+def test_autodist_chooses_the_context_parallel_size(tmp_path):
+    """context_parallel='auto' (autodist): every C dividing plan_ngpus is planned, priced with
+    its sequence split, and the fastest that fits is kept; plan.json says why; the program
+    then runs at that C (here checked against one device)."""
+    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": "auto"})
+    out = nncompile.parallelize(hf("llama"), batch(256), cfg, pas_policy="autodist",
+                                gen_savedir=str(tmp_path), load_module=False)
+    auto = json.loads((out / "plan.json").read_text())["autodist"]["context_parallel"]
+    rows = auto["candidates"]
+    assert [r["cp"] for r in rows] == [1, 2] and all(r["fits"] for r in rows)
+    fastest = min(rows, key=lambda r: r["ms"])
+    assert auto["chosen"] == fastest["cp"] and f"context_parallel={fastest['cp']}" in auto["why"]
+    code = (out / "gencode0.py").read_text()
+    assert ("MESH_AXES = {'cp': 2}" in code) == (auto["chosen"] == 2)
+    assert nncompile.verify(hf("llama"), batch(256), cfg, "autodist",
+                            gen_savedir=str(tmp_path / "v")).ok
+
+
+def test_context_parallel_auto_needs_autodist(tmp_path):
+    with pytest.raises(ConfigError, match="'auto' is chosen by autodist"):
+        nncompile.parallelize(hf("llama"), batch(64), ComputeConfig(2, 2, pas_config={
+            "context_parallel": "auto"}), pas_policy="tp", gen_savedir=str(tmp_path),
+            load_module=False)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..collectives import axis_of
 from ..ir import Graph, Value
 from ..log import log
 from ..modes import ModeArg, resolve
@@ -88,7 +89,8 @@ def _rank0_view(module: types.ModuleType, n: int) -> dict[str, Any]:
     return env
 
 
-def _collective(kind: str, args: tuple, kwargs: dict, out: Value, n: int, comm_env) -> Any:
+def _collective(kind: str, args: tuple, kwargs: dict, out: Value, n: int, comm_env,
+                axes: dict | None = None, axis: str = "plan") -> Any:
     """A collective on this rank's piece: the runtime's output shape, aliasing as it does."""
     if kind == "cross_entropy_rows":
         return comm_env["cross_entropy_rows"](*args, **kwargs)
@@ -97,9 +99,10 @@ def _collective(kind: str, args: tuple, kwargs: dict, out: Value, n: int, comm_e
     if kind == "sync_grad":
         y = x
     elif kind == "chunk":
-        y = x.detach().chunk(n, dim=kwargs["dim"])[0].contiguous()
+        size = n if axis == "plan" else (axes or {}).get(axis, n)     # the group's ranks
+        y = x.detach().chunk(size, dim=kwargs["dim"])[0].contiguous()
     else:
-        shape = out.local_shape(n) if out.is_tensor else None
+        shape = out.local_shape(n, axes) if out.is_tensor else None
         if linears is not None:         # the fused op's outputs are the linears'; x gathered
             shape = list(x.shape)
             shape[kwargs["dim"]] *= n
@@ -111,8 +114,8 @@ def _collective(kind: str, args: tuple, kwargs: dict, out: Value, n: int, comm_e
     return tuple(torch.nn.functional.linear(y, w, b) for w, b in linears)
 
 
-def _fake_input(v: Value, n: int) -> torch.Tensor:
-    t = torch.empty(v.local_shape(n), dtype=v.meta.dtype)
+def _fake_input(v: Value, n: int, axes: dict | None = None) -> torch.Tensor:
+    t = torch.empty(v.local_shape(n, axes), dtype=v.meta.dtype)
     return t.requires_grad_(bool(v.requires_grad and t.is_floating_point()))
 
 
@@ -190,7 +193,7 @@ def predict(g: Graph, training: bool = True) -> Activations:
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for v in g.inputs + g.params + g.buffers:
             if v.is_tensor:
-                t = _fake_input(v, n)
+                t = _fake_input(v, n, g.axes)
                 env[id(v)] = t
                 held.add(t.untyped_storage()._cdata)
                 keep.append(t)
@@ -198,7 +201,7 @@ def predict(g: Graph, training: bool = True) -> Activations:
                 env[id(v)] = None
         with torch.no_grad():           # constants: computed once when the code loads
             for op in g.const_ops:
-                _run(op, get, env, n, envs, unknown)
+                _run(op, get, env, n, envs, unknown, g.axes)
                 for v in op.outputs:
                     t = env.get(id(v))
                     if isinstance(t, torch.Tensor):
@@ -214,9 +217,9 @@ def predict(g: Graph, training: bool = True) -> Activations:
                     again.append({})
                     before.append(sum(saved.values()))     # alive while it is rerun
                 with torch.autograd.graph.saved_tensors_hooks(pack_again, lambda t: t):
-                    _run(op, get, env, n, envs, unknown)
+                    _run(op, get, env, n, envs, unknown, g.axes)
             else:
-                _run(op, get, env, n, envs, unknown)
+                _run(op, get, env, n, envs, unknown, g.axes)
             if new_bytes[0]:
                 per_op.append((op.name, op.module_path, new_bytes[0]))
     return Activations(sum(saved.values()), per_op, largest[0], unknown,
@@ -224,7 +227,8 @@ def predict(g: Graph, training: bool = True) -> Activations:
                        max((b + sum(r.values()) for b, r in zip(before, again)), default=0))
 
 
-def _run(op, get, env: dict[int, Any], n: int, envs: dict, unknown: list[str]) -> None:
+def _run(op, get, env: dict[int, Any], n: int, envs: dict, unknown: list[str],
+         axes: dict | None = None) -> None:
     """Run one op on fake tensors into `env` (outputs of its traced local shapes if it
     cannot run)."""
     from ..custom_ops import REGISTRY, is_custom_op
@@ -234,7 +238,8 @@ def _run(op, get, env: dict[int, Any], n: int, envs: dict, unknown: list[str]) -
         if isinstance(target, str):
             space, _, kind = target.partition(".")
             if space == "comm":
-                out = _collective(kind, args, kwargs, op.outputs[0], n, envs["comm"])
+                out = _collective(kind, args, kwargs, op.outputs[0], n, envs["comm"], axes,
+                                  axis_of(op))
             else:
                 out = envs[space][kind](*args, **kwargs)
         elif is_custom_op(target):
@@ -243,7 +248,7 @@ def _run(op, get, env: dict[int, Any], n: int, envs: dict, unknown: list[str]) -
             out = target(*args, **kwargs)
     except Exception:           # noqa: BLE001 - counted as unknown, shapes as traced
         unknown.append(op.name)
-        outs = [_fake_input(v, n) if v.is_tensor else None for v in op.outputs]
+        outs = [_fake_input(v, n, axes) if v.is_tensor else None for v in op.outputs]
         out = outs if op.multi_output else (outs[0] if outs else None)
     if op.multi_output:
         for v, o in zip(op.outputs, out):

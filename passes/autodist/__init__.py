@@ -92,8 +92,9 @@ def problem_of(g: Graph, config, recompute: list[str] | None = None) -> Problem:
     if recompute is None:
         rc = pc.get("recompute_modules")
         recompute = [] if rc == AUTO else list(rc or [])
-    return build_problem(g, cost_model(config), parse_constraints(pc.get("constraints")),
-                         recompute)
+    model = cost_model(config)
+    model.context = g.axes.get("cp", 1)     # the sequence split (passes/context_parallel.py)
+    return build_problem(g, model, parse_constraints(pc.get("constraints")), recompute)
 
 
 def apply(g: Graph, prob: Problem, picks: list[int]) -> None:

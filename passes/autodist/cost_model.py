@@ -125,6 +125,16 @@ class CostModel:
     optimizer_state_bytes: float = 8.0
     bucket_bytes: float = 25 * 2 ** 20      # the runtime's gradient bucket (reducer_bucket_cap_mb)
     axes: dict[str, int] = field(default_factory=dict)   # the mesh's other axes (Graph.axes)
+    # context-parallel ranks (Graph.axes["cp"]): each runs every token-wise op, and attention's
+    # rows, on 1/C of the sequence (compute and activations / C), gathering attention's keys
+    # and values along cp (and reduce-scattering their gradients)
+    context: int = 1
+
+    def tokens_share(self, v: Value, full_bytes: float) -> float:
+        """The bytes of `v` one context-parallel rank holds: an activation's 1/C (its tokens),
+        a parameter, buffer or constant whole."""
+        return full_bytes if v.kind in FREE_KINDS or self.context == 1 else \
+            full_bytes / self.context
 
     def axis_size(self, axis: str) -> int:
         """The ranks along mesh axis `axis`: the group a collective on it runs over."""
@@ -173,9 +183,15 @@ class CostModel:
                 nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs))
         dtype = op.outputs[0].meta.dtype if op.outputs and op.outputs[0].is_tensor else None
         peak = self.profile.peak_flops(dtype) * (self.profile.op_efficiency or {}).get(name, 1.0)
-        t = (max(f / peak, b / self.profile.mem_bandwidth) + over) * self.stretch
-        if self.training and any(v.requires_grad for v in op.outputs):
+        c = self.context
+        t = (max(f / peak / c, b / self.profile.mem_bandwidth / c) + over) * self.stretch
+        backward = self.training and any(v.requires_grad for v in op.outputs)
+        if backward:
             t *= 3.0
+        if c > 1 and name == "scaled_dot_product_attention":    # k and v gathered along cp
+            kv = sum(nbytes(v, p, self.n) for v, p in zip(tensors[1:3], inputs[1:3]))
+            t += self.collective("all_gather", kv, group=c, span=c * self.n) * (
+                2 if backward else 1)                              # + their reduce-scatter
         return t
 
     # ---- collectives ----
@@ -220,7 +236,7 @@ class CostModel:
         collectives (forward, plus their backward duals when the value needs a gradient),
         and the forward kinds used."""
         steps = [c for c, _, _ in route(src, want, axis)]
-        full = nbytes(v)
+        full = self.tokens_share(v, nbytes(v))
         on = {"group": self.axis_size(axis), "span": self.axis_span(axis)}   # duals too
         t = sum(self.collective(c.name, full, **on) for c in steps)
         if backward and self.training:
@@ -232,7 +248,7 @@ class CostModel:
         (sync_grad, or the runtime's sum over the plan unit for a parameter)."""
         if not self.training:
             return 0.0
-        return self.collective(grad_sync_collective().dual, nbytes(v),
+        return self.collective(grad_sync_collective().dual, self.tokens_share(v, nbytes(v)),
                                bucketed=v.kind == PARAM)
 
     def gathered_sync(self, v: Value, src: Placement, want: Placement | None,
@@ -249,10 +265,11 @@ class CostModel:
 
     def grad_reduce(self, param: Value, placement: Placement) -> float:
         """The runtime's data-parallel all-reduce of one parameter's local gradient."""
-        if not (self.training and param.requires_grad) or self.dp <= 1:
+        if not (self.training and param.requires_grad) or self.dp * self.context <= 1:
             return 0.0
-        return self.collective("all_reduce", nbytes(param, placement, self.n), group=self.dp,
-                               span=self.dp * self.n, bucketed=True)
+        return self.collective("all_reduce", nbytes(param, placement, self.n),
+                               group=self.dp * self.context,
+                               span=self.dp * self.n * self.context, bucketed=True)
 
     def optimizer_step(self, param: Value, placement: Placement, shards: int = 1) -> float:
         """Seconds of the optimizer's step on this rank's piece of `param` (a 1/`shards` share
@@ -276,7 +293,7 @@ class CostModel:
         if not self.training or opname(op) in VIEWS or op.target_name.startswith("comm."):
             return 0.0
         return sum(nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs)
-                   if v.is_tensor and v.requires_grad)
+                   if v.is_tensor and v.requires_grad) / self.context
 
 
 # ---- a fixed plan's cost ----------------------------------------------------------------------
