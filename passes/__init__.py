@@ -171,6 +171,8 @@ def _stages(stages) -> str:
 
 
 __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce",
-           "fuse_attention", "FuseAttention", "unfuse_projections", "UnfuseProjections", "Plan", "sink_gathers", "insert_comm",
-           "localize", "overlap_grad_sync", "split_stages", "LowerZero3", "lower_recompute",
-           "plan_graph", "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError", "PipelineResult", "contract"]
+           "fuse_attention", "FuseAttention", "unfuse_projections", "UnfuseProjections",
+           "Plan", "ContextParallel", "sink_gathers", "insert_comm", "localize",
+           "overlap_grad_sync", "split_stages", "LowerZero3", "lower_recompute", "plan_graph",
+           "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError",
+           "PipelineResult", "contract"]

@@ -9,8 +9,8 @@ k and v all-gathered along cp, their gradients reduce-scattered; a causal mask s
 rows before the rank's), or, with `"context_parallel_attention": "ulysses"` where the heads
 (and k/v heads) divide by C, runs on C-th of the heads over the whole sequence (q, k, v
 all-to-all from sequence to heads, the output back: DeepSpeed-Ulysses); the mean loss divides
-each rank's sum by the global count of targets. Parameters stay whole along cp; their gradients are partial sums over it, summed
-by the runtime (plan_state.axis_partial_grad).
+each rank's sum by the global count of targets. Parameters stay whole along cp; their
+gradients are partial sums over it, summed by the runtime (plan_state.axis_partial_grad).
 
 Before (planned on the plan axis):           After (along cp, C = 2):
     emb = aten.embedding.default(w, ids)         emb = ...   # f32[2, 64, 32] R @cp=S(1)
@@ -234,7 +234,7 @@ def _check_even(g: Graph, c: int) -> None:
         p = v.axes.get(CP)
         if isinstance(p, Shard) and type(v.meta.shape[p.dim]) is int and \
                 v.meta.shape[p.dim] % (c * getattr(p, "outer", 1)):
+            blocks = f" (in blocks of {p.outer})" if isinstance(p, StridedShard) else ""
             raise ConfigError(
                 f"{v.name} {list(v.meta.shape)} splits dim {p.dim} along cp into {c}, which "
-                f"does not divide it{' (in blocks of ' + str(p.outer) + ')' if isinstance(p, StridedShard) else ''}; "
-                f"use a sequence length that is a multiple of {c}")
+                f"does not divide it{blocks}; use a sequence length that is a multiple of {c}")

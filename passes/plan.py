@@ -6,8 +6,8 @@ Before:                                         After (tp, plan_ngpus=2):
 Every op ends with a legal strategy (ops the policy left alone run replicated) and every op
 output takes the placement its strategy names. Under a pipeline (plan_state.pipeline) the
 policy plans for one stage's tensor-parallel ranks, under context parallelism for the
-plan_ngpus // C tensor ranks of a unit (passes/context_parallel.py). Precondition: none. Idempotent: yes, for a
-deterministic policy.
+plan_ngpus // C tensor ranks of a unit (passes/context_parallel.py; "auto": autodist plans
+each C, choose_context). Precondition: none. Idempotent: yes, for a deterministic policy.
 """
 from __future__ import annotations
 
