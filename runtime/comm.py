@@ -353,8 +353,9 @@ def attention_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                                               enable_gqa=enable_gqa)
     n, r = (_size(group), _rank(group)) if group is not None else (1, 0)
     rows = query.shape[-2]
+    half = rows // 2            # zigzag: two blocks of rows, chunks r and 2n-1-r of 2n
     blocks = ((0, rows, r * rows),) if not zigzag else \
-        ((0, rows // 2, r * rows // 2), (rows // 2, rows // 2, (2 * n - 1 - r) * rows // 2))
+        ((0, half, r * half), (half, half, (2 * n - 1 - r) * half))
     if attn_mask is None and not dropout_p and query.dim() == 4 and query.device.type == "cpu":
         return _CausalRows.apply(query, key, value, blocks, scale)
     return torch.cat([_rows_at(query[..., a:a + m, :], key, value,
