@@ -29,7 +29,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from nncompile.ir import Partial, Placement, Replicate, Shard, StridedShard
+from nncompile.ir import PLAN_GROUP, Partial, Placement, Replicate, Shard, StridedShard, Symbol
 
 PlacementType = type
 
@@ -178,7 +178,6 @@ def route(src: Placement, dst: Placement | None, axis: str = "plan"
 def group_symbol(axis: str):
     """The name generated code gives the process group along mesh axis `axis`: PLAN_GROUP
     for "plan", `<AXIS>_GROUP` for any other (the runtime binds it)."""
-    from nncompile.ir import PLAN_GROUP, Symbol
     return PLAN_GROUP if axis == "plan" else Symbol(f"{axis.upper()}_GROUP")
 
 

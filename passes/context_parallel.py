@@ -42,6 +42,12 @@ ALLGATHER, ULYSSES = "allgather", "ulysses"       # pas_config["context_parallel
 ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"       # pas_config["context_parallel_order"]
 
 
+def order_of(attention: str, order: str | None) -> str:
+    """The sequence order along cp: the one asked for, else zigzag under allgather attention
+    (balanced causal work) and contiguous under Ulysses."""
+    return order or (ZIGZAG if attention == ALLGATHER else CONTIGUOUS)
+
+
 def tensor_config(config, c: int):
     """The ComputeConfig the policy plans the tensor axis with: plan_ngpus // C ranks, the
     data-parallel units as many as before."""
@@ -58,9 +64,8 @@ def choose_context(graph: Graph, config, policy) -> Graph:
     fastest plan that fits; the candidates and why are in plan_state.autodist
     ["context_parallel"]. The graph returned carries axes["cp"] = C (none for C = 1)."""
     from .autodist import PlanInfeasibleError
-    order = config.pas_config.get("context_parallel_order")
-    attention = config.pas_config.get("context_parallel_attention", ALLGATHER)
-    zigzag = (order or (ZIGZAG if attention == ALLGATHER else CONTIGUOUS)) == ZIGZAG
+    zigzag = order_of(config.pas_config.get("context_parallel_attention", ALLGATHER),
+                      config.pas_config.get("context_parallel_order")) == ZIGZAG
     seqs = [v.meta.shape[1] for v in graph.inputs if id(v) in sequence_dims(graph)]
     rows, best, errors = [], None, []
     for c in [d for d in range(1, config.plan_ngpus + 1) if config.plan_ngpus % d == 0]:
@@ -169,7 +174,7 @@ class ContextParallel:
     def __init__(self, ranks: int | str, attention: str = ALLGATHER, order: str | None = None):
         self.ranks = ranks              # "auto": the C autodist chose (graph.axes["cp"])
         self.attention = attention
-        self.order = order or (ZIGZAG if attention == ALLGATHER else CONTIGUOUS)
+        self.order = order_of(attention, order)
 
     def __call__(self, graph: Graph) -> Graph:
         if any(CP in op.strategy.axis_inputs for op in graph.ops):
