@@ -184,6 +184,7 @@ class Cell:
     stages: int = 0                 # pipeline_stages (microbatches = loop.accum)
     dynamic: bool = False
     cp: int = 1                     # context_parallel: ranks splitting the sequence
+    recompute: tuple = ()           # recompute_modules (checkpoint regions, lower_recompute)
     compile: bool = False
     process: bool = False           # torchrun processes (tests/workers/conformance.py)
     rtol: float = 1e-5              # losses and norms
@@ -227,6 +228,10 @@ CELLS = [
     Cell("cp_dp", "tp", 2, 4, DROP, cp=2),
     Cell("cp_tp", "tp", 4, 4, cp=2),
     Cell("cp_zero3", "tp", 2, 4, cp=2, zero=3),
+    # ZeRO-3 gathers inside recomputed blocks (lower_zero3 + lower_recompute); no dropout:
+    # threaded ranks draw it from rng.py's per-thread generator, which checkpoint's recompute
+    # does not rewind
+    Cell("zero3_recompute", "tp", 2, 4, zero=3, recompute=("Block",)),
     Cell("cp_dynamic", "tp", 2, 2, DYN, dynamic=True, cp=2),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
@@ -242,6 +247,8 @@ def compute_config(cell: Cell) -> nncompile.ComputeConfig:
            "microbatches": cell.loop.accum} if cell.stages else {}
     if cell.cp > 1:
         pas["context_parallel"] = cell.cp
+    if cell.recompute:
+        pas["recompute_modules"] = list(cell.recompute)
     return nncompile.ComputeConfig(cell.plan, cell.runtime, use_zero=cell.zero,
                                    offload_optimizer=cell.offload, compile=cell.compile,
                                    pas_config=pas)
