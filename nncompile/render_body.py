@@ -61,18 +61,22 @@ def zero_lines(op: Op, indent: str, first: bool = False) -> list[str]:
     return [f"{indent}del {names}  # ZeRO-3: unit {path} is freed (gathered again in backward)"]
 
 
-def closure_lines(begin: Op, end: Op, body: list[str], indent: str) -> list[str]:
-    """A checkpoint region as a closure run under torch.utils.checkpoint."""
+def closure_lines(begin: Op, end: Op, body: list[str], indent: str,
+                  draws: bool = False) -> list[str]:
+    """A checkpoint region as a closure run under torch.utils.checkpoint. A region that
+    draws with runtime/rng.py (`draws`) passes rng.recompute_draws, so its recompute draws
+    what its forward drew on whichever generator rng.py uses."""
     path, args, outs = begin.args[0], begin.args[1], end.args[1]
     fn = "recompute_" + path.replace(".", "_")
     names = ", ".join(fmt_literal(v) for v in args)
     returned = "".join(v.name + ", " for v in outs)
+    extra = ", context_fn=rng.recompute_draws" if draws else ""
     return [f"{indent}# recompute_modules: {path} keeps no activations; "
             "its forward runs again in backward",
             f"{indent}def {fn}({names}):", *body,
             f"{indent}    return ({returned})",
             f"{indent}{returned}= checkpoint({fn}{', ' + names if names else ''}, "
-            "use_reentrant=False)"]
+            f"use_reentrant=False{extra})"]
 
 
 def render_body(g: Graph, indent: str, local_n: int) -> list[str]:
@@ -128,7 +132,8 @@ def render_body(g: Graph, indent: str, local_n: int) -> list[str]:
             else:
                 text = fmt_body(ops, indent=inner, local_n=local_n,
                                 after=[del_lines(d, inner) for d in body_dels])
-            lines += closure_lines(begin, end, text, indent)
+            draws = any(op.target_name.startswith("rng.") for op in ops)
+            lines += closure_lines(begin, end, text, indent, draws)
             lines += del_lines(next(frees), indent)
     flush()
     return lines

@@ -46,6 +46,31 @@ def rank_generator(state: torch.Tensor):
         _thread.generator = None
 
 
+def recompute_draws():
+    """`checkpoint(..., context_fn=rng.recompute_draws)`: the recompute of a checkpointed
+    region draws the numbers its forward drew. checkpoint's own preserve_rng_state rewinds
+    the default generators; a simulated rank draws from its thread's generator instead, so
+    this rewinds that one too (and puts back where it stood after the recompute):
+
+        forward:    state s0 -> region draws -> s1 -> ... -> sN
+        recompute:  sN saved, generator set to s0 -> region draws -> sN put back
+    """
+    g = getattr(_thread, "generator", None)
+    if g is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    start = g.get_state()
+
+    @contextlib.contextmanager
+    def rewound():
+        now = g.get_state()
+        g.set_state(start)
+        try:
+            yield
+        finally:
+            g.set_state(now)
+    return contextlib.nullcontext(), rewound()
+
+
 def _noise(shape: list[int], p: float, like: torch.Tensor) -> torch.Tensor:
     """What aten.dropout multiplies a tensor of `shape` by: 0 or 1 / (1 - p) per element."""
     g = getattr(_thread, "generator", None)

@@ -228,10 +228,9 @@ CELLS = [
     Cell("cp_dp", "tp", 2, 4, DROP, cp=2),
     Cell("cp_tp", "tp", 4, 4, cp=2),
     Cell("cp_zero3", "tp", 2, 4, cp=2, zero=3),
-    # ZeRO-3 gathers inside recomputed blocks (lower_zero3 + lower_recompute); no dropout:
-    # threaded ranks draw it from rng.py's per-thread generator, which checkpoint's recompute
-    # does not rewind
-    Cell("zero3_recompute", "tp", 2, 4, zero=3, recompute=("Block",)),
+    # ZeRO-3 gathers inside recomputed blocks (lower_zero3 + lower_recompute); the recompute
+    # draws the forward's dropout masks again (rng.recompute_draws)
+    Cell("zero3_recompute", "tp", 2, 4, DROP, zero=3, recompute=("Block",)),
     Cell("cp_dynamic", "tp", 2, 2, DYN, dynamic=True, cp=2),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),

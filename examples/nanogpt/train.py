@@ -321,6 +321,10 @@ def main(argv=None) -> None:
     elif args.init_from != "scratch":
         ckpt_path = args.init_from
     trainer.fit(model, ckpt_path=ckpt_path)
+    if torch.distributed.is_initialized():
+        # Lightning leaves the process group open; closing it here, once every rank is done,
+        # stops gloo's worker threads before the interpreter exits (else an occasional abort)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
