@@ -158,7 +158,6 @@ class ComputeConfig:
         if c == 1:
             return
         for what, on in (("pipeline_stages", self.pipeline.enabled),
-                         ("use_zero='auto'", self.zero_stage == AUTO),
                          ("compile=True", self.compile),
                          ("inference_only=True", self.inference_only)):
             if on:

@@ -125,6 +125,16 @@ class Mesh:
         return out
 
 
+CP = "cp"
+
+
+def replica_dims(mesh: Mesh) -> tuple[str, ...]:
+    """The dimensions along which every rank holds the same parameters: "dp" and, when the
+    plan splits the sequence, "cp" (context parallelism splits activations only). ZeRO
+    shards parameters, gradients and optimizer state over the ranks along these."""
+    return (DP,) + tuple(a for a in (CP,) if a in mesh.names and mesh.size(a) > 1)
+
+
 def param_placements(plan_placement: Placement) -> dict[str, Placement]:
     """A parameter's placement per mesh dimension (replicated across data-parallel units)."""
     return {DP: Replicate(), PLAN: plan_placement}

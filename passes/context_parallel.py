@@ -51,7 +51,7 @@ def order_of(attention: str, order: str | None) -> str:
 def tensor_config(config, c: int):
     """The ComputeConfig the policy plans the tensor axis with: plan_ngpus // C ranks, the
     data-parallel units as many as before."""
-    pas = {k: v for k, v in config.pas_config.items() if not k.startswith("context_parallel")}
+    pas = {k: v for k, v in config.pas_config.items() if k != "context_parallel"}
     runtime = (config.runtime_ngpus or config.plan_ngpus) // c
     return dataclasses.replace(config, plan_ngpus=config.plan_ngpus // c,
                                runtime_ngpus=runtime, pas_config=pas)
@@ -67,7 +67,7 @@ def choose_context(graph: Graph, config, policy) -> Graph:
     zigzag = order_of(config.pas_config.get("context_parallel_attention", ALLGATHER),
                       config.pas_config.get("context_parallel_order")) == ZIGZAG
     seqs = [v.meta.shape[1] for v in graph.inputs if id(v) in sequence_dims(graph)]
-    rows, best, errors = [], None, []
+    rows, planned_at, errors = [], {}, []
     for c in [d for d in range(1, config.plan_ngpus + 1) if config.plan_ngpus % d == 0]:
         pieces = 2 * c if zigzag and c > 1 else c
         if c > 1 and (not seqs or (type(seqs[0]) is int and seqs[0] % pieces)):
@@ -85,20 +85,42 @@ def choose_context(graph: Graph, config, policy) -> Graph:
         data = planned.plan_state.autodist or {}
         ms, gb = data.get("objective_ms"), data.get("memory_gb")
         rows.append({"cp": c, "fits": True, "ms": ms, "gb": gb})
-        if best is None or (ms is not None and ms < best[0]):
-            best = (ms if ms is not None else float("inf"), c, planned)
-    if best is None:
+        planned_at[c] = planned
+    if not planned_at:
         raise errors[-1] if errors else ConfigError(
             "context_parallel='auto': no context-parallel size fits; give one")
-    _, c, planned = best
-    why = (f"autodist: context_parallel={c} of {[r['cp'] for r in rows]}: the fastest plan "
-           f"that fits ({'; '.join(_row_text(r) for r in rows)})")
+    c, tie = _pick(rows)
+    planned = planned_at[c]
+    why = (f"autodist: context_parallel={c} of {[r['cp'] for r in rows]}: "
+           + ("the fastest plan that fits" if not tie else
+              f"of the plans within {TIE:.0%} of the fastest modelled step (a tie at the cost "
+              f"model's resolution) the one with the most memory left")
+           + f" ({'; '.join(_row_text(r) for r in rows)})")
     planned.plan_state.autodist = {**(planned.plan_state.autodist or {}),
                                    "context_parallel": {"chosen": c, "candidates": rows,
                                                         "why": why}}
     from nncompile.log import log
     log(why)
     return planned
+
+
+TIE = 0.01        # modelled step times this close are a tie (the calibrated model's median
+                  # error is 1.4-10 %: docs/autodist.md)
+
+
+def _pick(rows: list[dict]) -> tuple[int, bool]:
+    """(C, whether a tie decided): the fastest plan that fits; among plans within TIE of it,
+    the one needing the least memory (the most headroom for what the model does not see)."""
+    fits = [r for r in rows if r["fits"]]
+    timed = [r for r in fits if r.get("ms") is not None]
+    if not timed:
+        return fits[0]["cp"], False
+    fastest = min(timed, key=lambda r: r["ms"])
+    close = [r for r in timed if r["ms"] <= fastest["ms"] * (1 + TIE) and r.get("gb") is not None]
+    if not close:
+        return fastest["cp"], False
+    leanest = min(close, key=lambda r: (r["gb"], r["ms"]))
+    return leanest["cp"], leanest is not fastest
 
 
 def _row_text(r: dict) -> str:
@@ -165,6 +187,53 @@ class SequenceWalk(Walk):
             self.batch_dim[id(out)] = len(out.meta.shape) - 2
 
 
+def sequence_walk(scratch: Graph, c: int, attention: str, zigzag: bool, plan_of=None) -> dict:
+    """{op name: its strategy along cp}: the walk the module docstring describes, on
+    `scratch` (placements reset to Replicate, modified). `plan_of(name)`: the tensor plan's
+    strategy of an op, whose splits the walk does not cross (None: not planned yet)."""
+    walk = SequenceWalk(scratch)
+    out = {}
+    for op in scratch.ops:
+        with strided_splits():
+            candidates = strategies(op, c) + sequence_strategies(op, c)
+        plan = plan_of(op.name) if plan_of is not None else None
+        scored = []
+        for i, s in enumerate(candidates):
+            if s.note == "keep partial" and not any(
+                    isinstance(v.placement, Partial) for v in op.tensor_inputs()):
+                continue
+            if plan is not None and _conflicts(op, plan, s, zigzag):
+                continue
+            r = _rank(walk, op, s, attention)
+            if r is not None:
+                scored.append((r, walk.cost(op, s), i, s))
+        best = min(scored)[3] if scored else candidates[-1]
+        walk.apply(op, best, candidates)
+        out[op.name] = best
+    return out
+
+
+def sequence_splits(graph: Graph, c: int, pas_config: dict) -> dict:
+    """{op name: its strategy along cp} before the tensor plan: what autodist keeps clear of
+    (plan_filter) so that every op it prices at 1/C of the sequence does split along cp."""
+    attention = pas_config.get("context_parallel_attention", ALLGATHER)
+    zigzag = order_of(attention, pas_config.get("context_parallel_order")) == ZIGZAG
+    scratch = graph.clone()
+    for v in scratch.values():
+        v.placement, v.axes = Replicate(), {}
+    return sequence_walk(scratch, c, attention, zigzag) if sequence_dims(scratch) else {}
+
+
+def plan_filter(op, candidates: list, along) -> list:
+    """The tensor plan's candidates for `op` that split no dim its split along cp (`along`)
+    splits and need no local implementation where that one does (all of them where none is
+    left)."""
+    if along is None or not along.is_split:
+        return candidates
+    kept = [s for s in candidates if not _conflicts(op, s, along)]
+    return kept or candidates
+
+
 class ContextParallel:
     """The pass (see the module docstring)."""
     name = "context_parallel"
@@ -204,22 +273,10 @@ class ContextParallel:
             lo, hi, mult = g.trace_info.sizes[name]
             g.trace_info = dataclasses.replace(g.trace_info, sizes={
                 **g.trace_info.sizes, name: (lo, hi, math.lcm(mult, pieces))})
-        walk = SequenceWalk(scratch)
-        for op, mine in zip(scratch.ops, g.ops):
-            with strided_splits():
-                candidates = strategies(op, c) + sequence_strategies(op, c)
-            scored = []
-            for i, s in enumerate(candidates):
-                if s.note == "keep partial" and not any(
-                        isinstance(v.placement, Partial) for v in op.tensor_inputs()):
-                    continue
-                if _conflicts(op, mine.strategy, s, self.order == ZIGZAG):
-                    continue
-                r = _rank(walk, op, s, self.attention)
-                if r is not None:
-                    scored.append((r, walk.cost(op, s), i, s))
-            best = min(scored)[3] if scored else candidates[-1]
-            walk.apply(op, best, candidates)
+        plan = {op.name: op.strategy for op in g.ops}
+        along = sequence_walk(scratch, c, self.attention, self.order == ZIGZAG, plan.get)
+        for mine in g.ops:
+            best = along[mine.name]
             mine.strategy.axis_inputs = {**mine.strategy.axis_inputs, CP: best.inputs}
             if best.local_target is not None:
                 mine.strategy.axis_local = (CP, best.local_target)

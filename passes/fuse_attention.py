@@ -51,6 +51,7 @@ from nncompile.symbolic import Sym
 from .constant_fold import _RANDOM
 from .contract import contract
 from .dce import dce
+from .mask_intervals import Rows, mask_rows, rows_verdict
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _NAMES = [a.name for a in SDPA._schema.arguments]     # query, key, value, attn_mask, ...
@@ -158,13 +159,23 @@ def _unbind(kw: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
 
 # ---- the mask ---------------------------------------------------------------------------
 def _mask_verdict(g: Graph, mask: Value, q: Value, k: Value, evaluated: dict[int, Any]) -> str:
-    """'causal', 'full' (attends everywhere), or why the mask stays."""
-    if id(mask) not in evaluated:
-        evaluated[id(mask)] = _evaluate(g, mask)
-    t = evaluated[id(mask)]
+    """'causal', 'full' (attends everywhere), or why the mask stays. The mask is evaluated once
+    (a value many layers share), as key intervals per row where it is large
+    (mask_intervals.py), and each verdict is kept per shape."""
+    L, S = q.meta.shape[-2], k.meta.shape[-2]
+    key = (id(mask), tuple(q.meta.shape[:-2]), L, S)
+    if key not in evaluated:
+        if id(mask) not in evaluated:
+            evaluated[id(mask)] = _evaluate(g, mask)
+        evaluated[key] = _verdict_of(evaluated[id(mask)], q, L, S)
+    return evaluated[key]
+
+
+def _verdict_of(t: Any, q: Value, L: int, S: int) -> str:
     if isinstance(t, str):
         return t
-    L, S = q.meta.shape[-2], k.meta.shape[-2]
+    if isinstance(t, Rows):
+        return rows_verdict(t, tuple(q.meta.shape[:-2]), L, S)
     try:
         t = t.expand(torch.broadcast_shapes(t.shape, tuple(q.meta.shape[:-2]) + (L, S)))
     except RuntimeError:
@@ -210,6 +221,9 @@ def _evaluate(g: Graph, mask: Value) -> Any:
                 return f"mask depends on {x} at run time"
         need.add(id(op))
         stack.extend(op.inputs())
+    rows = mask_rows(g, mask, need)
+    if rows is not None:
+        return rows
     if mask.meta is not None and mask.meta.numel > _MAX_MASK_ELEMENTS:
         return f"constant mask of {mask.meta.numel:,} elements (not evaluated)"
     env: dict[int, Any] = {}

@@ -17,16 +17,18 @@ import torch
 import torch.distributed as dist
 
 from nncompile.errors import ConfigError
-from nncompile.mesh import DP, PLAN, PP, Mesh
+from nncompile.mesh import DP, PLAN, PP, Mesh, replica_dims
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> groups
 
 
 def shard_ranks(rank: int, plan: int, runtime: int, pipe: int = 1, axes: tuple = ()
                 ) -> list[int]:
-    """The ranks holding the same shard as `rank`: its group along "dp". `axes`: the mesh's
-    other axes as ((name, size), ...) (a file's MESH_AXES)."""
-    return Mesh.of(plan, runtime, pipe, dict(axes)).ranks_along((DP,), rank)
+    """The ranks holding the same parameters as `rank`: its group along "dp" and "cp"
+    (nncompile.mesh.replica_dims). `axes`: the mesh's other axes as ((name, size), ...) (a
+    file's MESH_AXES)."""
+    mesh = Mesh.of(plan, runtime, pipe, dict(axes))
+    return mesh.ranks_along(replica_dims(mesh), rank)
 
 
 def zero_ranks(rank: int, plan: int, runtime: int, ngroups: int, pipe: int = 1,

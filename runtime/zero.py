@@ -1,4 +1,5 @@
-"""ZeRO-3: parameters stored as flat shards over the data-parallel ranks, gathered per layer.
+"""ZeRO-3: parameters stored as flat shards over the data-parallel ranks (and the context
+ranks: nncompile.mesh.replica_dims), gathered per layer.
 
 The generated file lists ZERO_UNITS: one flat parameter per layer unit (a block of a
 ModuleList such as `transformer.h.3`, else a top-level module), holding that unit's local
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from nncompile import compat
 from nncompile.errors import ConfigError
-from nncompile.mesh import DP, Mesh, grad_reduction
+from nncompile.mesh import grad_reduction, replica_dims
 
 from .groups import get_zero_group, group_along
 from nncompile.rows import param_rows
@@ -302,7 +303,8 @@ class ZeroRuntime:
             dims = unit.reduce_dims
             group = group_along(dims, self.pm.PLAN_NGPUS, self.pm.RUNTIME_NGPUS,
                                 self.pm.PIPE_RANKS, self.pm.mesh_axes)
-            if dims == (DP,) and self.same_group and self.group is not None:
+            if set(dims) == set(replica_dims(self.mesh)) and self.same_group and \
+                    self.group is not None:
                 piece = torch.empty(layout.chunk, dtype=g.dtype, device=g.device)
                 _REDUCE_SCATTER(piece, g, group=self.group)
             else:

@@ -228,6 +228,9 @@ CELLS = [
     Cell("cp_dp", "tp", 2, 4, DROP, cp=2),
     Cell("cp_tp", "tp", 4, 4, cp=2),
     Cell("cp_zero3", "tp", 2, 4, cp=2, zero=3),
+    # ZeRO over the context ranks alone (they hold the same parameters): no data parallelism
+    Cell("cp_zero1", "tp", 2, 2, DROP, cp=2, zero=1),
+    Cell("cp_zero2", "tp", 4, 4, cp=2, zero=2),
     # ZeRO-3 gathers inside recomputed blocks (lower_zero3 + lower_recompute); the recompute
     # draws the forward's dropout masks again (rng.recompute_draws)
     Cell("zero3_recompute", "tp", 2, 4, DROP, zero=3, recompute=("Block",)),

@@ -100,3 +100,57 @@ def test_bf16_attention_is_causal_sdpa_and_memory_matches_the_model(tmp_path):
     plain = step(model)
     generated = step(pm)
     assert generated <= 1.05 * plain, (generated / plain, generated, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zigzag", [False, True], ids=["contiguous", "zigzag"])
+def test_attention_rows_on_cuda_are_the_causal_rows(dtype, zigzag, monkeypatch):
+    """comm.attention_rows on CUDA (each block of query rows against the keys up to its last
+    row, SDPA's causal_lower_right: flash in bfloat16) gives every context rank's rows of one
+    causal attention, forward and backward, with grouped k/v heads."""
+    from nncompile.runtime import comm
+    n, L = 4, 256
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(2, h, L, 64, device=DEVICE, dtype=dtype, generator=g)
+               for h in (8, 2, 2))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True,
+                                                           enable_gqa=True)
+    grad = torch.randn(ref.shape, device=DEVICE, dtype=dtype, generator=g)
+    ref.backward(grad)
+    group = object()
+
+    def close(got, want):       # bfloat16: 8 significant bits, each rank's sum rounded apart
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            err = (got.float() - want.float()).norm() / want.float().norm()
+            assert err < 1e-2, err
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(n):
+        monkeypatch.setattr(comm, "_size", lambda grp: n)
+        monkeypatch.setattr(comm, "_rank", lambda grp, r=r: r)
+        half = L // (2 * n)
+        rows = (torch.cat([torch.arange(r * half, (r + 1) * half),
+                           torch.arange((2 * n - 1 - r) * half, (2 * n - r) * half)])
+                if zigzag else torch.arange(r * L // n, (r + 1) * L // n)).to(DEVICE)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q[:, :, rows], k, v))
+        out = comm.attention_rows(qr, kr, vr, is_causal=True, enable_gqa=True, group=group,
+                                  zigzag=zigzag)
+        close(out, ref[:, :, rows].detach())
+        out.backward(grad[:, :, rows])
+        close(qr.grad, ref_in[0].grad[:, :, rows])
+        dk, dv = dk + kr.grad, dv + vr.grad
+    close(dk, ref_in[1].grad)
+    close(dv, ref_in[2].grad)
+
+
+def test_context_parallel_on_one_gpu_trains_like_one_device(tmp_path):
+    """cp 2 on two simulated ranks sharing the GPU (float32, TF32 off): the Llama's loss and
+    every gradient equal one device's."""
+    from nncompile.tools.simulate import run_ranks
+    model, batch = _llama(seq=128), _batch(128, 2, 128)
+    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": 2})
+    reports = run_ranks(2, lambda rank: nncompile.verify(model, batch, cfg, "tp",
+                                                         gen_savedir=str(tmp_path)))
+    assert all(r.ok for r in reports), "\n".join(map(str, reports))

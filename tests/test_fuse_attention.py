@@ -377,3 +377,93 @@ def test_cost_model_counts_causal_attention_as_half_the_work():
     assert sdpa_flops(masked) == full
     assert sdpa_flops(fused) == full / 2
     assert sdpa_flops(positional) == full / 2
+
+
+class _Masks(nn.Module):
+    """Attention under constant masks built like the models build theirs: key and query
+    positions compared and and-ed (causal, a window, packed documents, full, keys before a
+    fixed point, a shifted diagonal), plus two that are not one key interval per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):
+        T = x.shape[1]
+        q = self.q(x).unsqueeze(1)
+        pos = torch.arange(T)
+        kv, qi = pos[None, None, None, :], pos[None, None, :, None]
+        doc = (torch.arange(T) >= T // 2).long().cumsum(0) * 0 + (torch.arange(T) >= T // 2)
+        masks = [kv <= qi,                                            # causal
+                 (kv <= qi) & (kv > qi - 5),                          # window 5
+                 (kv <= qi) & (doc[None, None, None, :] == doc[None, None, :, None]),
+                 torch.ones(1, 1, T, T, dtype=torch.bool),            # full
+                 (kv < 7) & torch.ones(1, 1, T, 1, dtype=torch.bool),
+                 kv <= qi + 1,                                        # one key ahead
+                 (kv <= qi) | (kv == T - 1),                          # an `or`: two runs
+                 kv != qi]                                            # not an interval
+        return sum(F.scaled_dot_product_attention(q, q, q, attn_mask=m).sum() for m in masks)
+
+
+@pytest.mark.parametrize("model, inputs", [
+    ("masks", None), ("llama", None), ("mistral", {"sliding_window": 6}), ("qwen2", None)])
+def test_key_intervals_give_the_verdict_of_the_whole_mask(model, inputs, monkeypatch):
+    """passes/mask_intervals.py (how masks too large to evaluate are judged) gives every mask
+    the verdict evaluating it whole gives."""
+    import sys
+    from nncompile.passes import mask_intervals
+    fa_module = sys.modules["nncompile.passes.fuse_attention"]
+    judged = []
+    monkeypatch.setattr(fa_module, "mask_rows", lambda *a: judged.append(
+        mask_intervals.mask_rows(*a)) or judged[-1])
+    if model == "masks":
+        m, args = _Masks(), (torch.randn(2, 24, 8),)
+    else:
+        m, args = _lm(model, **(inputs or {})), _batch()
+    g = dce(constant_fold(trace(m, args)))
+
+    def forms(small):
+        monkeypatch.setattr(mask_intervals, "SMALL", small)
+        return [op.attrs["attention"] for op in fuse_attention(g).ops if op.target is SDPA]
+
+    whole, rows = forms(1 << 40), forms(0)
+    assert whole == rows
+    intervals = [r is not None for r in judged[len(judged) // 2:]]
+    assert intervals == ([True] * 6 + [False] * 2 if model == "masks" else [True])
+    if model == "masks":
+        assert [f.split(",")[0] for f in rows] == [
+            "causal (is_causal=True", "masked: sliding window 5 < sequence 24",
+            "masked: constant mask that is not causal",
+            "full (constant all-attending mask dropped)",
+            "masked: constant mask that is not causal", "masked: constant mask that is not causal",
+            "masked: constant mask that is not causal", "masked: constant mask that is not causal"]
+
+
+def test_a_long_sequence_mask_is_judged_without_building_it():
+    """At 65536 tokens (a 4 G-element mask) a Hugging Face Llama's traced causal mask still
+    becomes is_causal=True, from its key intervals: no tensor of more than 2**22 elements is
+    computed."""
+    import transformers as tf
+    from nncompile.ir import interpret
+    with torch.device("meta"):
+        m = models.HFCausalLM(tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)))
+    ids = torch.zeros(1, 65536, dtype=torch.long)
+    g = dce(constant_fold(trace(m, {"input_ids": ids, "labels": ids})))
+    largest = []
+    run = interpret.run_ops
+
+    def recorded(ops, env):
+        run(ops, env)
+        largest.extend(v.meta.numel for op in ops for v in op.outputs if v.meta is not None)
+    import sys
+    with pytest.MonkeyPatch.context() as mp:
+        for module in ("mask_intervals", "fuse_attention"):
+            mp.setattr(sys.modules[f"nncompile.passes.{module}"], "run_ops", recorded)
+        out = fuse_attention(g)
+    forms = [op.attrs["attention"] for op in out.ops if op.target is SDPA]
+    assert len(forms) == 2 and all(f.startswith("causal (is_causal=True") for f in forms)
+    assert not any(len(v.meta.shape) == 4 and v.meta.shape[-1] == 65536 == v.meta.shape[-2]
+                   for v in out.consts)
+    assert largest and max(largest) <= 1 << 22

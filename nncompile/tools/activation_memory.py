@@ -42,7 +42,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..collectives import axis_of
-from ..ir import Graph, Value
+from ..ir import CONST, Graph, Value
 from ..log import log
 from ..modes import ModeArg, resolve
 from ..ir.printer import DEVICE, Symbol
@@ -204,6 +204,10 @@ def predict(g: Graph, training: bool = True) -> Activations:
                 _run(op, get, env, n, envs, unknown, g.axes)
                 for v in op.outputs:
                     t = env.get(id(v))
+                    if isinstance(t, torch.Tensor) and v.kind == CONST:   # this rank's piece
+                        local = v.local_shape(n, g.axes)
+                        if tuple(t.shape) != tuple(local) and t.dim() == len(local):
+                            t = env[id(v)] = t[tuple(slice(0, s) for s in local)]
                     if isinstance(t, torch.Tensor):
                         held.add(t.untyped_storage()._cdata)
                         keep.append(t)

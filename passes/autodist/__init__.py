@@ -67,14 +67,14 @@ def cost_model(config) -> CostModel:
                      bucket_bytes=float(config.reducer_bucket_cap_mb) * 2 ** 20)
 
 
-def plan_problem(graph: Graph, config, recompute: list[str] | None = None
+def plan_problem(graph: Graph, config, recompute: list[str] | None = None, narrow=None
                  ) -> tuple[Graph, Problem]:
     """The graph to place (a copy) and its decision problem; `recompute`: the modules to
     recompute (default: pas_config's, none for "auto"). Under a pipeline (op.stage set,
     plan_state.pipeline) memory is limited per pipeline rank (pipeline.py)."""
     g = graph.clone()
     g.plan_ngpus = config.plan_ngpus
-    prob = problem_of(g, config, recompute)
+    prob = problem_of(g, config, recompute, narrow)
     pp = g.plan_state.pipeline
     if pp is not None:
         from ..pipeline_stages import stage_inflight
@@ -82,8 +82,9 @@ def plan_problem(graph: Graph, config, recompute: list[str] | None = None
     return g, prob
 
 
-def problem_of(g: Graph, config, recompute: list[str] | None = None) -> Problem:
-    """The decision problem of placing `g` (not modified) for `config`."""
+def problem_of(g: Graph, config, recompute: list[str] | None = None, narrow=None) -> Problem:
+    """The decision problem of placing `g` (not modified) for `config`; `narrow`: what
+    context_narrow(g, config) gives (computed here when not given)."""
     pc = config.pas_config
     unknown = set(pc) - KEYS
     if unknown:
@@ -94,7 +95,21 @@ def problem_of(g: Graph, config, recompute: list[str] | None = None) -> Problem:
         recompute = [] if rc == AUTO else list(rc or [])
     model = cost_model(config)
     model.context = g.axes.get("cp", 1)     # the sequence split (passes/context_parallel.py)
-    return build_problem(g, model, parse_constraints(pc.get("constraints")), recompute)
+    if narrow is None:
+        narrow = context_narrow(g, config)
+    return build_problem(g, model, parse_constraints(pc.get("constraints")), recompute, narrow)
+
+
+def context_narrow(g: Graph, config):
+    """Under context parallelism (g.axes["cp"] = C > 1) the filter of each op's tensor-plan
+    candidates that keeps the plan off the dims its sequence split along cp splits (else the
+    cost model's 1/C would price ops the cp walk then cannot split); None without."""
+    c = g.axes.get("cp", 1)
+    if c == 1:
+        return None
+    from ..context_parallel import plan_filter, sequence_splits
+    along = sequence_splits(g, c, config.pas_config)
+    return lambda op, cands: plan_filter(op, cands, along.get(op.name))
 
 
 def apply(g: Graph, prob: Problem, picks: list[int]) -> None:
@@ -118,7 +133,8 @@ def autodist(graph: Graph, config) -> Graph:
     if note:
         _log(f"autodist: {note}")
     try:
-        found = search(graph, config, lambda rc: plan_problem(graph, config, rc), mem,
+        narrow = context_narrow(graph, config)
+        found = search(graph, config, lambda rc: plan_problem(graph, config, rc, narrow), mem,
                        float(pc.get("solver_time_limit", 60.0)))
     except PlanInfeasibleError as e:
         if not note:

@@ -2,7 +2,8 @@
 
 Per rank, with P / F the bytes of this rank's local (plan-sharded) trainable / frozen
 parameters, e = P / itemsize their elements, s the optimizer state bytes per element
-(`optimizer_state_bytes`, Adam 8) and Z = dp_size // zero_ngroups the ZeRO group:
+(`optimizer_state_bytes`, Adam 8) and Z = dp_size x C // zero_ngroups the ZeRO group (C the
+context-parallel ranks, which hold the same parameters: nncompile.mesh.replica_dims):
 
     stage  parameters    gradients  optimizer state     transient (communication buffers)
     0      P + F         P          s e                 -
@@ -79,7 +80,8 @@ class MemoryModel:
 
     @classmethod
     def of(cls, model: CostModel, config) -> "MemoryModel":
-        return cls(model, max(1, config.dp_size // config.zero_ngroups), config.zero_ngroups,
+        return cls(model, max(1, config.dp_size * model.context // config.zero_ngroups),
+                   config.zero_ngroups,
                    float(config.reducer_bucket_cap_mb) * 2 ** 20)
 
     def _z(self, choice: MemoryChoice) -> int:
@@ -130,7 +132,7 @@ class MemoryModel:
                 t += m.collective("reduce_scatter", b, group=z, span=span)
                 if self.zero_ngroups > 1:
                     t += m.collective("all_reduce", b / z, group=self.zero_ngroups,
-                                      span=m.dp * m.n)
+                                      span=m.dp * m.context * m.n)
             if choice.zero in (1, 2):
                 t += gather
         if choice.zero == 3:

@@ -2,8 +2,9 @@
 
 Candidates are the combinations of the values left to autodist (explicit ones are kept):
 
-    use_zero="auto"            stage 0, and 1, 2, 3 when the ZeRO group Z = dp_size //
-                               zero_ngroups has more than one rank; only 3 with offload_params
+    use_zero="auto"            stage 0, and 1, 2, 3 when the ZeRO group Z = dp_size x C //
+                               zero_ngroups has more than one rank (C: the context ranks);
+                               only 3 with offload_params
     offload_optimizer="auto"   False, True
     recompute_modules="auto"   none, every block of the model's repeated ModuleLists (`h.*`)
 
@@ -59,7 +60,7 @@ def memory_options(graph: Graph, config) -> list[MemoryChoice]:
     """The candidates, fastest-looking first (the order that breaks ties)."""
     training = not config.inference_only
     z = config.zero_stage
-    group = config.dp_size // config.zero_ngroups
+    group = config.dp_size * graph.axes.get("cp", 1) // config.zero_ngroups
     if z != AUTO:
         stages = [z]
     elif not training:

@@ -134,8 +134,14 @@ def _follows(op: Op, src: Op | None, choice_of: dict, canon: dict, pinned: bool)
 
 
 def build_problem(g: Graph, model: CostModel, constraints: list[PartitionConstraint],
-                  recompute: list[str]) -> Problem:
+                  recompute: list[str], narrow=None) -> Problem:
+    """`narrow(op, strategies)`: the ones the plan may pick (under context parallelism those
+    clear of the op's split along cp: context_parallel.plan_filter)."""
     n = model.n
+
+    def candidates(op: Op) -> list:
+        cands = strategies(op, n)
+        return narrow(op, cands) if narrow is not None else cands
 
     def flags(op: Op):
         return (constrained(op, constraints), recompute_region(op, recompute) is not None)
@@ -154,14 +160,14 @@ def build_problem(g: Graph, model: CostModel, constraints: list[PartitionConstra
         src = tensors[0].producer if len(tensors) == 1 else None
         if _follows(op, src, choice_of, canon, flags(op)[0]):
             ch = choices[choice_of[id(src)]]
-            cands = strategies(op, n)
+            cands = candidates(op)
             for assign in ch.options:
                 have = assign[src].outputs[src.outputs.index(tensors[0])]
                 assign[op] = next((s for s in cands if s.inputs[0] == have), cands[-1])
             ch.ops.append(op)
             choice_of[id(op)] = choice_of[id(src)]
             continue
-        cands = allowed_strategies(op, strategies(op, n), constraints)
+        cands = allowed_strategies(op, candidates(op), constraints)
         choice_of[id(op)] = len(choices)
         choices.append(Choice(op.name, [op], options=[{op: s} for s in cands],
                               count=count[id(op)]))
