@@ -257,3 +257,44 @@ def test_autodist_picks_context_parallelism_for_llama3_8b_at_128k(tmp_path):
     planned = auto["memory"]["per_rank_bytes"]["activations"]
     assert abs(predicted - planned) <= 0.1 * planned, (predicted, planned)
     assert f"MESH_AXES = {{'cp': {chosen}}}" in (out / "gencode0.py").read_text()
+
+
+@pytest.mark.parametrize("second", ["tp", "cp4"])
+def test_dcp_checkpoint_reshards_across_context_sizes(second, tmp_path):
+    """A DCP checkpoint of cp 2 x tp 2 with ZeRO-1 over the context ranks (momentum sharded)
+    resumes under tp 4 without context parallelism or under cp 4: the next step gives the
+    weights the cp 2 run gives."""
+    from nncompile.tools.simulate import run_ranks
+    model, data, nxt = hf("llama"), batch(64), batch(64, padded=False)
+    nxt = {"input_ids": nxt["input_ids"].roll(1, 1)}
+    first = ComputeConfig(4, 4, use_zero=1, pas_config={"context_parallel": 2})
+    other = ComputeConfig(4, 4, pas_config={"context_parallel": 4 if second == "cp4" else 1})
+
+    def step(pm, opt, x):
+        pm(**x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def train(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), data, first, pas_policy="tp",
+                                   gen_savedir=str(tmp_path / "a"))
+        opt = nncompile.build_optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
+        step(pm, opt, data)
+        nncompile.save_checkpoint(tmp_path / "ckpt", pm, opt, format="dcp")
+        step(pm, opt, nxt)
+        return opt.zero_size, pm.gather_params()
+
+    def resume(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), data, other, pas_policy="tp",
+                                   gen_savedir=str(tmp_path / "b"))
+        opt = nncompile.build_optimizer(pm, torch.optim.SGD, lr=0.1, momentum=0.9)
+        nncompile.load_checkpoint(tmp_path / "ckpt", pm, opt)
+        step(pm, opt, nxt)
+        return pm.gather_params()
+
+    trained = run_ranks(4, train)
+    assert trained[0][0] == 2                    # ZeRO-1 over the two context ranks
+    want = trained[0][1]
+    for got in run_ranks(4, resume):
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
