@@ -157,13 +157,9 @@ class ComputeConfig:
                               "'ulysses' runs)")
         if c == 1:
             return
-        for what, on in (("pipeline_stages", self.pipeline.enabled),
-                         ("compile=True", self.compile),
-                         ("inference_only=True", self.inference_only)):
-            if on:
-                raise ConfigError(f"pas_config['context_parallel']="
-                                  f"{self.context_parallel!r} does not combine with {what} "
-                                  f"yet; drop one of them")
+        if self.pipeline.enabled:
+            raise ConfigError(f"pas_config['context_parallel']={self.context_parallel!r} does "
+                              "not combine with pipeline_stages yet; drop one of them")
 
     def _check_memory_fields(self) -> None:
         z = self.use_zero
