@@ -239,7 +239,7 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
         lines.append("        return {" + ", ".join(f"{v.name!r}: {v.name}"
                                                     for v in g.consts) + "}")
     if pp is not None:
-        with op_notes(comm_note):
+        with op_notes(comm_note), axis_sizes(g.axes):
             lines += pc.stage_methods(g, rank, stages)
         return "\n".join(lines) + "\n"
     lines += forward_method(g, "forward_impl", n)

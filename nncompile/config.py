@@ -157,9 +157,15 @@ class ComputeConfig:
                               "'ulysses' runs)")
         if c == 1:
             return
-        if self.pipeline.enabled:
-            raise ConfigError(f"pas_config['context_parallel']={self.context_parallel!r} does "
-                              "not combine with pipeline_stages yet; drop one of them")
+        if self.pipeline.enabled and self.context_parallel == AUTO:
+            raise ConfigError("pas_config['context_parallel']='auto' does not combine with "
+                              "pipeline_stages yet; give C")
+        stages = self.pipeline.stages
+        if self.pipeline.enabled and isinstance(stages, int) and (self.plan_ngpus // stages) % c:
+            raise ConfigError(f"pas_config['context_parallel']={c} splits each pipeline stage's "
+                              f"ranks, but pipeline_stages={stages} leaves "
+                              f"{self.plan_ngpus // stages} per stage (plan_ngpus="
+                              f"{self.plan_ngpus}); use a C that divides it, or more plan_ngpus")
 
     def _check_memory_fields(self) -> None:
         z = self.use_zero

@@ -55,9 +55,9 @@ def rank_graph(g: Graph, stages: list[Graph]) -> Graph:
                  g.runtime_ngpus, g.axes)
 
 
-def _metas(values, n: int) -> tuple:
+def _metas(values, n: int, axes: dict | None = None) -> tuple:
     """(local shape, dtype, carries a gradient) per value, what PipelineStage is told."""
-    return tuple((tuple(v.local_shape(n)), str(v.meta.dtype).replace("torch.", ""),
+    return tuple((tuple(v.local_shape(n, axes)), str(v.meta.dtype).replace("torch.", ""),
                   bool(v.requires_grad and v.meta.dtype.is_floating_point)) for v in values)
 
 
@@ -148,7 +148,8 @@ def pipeline_tables(g: Graph, rank: int, stages: list[Graph], units=()
         used = {v.name for v in sg.params}
         return tuple(attr for attr, _, names in units if any(n in used for n in names))
     rows = [(s, tuple(v.name for v in stages[s].inputs), tuple(v.name for v in stages[s].outputs),
-             _metas(stages[s].inputs, n), _metas(stages[s].outputs, n), params(stages[s]))
+             _metas(stages[s].inputs, n, g.axes), _metas(stages[s].outputs, n, g.axes),
+             params(stages[s]))
             for s in ids]
     return info, rows
 
@@ -183,7 +184,7 @@ def stage_methods(g: Graph, rank: int, stages: list[Graph], indent: str = "    "
                   f"{indent}    sends {', '.join(v.name for v in sg.outputs)} to {dst}."
                   f'"""']
         with value_names({v: f"self.{v.name}" for v in attrs}):
-            lines.append(body_header(zero, indent + "    "))
+            lines.append(body_header(zero, indent + "    ", g.axes))
             lines += render_body(sg, indent=indent + "    ", local_n=n)
             for v in sg.meta["relayed"]:
                 lines.append(f"{indent}    {v.name} = {v.name}.clone()  # relayed: a later "

@@ -204,6 +204,8 @@ def sequence_walk(scratch: Graph, c: int, attention: str, zigzag: bool, plan_of=
                 continue
             if plan is not None and _conflicts(op, plan, s, zigzag):
                 continue
+            if zigzag and not _splits_evenly(op, s, 2 * c):
+                continue
             r = _rank(walk, op, s, attention)
             if r is not None:
                 scored.append((r, walk.cost(op, s), i, s))
@@ -211,6 +213,16 @@ def sequence_walk(scratch: Graph, c: int, attention: str, zigzag: bool, plan_of=
         walk.apply(op, best, candidates)
         out[op.name] = best
     return out
+
+
+def _splits_evenly(op, s, pieces: int) -> bool:
+    """Every dim `s` splits divides into `pieces` (the zigzag order's 2C chunks)."""
+    for v, p in zip(op.tensor_inputs() + [o for o in op.outputs if o.is_tensor],
+                    tuple(s.inputs) + tuple(s.outputs)):
+        if isinstance(p, Shard) and type(v.meta.shape[p.dim]) is int and \
+                v.meta.shape[p.dim] % (pieces * getattr(p, "outer", 1)):
+            return False
+    return True
 
 
 def sequence_splits(graph: Graph, c: int, pas_config: dict) -> dict:

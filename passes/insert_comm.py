@@ -126,6 +126,12 @@ class _Inserter:
         if key not in self.cache and have != want and want is not None and any(
                 isinstance(p, StridedShard) for p in (have, want)):
             self.cache[key] = self.strided(v, want, sync, axis)
+        if key not in self.cache and axis in self.g.plan_state.zigzag_axes and \
+                isinstance(have, Shard) and isinstance(want, Shard) and have != want:
+            # an all-to-all moves contiguous pieces; in the zigzag order a piece is two
+            # chunks, so gather (un-zigzagging) and chunk again
+            self.cache[key] = self.convert(self.convert(v, Replicate(), axis=axis), want,
+                                           sync, axis)
         if key not in self.cache:
             out = v
             for kind, kwargs, dst in transition(have, want, sync, axis):

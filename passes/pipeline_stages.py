@@ -61,8 +61,12 @@ def layer_of(module_path: str) -> str | None:
 
 def stage_config(config: Any, tp: int, pipeline_ranks: int) -> Any:
     """The ComputeConfig one stage is planned with: its tensor-parallel ranks form the plan
-    unit; data-parallel units stay as many as before."""
+    unit (C context x tp // C tensor ranks under context parallelism); data-parallel units
+    stay as many as before."""
     pas = {k: v for k, v in config.pas_config.items() if k not in PIPELINE_KEYS}
+    c = pas.get("context_parallel", 1)
+    if isinstance(c, int) and tp % c:       # a cost estimate on fewer ranks: without cp
+        pas.pop("context_parallel")
     runtime = (config.runtime_ngpus or config.plan_ngpus) // pipeline_ranks
     return dataclasses.replace(config, plan_ngpus=tp, runtime_ngpus=runtime, pas_config=pas)
 
@@ -543,7 +547,8 @@ def pipeline_json(g: Graph) -> dict | None:
                 comm[c.name] = comm.get(c.name, 0) + 1
         stages.append({
             "stage": s, "pipe_rank": pipe,
-            "ranks": mesh.ranks_along(("plan",), mesh.rank_of({"dp": 0, "pp": pipe, "plan": 0}))
+            "ranks": mesh.ranks_along(tuple(n for n in mesh.names if n not in ("dp", "pp")),
+                                      mesh.rank_of({**{n: 0 for n in mesh.names}, "pp": pipe}))
             if pp.ranks > 1 else list(range(pp.tp)),
             "layers": pp.layers[s],
             "predicted_ms": pp.predicted_ms[s] if s < len(pp.predicted_ms) else None,

@@ -111,7 +111,8 @@ def _partial_norm(pm, norm_type: float) -> tuple[torch.Tensor, list[torch.Tensor
     total = _combine(*totals, inf)
     if pm.PIPE_RANKS > 1 and dist.is_initialized():
         dist.all_reduce(total, op=op,
-                        group=pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)[0])
+                        group=pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS,
+                                         pm.mesh_axes)[0])
     return total, scale
 
 

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMeta
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nncompile.errors import CheckpointError
-from nncompile.mesh import Mesh, PP, param_placements
+from nncompile.mesh import PP, param_placements
 from nncompile.ir.placement import Shard as ShardPlacement
 
 from .parts import assemble_sources, sources_of
@@ -139,7 +139,7 @@ _MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default gro
 
 def _mesh(pm):
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
+    mesh = pm.mesh
     device = "cuda" if pm.device.type == "cuda" else "cpu"
     key = (device, mesh.dims)
     meshes = _MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})
@@ -152,8 +152,8 @@ def _mesh(pm):
 def _dtensor(pm, local: torch.Tensor, row: ParamRow | BufferRow) -> DTensor:
     """`local` (this rank's piece of `row`'s tensor, or a tensor shaped like it) as a DTensor."""
     per_dim = {PP: None, **param_placements(row.placement)}   # along "pp": Replicate
-    names = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS).names
-    placements = [Shard(per_dim[d].dim) if isinstance(per_dim[d], ShardPlacement)
+    names = pm.mesh.names
+    placements = [Shard(per_dim[d].dim) if isinstance(per_dim.get(d), ShardPlacement)
                   else Replicate() for d in names]                     # one per mesh dim
     shape = torch.Size(row.shape)
     stride = torch.empty(shape, device="meta").stride()
@@ -163,7 +163,7 @@ def _dtensor(pm, local: torch.Tensor, row: ParamRow | BufferRow) -> DTensor:
 
 def _whole(pm, full: torch.Tensor) -> DTensor:
     """A full tensor every rank holds alike as a replicated DTensor."""
-    names = Mesh.of(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS).names
+    names = pm.mesh.names
     return DTensor.from_local(full.contiguous(), _mesh(pm), [Replicate() for _ in names],
                               run_check=False)
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nncompile.ir.placement import Shard
-from nncompile.mesh import DP, PLAN, PP
+from nncompile.mesh import PP, replica_dims
 
 from .groups import group_along, tie_group
 from nncompile.rows import param_rows, state_rows
@@ -52,14 +52,16 @@ def deduped_optimizer_state(pm, optimizer) -> dict:
 
 
 def _groups(pm) -> dict:
-    """{"shard": the ranks of this stage holding this rank's shards (along "dp"), "stage": those
-    holding its replicated tensors (along "dp" and "plan"), fqn: the tie group of a tied weight};
+    """{"shard": the ranks of this stage holding this rank's shards (along "dp" and "cp"),
+    "stage": those holding its replicated tensors (every dim but "pp"), fqn: the tie group of a tied weight};
     a value is None where the group has one rank. Every rank calls it (creating groups is
     collective)."""
     if not dist.is_initialized():
         return {"shard": None, "stage": None}
-    args = (pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
-    out = {"shard": group_along((DP,), *args), "stage": group_along((DP, PLAN), *args)}
+    args = (pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS, pm.mesh_axes)
+    mesh = pm.mesh
+    out = {"shard": group_along(replica_dims(mesh), *args),
+           "stage": group_along(tuple(d for d in mesh.names if d != PP), *args)}
     if out["stage"] is dist.group.WORLD and dist.get_world_size() == 1:
         out["stage"] = None
     for fqn, pipes in tied_pipes(pm).items():

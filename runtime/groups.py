@@ -104,22 +104,24 @@ def axis_groups(rank: int, plan: int, runtime: int, pipe: int, axes: tuple) -> d
             else None for axis, _ in axes}
 
 
-def pipe_group(plan: int, runtime: int, pipe: int):
+def pipe_group(plan: int, runtime: int, pipe: int, axes: tuple = ()):
     """(group, ranks) of this rank's pipeline: its unit's stages with its tensor-parallel
-    shard, in pipeline order."""
-    mesh = Mesh.of(plan, runtime, pipe)
+    shard (and context rank, `axes`), in pipeline order."""
+    mesh = Mesh.of(plan, runtime, pipe, dict(axes))
     ranks = mesh.ranks_along((PP,), dist.get_rank())
-    return _cached(("pipe", plan, runtime, pipe), mesh.groups_along((PP,))), ranks
+    return _cached(("pipe", plan, runtime, pipe, axes), mesh.groups_along((PP,))), ranks
 
 
-def tie_group(pipe_ranks: tuple[int, ...], plan: int, runtime: int, pipe: int):
+def tie_group(pipe_ranks: tuple[int, ...], plan: int, runtime: int, pipe: int,
+              axes: tuple = ()):
     """The group of the pipeline ranks `pipe_ranks` sharing a tied weight (with this rank's
-    unit and tensor-parallel shard), or None when this rank is not one of them. Every rank
-    calls it for every tie, in the same order (creating groups is collective)."""
-    mesh = Mesh.of(plan, runtime, pipe)
-    groups = [[mesh.rank_of({DP: d, PP: p, PLAN: t}) for p in sorted(set(pipe_ranks))]
-              for d in range(mesh.size(DP)) for t in range(plan)]
-    key = ("tie", tuple(sorted(set(pipe_ranks))), plan, runtime, pipe)
+    unit, tensor-parallel shard and context rank), or None when this rank is not one of
+    them. Every rank calls it for every tie, in the same order (creating groups is
+    collective)."""
+    mesh = Mesh.of(plan, runtime, pipe, dict(axes))
+    groups = [[mesh.moved(r, pp=p) for p in sorted(set(pipe_ranks))]
+              for r in range(mesh.world) if mesh.coord(r, PP) == 0]
+    key = ("tie", tuple(sorted(set(pipe_ranks))), plan, runtime, pipe, axes)
     cache = _CACHE.setdefault(dist.distributed_c10d._get_default_group(), {})
     if key not in cache:
         cache[key] = [(ranks, _new_group(ranks)) for ranks in groups]

@@ -178,7 +178,8 @@ class PipelineRuntime:
         self.pm = pm
         self.info = info
         self.m = info["microbatches"]
-        self.group, self.ranks = pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
+        self.group, self.ranks = pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS,
+                                            pm.mesh_axes)
         self.last_rank = self.ranks[self._pipe_of(info["stages"] - 1)]   # holds the loss
         self.ties = []
         rows = {row.fqn: row.name for row in param_rows(pm)}
@@ -186,7 +187,8 @@ class PipelineRuntime:
             pipes = tuple(sorted({self._pipe_of(s) for s in stages}))
             if len(pipes) < 2:
                 continue                               # used twice on one rank: one copy
-            group = tie_group(pipes, pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
+            group = tie_group(pipes, pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS,
+                              pm.mesh_axes)
             if group is not None and fqn in rows:
                 self.ties.append((rows[fqn], group))
         self.modules = [StageModule(pm, s, params) for s, _, _, _, _, params in pm.STAGES]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nncompile.errors import CheckpointError
-from nncompile.mesh import DP, PLAN, PP, Mesh
+from nncompile.mesh import PLAN, PP, Mesh, replica_dims
 from nncompile.ir.placement import Shard
 from nncompile.pipeline_config import PipelineConfig
 
@@ -37,6 +37,7 @@ def plan_info(pm) -> dict[str, Any]:
             "buffers": [list(r.plain()) for r in buffer_rows(pm)],
             "param_order": list(pm.PARAM_ORDER), "frozen": list(pm.FROZEN),
             "state_keys": [list(k) for k in pm.STATE_KEYS], "pipe_ranks": pm.PIPE_RANKS,
+            **({"mesh_axes": dict(pm.MESH_AXES)} if pm.MESH_AXES else {}),
             **({"pipeline": {"pipe_rank": pipe_rank(pm), "tied": tied_pipes(pm)}}
                if pm.PIPELINE is not None else {}),
             **({"zero3": zero3_layout(pm)} if pm.zero is not None else {})}
@@ -51,7 +52,8 @@ def pipe_ranks(src) -> int:
 def mesh_of(src) -> Mesh:
     """The job's mesh (nncompile/mesh.py) of a ParallelModule or a plan_info."""
     get = src.get if isinstance(src, dict) else lambda k: getattr(src, k.upper())
-    return Mesh.of(get("plan_ngpus"), get("runtime_ngpus"), pipe_ranks(src))
+    return Mesh.of(get("plan_ngpus"), get("runtime_ngpus"), pipe_ranks(src),
+                   get("mesh_axes") or {})
 
 
 def pipe_rank(src) -> int:
@@ -118,7 +120,7 @@ def share_over_pipeline(pm, tensors: dict[str, torch.Tensor | None]
     (one flat buffer per dtype) over its pipeline group. Every rank of the job calls it."""
     if pm.PIPE_RANKS == 1 or not dist.is_initialized():
         return tensors
-    group, ranks = pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS)
+    group, ranks = pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS, pm.mesh_axes)
     mine = {fqn: None if t is None else (tuple(t.shape), t.dtype)
             for fqn, t in tensors.items() if first_holder(pm, fqn)}
     specs: list[Any] = [None] * len(ranks)
@@ -213,11 +215,12 @@ def check_same_plan(saved: dict, pm, where: str) -> None:
 
 def owner_rank(pm, row) -> int:
     """The global rank that stores this rank's shard of `row` in a deduped checkpoint: in the
-    first data-parallel unit, on the lowest pipeline rank holding it, this rank's
+    first data-parallel unit (and context rank), on the lowest pipeline rank holding it, this rank's
     tensor-parallel index for a sharded tensor, index 0 for a replicated one."""
     mesh = mesh_of(pm)
     coords = mesh.coords(pm.RANK)
-    coords[DP] = 0
+    for dim in replica_dims(mesh):          # "dp" and "cp": the same parameters
+        coords[dim] = 0
     if PP in coords:
         coords[PP] = holders(pm, row.fqn)[0]
     if not isinstance(row.placement, Shard):

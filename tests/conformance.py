@@ -240,6 +240,8 @@ CELLS = [
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),
     Cell("pp", "tp", 2, 2, Loop(val_micro=2), stages=2, process=True),
     Cell("pp_dropout", "tp", 2, 2, replace(DROP, val_micro=2), stages=2, process=True),
+    # the sequence split in two inside each of two pipeline stages
+    Cell("pp_cp", "tp", 4, 4, Loop(val_micro=2), stages=2, cp=2, process=True),
 ]
 BY_NAME = {c.name: c for c in CELLS}
 
@@ -611,14 +613,24 @@ def format_matrix(rows: dict[str, dict], times: dict[str, float] | None = None) 
 
 # ---- the torchrun launch ----------------------------------------------------------------------
 def launch(workdir: Path, names: list[str], timeout: int = 600) -> tuple[dict, str]:
-    """Run the process cells in one torchrun launch, cell `name` in workdir / name;
-    ({cell: [records per rank]}, the launch's output)."""
+    """Run the process cells, one torchrun launch per world size (their runtime ranks), cell
+    `name` in workdir / name; ({cell: [records per rank]}, the launches' output)."""
+    results, outs = {}, []
+    for world in sorted({BY_NAME[n].runtime for n in names}):
+        got, out = _launch(workdir, [n for n in names if BY_NAME[n].runtime == world], world,
+                           timeout)
+        results.update(got)
+        outs.append(out)
+    return results, "\n".join(outs)
+
+
+def _launch(workdir: Path, names: list[str], world: int, timeout: int) -> tuple[dict, str]:
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
            f"--master_port={port}", str(HERE / "workers" / "conformance.py"),
            "--workdir", str(workdir), "--cells", ",".join(names)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1",
@@ -684,7 +696,7 @@ def main() -> None:
             print(format_row(name, rows[name]), file=sys.stderr, flush=True)
     print(format_matrix(rows, times))
     if procs:
-        print(f"the process cells ran in one torchrun launch of "
+        print(f"the process cells ran in torchrun launches (one per world size) of "
               f"{times['(torchrun launch)']:.0f}s (in the total)")
 
 

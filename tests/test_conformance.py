@@ -32,7 +32,7 @@ def matrix(tmp_path_factory):
         order = [cell.name for cell in c.CELLS if cell.name in rows]
         text = c.format_matrix({n: rows[n] for n in order}, times)
         if "(torchrun launch)" in times:
-            text += f"\nthe process cells ran in one torchrun launch of " \
+            text += f"\nthe process cells ran in torchrun launches (one per world size) of " \
                     f"{times['(torchrun launch)']:.0f}s (in the total)"
         path = tmp_path_factory.getbasetemp() / "conformance_matrix.txt"
         path.write_text(text + "\n")
@@ -41,7 +41,7 @@ def matrix(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Every process cell in one torchrun launch (2 ranks)."""
+    """Every process cell, one torchrun launch per world size."""
     root = tmp_path_factory.mktemp("conformance_launch")
     t0 = time.time()
     results, out = c.launch(root, [cell.name for cell in PROCESS])

@@ -93,7 +93,8 @@ def test_the_plan_splits_the_sequence_and_gathers_only_keys_and_values(tmp_path)
 
 @pytest.mark.parametrize("pas, match", [
     ({"context_parallel": 3}, r"divides plan_ngpus=2: one of \[1, 2\]"),
-    ({"context_parallel": 2, "pipeline_stages": 2}, "does not combine with pipeline_stages"),
+    ({"context_parallel": 2, "pipeline_stages": 2}, "leaves 1 per stage"),
+    ({"context_parallel": "auto", "pipeline_stages": 2}, "'auto' does not combine"),
     ({"context_parallel": 2, "context_parallel_attention": "ring"}, "'allgather'"),
     ({"context_parallel": 2, "context_parallel_attention": "ulysses",
       "context_parallel_order": "zigzag"}, "the only order 'ulysses' runs"),
@@ -345,3 +346,21 @@ def test_inference_only_program_splits_the_sequence_and_equals_the_model(tmp_pat
 
     for got in run_ranks(2, rank_fn):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["zigzag", "contiguous"])
+def test_gpt2_flattening_batch_and_sequence_equals_one_device(order, tmp_path):
+    """Hugging Face GPT-2: its Conv1D flattens [batch, seq] into rows and its attention runs
+    split by batch, so the sequence split meets batch and row splits; in the zigzag order a
+    move between two splits gathers and chunks again (an all-to-all would hand out contiguous
+    pieces)."""
+    import models
+    torch.manual_seed(0)
+    model = models.hf_gpt2(n_layer=2, pdrop=0.0).train()
+    g = torch.Generator().manual_seed(1)
+    data = {"input_ids": torch.randint(0, 64, (8, 16), generator=g),
+            "labels": torch.randint(0, 64, (8, 16), generator=g)}
+    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": 2,
+                                          "context_parallel_order": order})
+    report = nncompile.verify(model, data, cfg, "tp", gen_savedir=str(tmp_path))
+    assert report.ok, report

@@ -386,10 +386,11 @@ class Graph:
     def mesh_over(self, runtime_ngpus: int | None) -> "_mesh.Mesh":
         """This graph's mesh for a job of `runtime_ngpus` ranks (None: one plan unit)."""
         pp = self.plan_state.pipeline
-        tp, pipe = (pp.tp, pp.ranks) if pp is not None else (self.plan_ngpus, 1)
         extra = 1
         for size in self.axes.values():
             extra *= size
+        # a stage's pp.tp ranks are its axes' (cp) times its plan's
+        tp, pipe = (pp.tp // extra, pp.ranks) if pp is not None else (self.plan_ngpus, 1)
         return _mesh.Mesh.of(tp, runtime_ngpus or tp * pipe * extra, pipe, self.axes)
 
     @property

@@ -3,7 +3,8 @@ a plan-1 plan (the default generator is per process) and torch.compile. Each ran
 same `train_rank` as a simulated rank does and writes its records to
 WORKDIR/<cell>/records.rank<r>.pt (or {"error": ...}); the test compares them.
 
-    torchrun --nproc_per_node=2 tests/workers/conformance.py --workdir DIR --cells a,b
+    torchrun --nproc_per_node=N tests/workers/conformance.py --workdir DIR --cells a,b
+    (every cell of a launch runs on N = its runtime_ngpus ranks)
 """
 from __future__ import annotations
 

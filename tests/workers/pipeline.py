@@ -58,6 +58,7 @@ class Case:
     pdrop: float = 0.0
     attn_pdrop: float | None = None      # attention dropout (default: pdrop)
     n_layer: int = 4
+    cp: int = 1                          # context-parallel ranks of each stage
 
 
 CASES = [
@@ -86,7 +87,9 @@ EXTRA = [Case("pp2xtp2-zero_bubble", plan=4, stages=2, schedule="zero_bubble"),
          Case("hf_gpt2-pp4-gpipe-dropout", plan=4, stages=4, schedule="gpipe",
               model="hf_gpt2", steps=5, pdrop=0.3),
          Case("hf_gpt2-pp2xtp2-zbv-dropout", plan=4, stages=2, schedule="zero_bubble",
-              per_rank=2, model="hf_gpt2", steps=5, pdrop=0.3)]
+              per_rank=2, model="hf_gpt2", steps=5, pdrop=0.3),
+         # the sequence split in two inside each of 2 stages (cp 2 x tp 1 per stage)
+         Case("hf_gpt2-pp2xcp2-1f1b", plan=4, stages=2, model="hf_gpt2", steps=5, cp=2)]
 
 
 def build(case: Case) -> torch.nn.Module:
@@ -193,7 +196,8 @@ def run(case: Case, savedir: str) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     units = world // case.plan
     pas = {"pipeline_stages": case.stages, "pipeline_schedule": case.schedule,
-           "microbatches": M, "stages_per_rank": case.per_rank}
+           "microbatches": M, "stages_per_rank": case.per_rank,
+           **({"context_parallel": case.cp} if case.cp > 1 else {})}
     model = build(case)
     pm = nncompile.parallelize(
         model, unit_batch(case, 0, 0),
