@@ -344,9 +344,10 @@ def attention_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     across `group`: rank r holds rows r*L .. (r+1)*L-1, or with `zigzag` the chunks r and
     2C-1-r of 2C), each row seeing exactly the keys it sees unsplit. A causal mask is never
     materialized: each block of rows attends to the keys before it and to its causal
-    diagonal block, merged by their log-sum-exps (CPU: the flash kernel's own lse), or on
-    CUDA to the keys up to its last row with a lower-right causal bias; with a mask of the
-    model's own, the causal part is and-ed into it."""
+    diagonal block, merged by their log-sum-exps (CPU: the flash kernel's own lse, where q
+    and v heads are one size), or to the keys up to its last row with a lower-right causal
+    bias (CUDA; CPU with MLA's wider q/k heads); with a mask of the model's own, the causal
+    part is and-ed into it."""
     if not is_causal:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                               dropout_p=dropout_p, scale=scale,
@@ -356,7 +357,8 @@ def attention_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     half = rows // 2            # zigzag: two blocks of rows, chunks r and 2n-1-r of 2n
     blocks = ((0, rows, r * rows),) if not zigzag else \
         ((0, half, r * half), (half, half, (2 * n - 1 - r) * half))
-    if attn_mask is None and not dropout_p and query.dim() == 4 and query.device.type == "cpu":
+    if attn_mask is None and not dropout_p and query.dim() == 4 and query.device.type == "cpu" \
+            and query.shape[-1] == value.shape[-1]:     # the CPU flash kernel's one head size
         return _CausalRows.apply(query, key, value, blocks, scale)
     return torch.cat([_rows_at(query[..., a:a + m, :], key, value,
                                None if attn_mask is None else attn_mask[..., a:a + m, :],
