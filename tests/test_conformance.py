@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import conformance as c
+import conformance_run as run
 import nncompile
 
 THREADED = [cell for cell in c.CELLS if not cell.process]
@@ -30,7 +31,7 @@ def matrix(tmp_path_factory):
     yield rows, times
     if rows:
         order = [cell.name for cell in c.CELLS if cell.name in rows]
-        text = c.format_matrix({n: rows[n] for n in order}, times)
+        text = run.format_matrix({n: rows[n] for n in order}, times)
         if "(torchrun launch)" in times:
             text += f"\nthe process cells ran in torchrun launches (one per world size) of " \
                     f"{times['(torchrun launch)']:.0f}s (in the total)"
@@ -44,7 +45,7 @@ def launched(tmp_path_factory):
     """Every process cell, one torchrun launch per world size."""
     root = tmp_path_factory.mktemp("conformance_launch")
     t0 = time.time()
-    results, out = c.launch(root, [cell.name for cell in PROCESS])
+    results, out = run.launch(root, [cell.name for cell in PROCESS])
     return root, results, out, time.time() - t0
 
 
@@ -52,7 +53,7 @@ def _run(cell, workdir, matrix, results=None, output=""):
     rows, times = matrix
     t0 = time.time()
     try:
-        rows[cell.name], _ = c.run_cell(cell, workdir, results)
+        rows[cell.name], _ = run.run_cell(cell, workdir, results)
     except c.Mismatch as e:
         rows[cell.name] = e.row
         raise
@@ -134,6 +135,6 @@ def test_the_suite_catches_a_broken_known_good_case(breakage, caught_by, tmp_pat
     cell = replace(c.BY_NAME["tp"], name="tp_broken", loop=loop)
     breakage(monkeypatch)
     with pytest.raises(c.Mismatch) as e:
-        c.run_cell(cell, tmp_path)
+        run.run_cell(cell, tmp_path)
     assert caught_by in e.value.row.get("out of tolerance", []), str(e.value)
     assert "one device" in str(e.value) and "tp_broken" in str(e.value)
