@@ -1,6 +1,6 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
-    trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections]
+    trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections] -> [fuse_experts]
           -> [pipeline_stages] -> plan(policy) -> [context_parallel] -> sink_gathers
           -> insert_comm -> [recompute]
           -> localize -> overlap_grad_sync
@@ -11,7 +11,8 @@ into `enable_gqa=True` (passes/fuse_attention.py). unfuse_projections (plan_ngpu
 fused projection whose output is only split into pieces (nanoGPT's `c_attn` then `.split`)
 into one projection per piece over parts of the fused parameter, so the plan splits q, k and
 v by heads (passes/unfuse_projections.py); it is in the history (and graphs/) only when it
-cut one.
+cut one. fuse_experts (plan_ngpus > 1) makes a mixture-of-experts layer's gated expert MLP one
+op whose experts the plan may split (passes/fuse_experts.py).
 
 Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
@@ -42,6 +43,7 @@ from .overlap_grad_sync import overlap_grad_sync
 from .pipeline_stages import PartitionStages
 from .plan import Plan
 from .context_parallel import ContextParallel
+from .fuse_experts import FuseExperts, fuse_experts
 from .recompute import AUTO, Recompute
 from .sink_gathers import sink_gathers
 from .split_stages import split_stages
@@ -84,6 +86,7 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         dce,
         FuseAttention(config.plan_ngpus),
         UnfuseProjections(config.plan_ngpus) if config.plan_ngpus > 1 else None,
+        FuseExperts() if config.plan_ngpus > 1 else None,
         PartitionStages(config, autodist=policy is POLICIES["autodist"])
         if config.pipeline.enabled else None,
         Plan(policy, config),
@@ -172,6 +175,7 @@ def _stages(stages) -> str:
 
 __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce",
            "fuse_attention", "FuseAttention", "unfuse_projections", "UnfuseProjections",
+           "fuse_experts", "FuseExperts",
            "Plan", "ContextParallel", "sink_gathers", "insert_comm", "localize",
            "overlap_grad_sync", "split_stages", "LowerZero3", "lower_recompute", "plan_graph",
            "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError",

@@ -145,6 +145,8 @@ def _rank(walk: Walk, op, s, attention: str) -> int | None:
     if any(v.kind == PARAM and not isinstance(p, Replicate)
            for v, p in zip(op.tensor_inputs(), s.inputs)):
         return None                              # parameters stay whole along cp
+    if s.local_target == "comm.local_experts":
+        return None                              # experts need every token of the unit
     if _is_attention(op) and attention == ULYSSES and s.note.startswith("split heads"):
         return 0                                 # all-to-all: heads <-> sequence
     if walk.is_batch_split(op, s) or s.note.startswith("rows"):

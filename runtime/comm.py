@@ -338,6 +338,21 @@ def cross_entropy_rows(input, target, weight=None, reduction=1, ignore_index=-10
     return local / count
 
 
+def local_experts(x, w_in, w_out, offs, gmm, act, *, group):
+    """nncompile_moe::experts_mlp with this rank's experts (w_in, w_out: [E/n, ...], rank r holding
+    experts r E/n ..): the rows routed to them (x sorted by expert, `offs` every expert's
+    last row + 1), zeros elsewhere; a partial sum over `group` (nncompile/rules/experts.py)."""
+    from nncompile.experts import EXPERTS_MLP
+    local = w_in.shape[0]
+    first = _rank(group) * local
+    ends = offs.to(torch.int64)
+    start = int(ends[first - 1]) if first else 0
+    end = int(ends[first + local - 1])
+    mine = offs[first:first + local] - start
+    y = EXPERTS_MLP(x[start:end], w_in, w_out, mine.to(offs.dtype), gmm, act)
+    return F.pad(y, (0, 0, start, x.shape[0] - end))
+
+
 def attention_rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                    scale=None, enable_gqa=False, *, group, zigzag=False):
     """Attention of this rank's query rows against every key and value (the sequence split

@@ -21,7 +21,7 @@ import torch
 
 from nncompile.errors import CheckpointError
 
-from nncompile.rows import param_rows, put, state_rows, take
+from nncompile.rows import BufferRow, param_rows, put, state_rows, take
 from .state import (GROUP_FQNS, as_zero_state, group_fqns, hyper, load_local_optimizer_state,
                     optimizer_state_by_name, pipe_rank, pipe_ranks, shard_layout)
 
@@ -270,9 +270,12 @@ def load_merged_state_dict(pm, state_dict: dict[str, torch.Tensor], optimizer=No
         if key in state_dict:
             by_canon.setdefault(canon, state_dict[key])
     local = {}
+    in_state_dict = {canon for _, canon in pm.STATE_KEYS}
     for row in state_rows(pm):
         fqn = row.source
         full = by_canon.get(fqn, state_dict.get(fqn))
+        if full is None and isinstance(row, BufferRow) and fqn not in in_state_dict:
+            continue        # a non-persistent buffer (rotary inv_freq): not in state dicts
         if full is None:
             raise CheckpointError(f"the state dict has no {fqn!r} (it has "
                                   f"{len(state_dict)} keys, e.g. {list(state_dict)[:3]})")

@@ -81,7 +81,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import nncompile  # noqa: E402
-from conformance_models import VOCAB, BNNet, TinyGPT  # noqa: E402
+from conformance_models import VOCAB, BNNet, TinyGPT, TinyMoE  # noqa: E402
 
 FORMATS = ("sharded", "deduped", "dcp", "merged")
 SEED = 1234
@@ -91,13 +91,16 @@ def build_model(loop: "Loop") -> nn.Module:
     torch.manual_seed(0)
     if loop.model == "bn":
         return BNNet().train()
+    if loop.model == "moe":
+        return TinyMoE().train()
     return TinyGPT(loop.dropout, fused=loop.model == "gpt_fused").train()
 
 
 # ---- the loop -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Loop:
-    model: str = "gpt"              # "gpt" (TinyGPT), "gpt_fused" (its fused c_attn) or "bn"
+    model: str = "gpt"              # "gpt" (TinyGPT), "gpt_fused" (its fused c_attn), "bn" or
+    #                                 "moe" (TinyMoE: Mixtral's experts)
     dropout: float = 0.0
     steps: int = 6
     accum: int = 2                  # micro-batches per optimizer step
@@ -197,6 +200,7 @@ DROP = Loop(dropout=0.1)
 DYN = Loop(dropout=0.1, sizes=((4, 16), (2, 8)))
 BN = Loop(model="bn")
 FUSED = Loop(model="gpt_fused", dropout=0.1)
+MOE = Loop(model="moe")
 # Threaded cells under plan_ngpus 1 have no dropout (see "Threads or processes"); dp_dropout
 # runs it as processes. The compile cell saves no checkpoint: every resumed pm would compile
 # again (the checkpoint is the same code with or without compile).
@@ -232,6 +236,10 @@ CELLS = [
     # draws the forward's dropout masks again (rng.recompute_draws)
     Cell("zero3_recompute", "tp", 2, 4, DROP, zero=3, recompute=("Block",)),
     Cell("cp_dynamic", "tp", 2, 2, DYN, dynamic=True, cp=2),
+    # Mixtral's experts split across the plan (2 of 4 per rank), with its router loss; with
+    # data parallelism and ZeRO-3 of the expert weights
+    Cell("experts", "tp", 2, 2, MOE),
+    Cell("experts_zero3", "tp", 2, 4, MOE, zero=3),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),

@@ -90,3 +90,23 @@ class BNNet(nn.Module):
         h = F.relu(self.bn1(self.fc1(x)))
         h = F.relu(self.bn2(self.fc2(h)))
         return F.cross_entropy(self.head(h), y)
+
+
+class TinyMoE(nn.Module):
+    """Hugging Face's Mixtral at d 32, 2 layers of 4 experts (top-2), called like TinyGPT:
+    next-token cross-entropy plus the router's load-balancing loss (coefficient 0.02)."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+        self.lm = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=BLOCK, bos_token_id=0,
+            eos_token_id=0, pad_token_id=0))
+
+    def forward(self, idx, targets):
+        out = self.lm(input_ids=idx, output_router_logits=True)
+        logits = out.logits
+        ce = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return ce + 0.02 * out.aux_loss

@@ -1,9 +1,12 @@
 """Mixture-of-experts models from Hugging Face (Mixtral, Qwen3-MoE: top-2 of 4 experts with the
 router's load-balancing loss in the loss; DeepSeek-V3: group-limited routing with a shared
 expert and multi-head latent attention) train like one device under the tensor plan, autodist
-and context parallelism. Their experts run replicated along the plan (each rank holds every
-expert); the router, the sort of tokens by expert and the grouped matrix products are exact on
-every rank."""
+and context parallelism. Under `tp` each layer's experts split across the plan's ranks
+(passes/fuse_experts.py, nncompile/rules/experts.py): every rank routes every token exactly,
+computes the rows of its own experts and the outputs are summed; a rank whose experts get no
+token computes nothing and still takes part."""
+import copy
+
 import pytest
 import torch
 
@@ -56,3 +59,93 @@ def test_moe_model_equals_one_device(arch, policy, pas, tmp_path):
     report = nncompile.verify(moe(arch), batch(), ComputeConfig(2, 2, pas_config=pas), policy,
                               gen_savedir=str(tmp_path))
     assert report.ok, report
+
+
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def expert_elements(pm) -> int:
+    """This rank's expert parameter elements (local names: dots become underscores)."""
+    local = tuple(e.replace(".", "_") for e in EXPERTS)
+    return sum(p.numel() for n, p in pm.named_parameters() if n.endswith(local))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_experts_split_across_the_plan(arch, tmp_path):
+    """plan 4, 4 experts: each rank holds one expert of every MoE layer (a quarter of the
+    expert parameters), the layer's output is summed over the plan, and training steps equal
+    one device's."""
+    from nncompile.tools.simulate import run_ranks
+    model, data = moe(arch), batch()
+    whole = sum(p.numel() for n, p in model.named_parameters() if n.endswith(EXPERTS))
+    cfg = ComputeConfig(4, 4)
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), data, cfg, pas_policy="tp",
+                                   gen_savedir=str(tmp_path))
+        code = open(pm.gencode_path).read()
+        return expert_elements(pm), code.count("comm.local_experts("), \
+            nncompile.verify(model, data, cfg, "tp", gen_savedir=str(tmp_path / "v"))
+
+    for mine, calls, report in run_ranks(4, rank_fn):
+        assert mine * 4 == whole and calls == (2 if arch != "deepseek_v3" else 1)
+        assert report.ok, report
+
+
+def test_all_tokens_routed_to_one_ranks_experts(tmp_path):
+    """A router that sends every token to experts 0 and 1 (rank 0's at plan 2): rank 1
+    computes no rows, nothing is dropped, nothing hangs, and the step equals one device."""
+    model = moe("mixtral")
+    for layer in model.model.model.layers:
+        layer.mlp.gate.weight.data.zero_()            # equal scores: top-2 = experts 0, 1
+    report = nncompile.verify(model, batch(), ComputeConfig(2, 2), "tp",
+                              gen_savedir=str(tmp_path))
+    assert report.ok, report
+
+
+def test_experts_split_with_data_parallelism_trains_like_one_device(tmp_path):
+    """Experts split over plan 2 x 2 data-parallel units, 5 AdamW steps with the router's
+    load-balancing loss: every unit's losses and the weights equal one device on the units'
+    batches."""
+    from nncompile.tools.simulate import run_ranks
+    model = moe("mixtral")
+    batches = [[{k: v[u * 2:(u + 1) * 2] for k, v in batch_at(step).items()} for u in range(2)]
+               for step in range(5)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for step in range(5):
+        losses = []
+        for u in range(2):
+            loss = ref(**batches[step][u])
+            (loss / 2).backward()
+            losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+        want.append(losses)
+    cfg = ComputeConfig(2, 4)
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), batches[0][0], cfg, pas_policy="tp",
+                                   gen_savedir=str(tmp_path))
+        popt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+        got = []
+        for step in range(5):
+            loss = pm(**batches[step][pm.dp_rank])
+            loss.backward()
+            popt.step()
+            popt.zero_grad()
+            got.append(float(loss))
+        return pm.dp_rank, got, pm.gather_params()
+
+    for unit, got, params in run_ranks(4, rank_fn):
+        assert got == pytest.approx([w[unit] for w in want], rel=1e-5)
+        for name, p in ref.named_parameters():
+            bound = 5e-4 * float(p.detach().abs().max())
+            assert float((params[name] - p.detach()).abs().max()) <= bound, name
+
+
+def batch_at(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return {"input_ids": torch.randint(0, 64, (4, 16), generator=g),
+            "labels": torch.randint(0, 64, (4, 16), generator=g)}

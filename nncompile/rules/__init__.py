@@ -4,7 +4,7 @@ One concern per file: contractions (einsum.py), elementwise (pointwise.py), view
 (shape_ops.py), model-level ops (nn_ops.py), convolutions and batch norm (conv.py).
 `strategies(op, n)` is the only entry point.
 """
-from . import conv, einsum, nn_ops, pointwise, shape_ops  # noqa: F401  (register rules)
+from . import conv, einsum, experts, nn_ops, pointwise, shape_ops  # noqa: F401  (register rules)
 from .registry import LOCAL_ARGS, RANDOM_LOCAL, RULES, draws_random, register, replicated, \
     strategies, strided_splits
 

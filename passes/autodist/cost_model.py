@@ -109,6 +109,11 @@ def flops(op: Op) -> float:
         return 2.0 * (x.meta.numel if transposed else out.meta.numel) * per
     if name in VIEWS or name == "embedding":
         return 0.0
+    if name == "experts_mlp":       # each token copy through one expert's two products
+        x, w_in, w_out = op.tensor_inputs()[:3]
+        rows = x.meta.shape[0]
+        return 2.0 * rows * (x.meta.shape[1] * w_in.meta.shape[-1]
+                             + w_out.meta.shape[-2] * w_out.meta.shape[-1])
     if is_custom_op(op.target):
         f = annotation_flops(name, [v.meta.shape for v in op.tensor_inputs()])
         if f is not None:

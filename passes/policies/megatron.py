@@ -58,6 +58,7 @@ import warnings
 from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Partial, Replicate, Shard, Strategy, \
     StridedShard, Value
 from nncompile.rules import replicated, strategies, strided_splits
+from nncompile.experts import EXPERTS_MLP
 from nncompile.symbolic import warn_unsplit_sequence
 
 from ..pipeline_stages import layer_of
@@ -160,6 +161,19 @@ class _Walk:
                 return s
         return None
 
+    def experts(self, op: Op) -> Strategy | None:
+        """A mixture-of-experts layer's experts (passes/fuse_experts.py) split across the
+        ranks: expert weights on their expert dim, the token rows replicated, the output a
+        partial sum (nncompile/rules/experts.py)."""
+        if op.target is not EXPERTS_MLP or op.name in self.vetoed:
+            return None
+        for s in self.cands[id(op)]:
+            if isinstance(s.outputs[0], Partial) and all(
+                    self._free_ok(v, p) if self.is_free(v) else isinstance(p, Replicate)
+                    for v, p in zip(op.tensor_inputs(), s.inputs)):
+                return s
+        return None
+
     def follow(self, op: Op) -> Strategy | None:
         """A strategy that takes the split inputs as they are, with no communication: outputs
         stay split, or a weight split on its input dim leaves a partial sum (a row linear)."""
@@ -258,7 +272,7 @@ class _Walk:
                     for name in prov:
                         self.stopped_at.setdefault(name, op)
             else:
-                s = self.column(op) or self.entry(op)
+                s = self.column(op) or self.entry(op) or self.experts(op)
                 if s is not None:
                     prov = frozenset([op.name])
             self.record(op, s or replicated(op), prov)

@@ -1,0 +1,112 @@
+"""fuse_experts: a mixture-of-experts layer's gated expert MLP becomes one op, so a rule can
+split its experts (nncompile/experts.py, nncompile/rules/experts.py).
+
+Hugging Face's batched experts (Mixtral, Qwen3-MoE, DeepSeek-V3 under the default
+"grouped_mm" implementation) trace as two grouped matrix products around a gated
+activation:
+
+Before:                                              After:
+    h = grouped_mm(x, w_in, offs)  # [S, 2I]             y = nncompile.experts_mlp(
+    a, b = aten.split.Tensor(h, I, -1)                       x, w_in, w_out, offs,
+    c = aten.silu.default(a)                                 'transformers::grouped_mm_fallback',
+    d = aten.mul.Tensor(c, b)                                'silu')
+    y = grouped_mm(d, w_out, offs)  # [S, H]
+
+The match needs each intermediate read only by the next op of the chain, the same `offs`
+for both products, an even split of the last dim and an activation experts_mlp knows
+(silu, gelu, relu). A custom MoE that computes its experts the same way (grouped_mm, or
+torch._grouped_mm in bfloat16) is fused too; any other form runs as traced, its experts
+replicated along the plan. Precondition: none (before the plan). Idempotent: yes.
+"""
+from __future__ import annotations
+
+from nncompile.experts import EXPERTS_MLP
+from nncompile.ir import Graph, Op, Value
+
+from .contract import contract
+
+GROUPED_MM = ("transformers::grouped_mm_fallback", "aten::_grouped_mm")
+_ACT = {"silu": "silu", "gelu": "gelu", "relu": "relu"}
+
+
+def _qualname(op: Op) -> str:
+    t = op.target
+    return f"{getattr(t, 'namespace', '')}::{getattr(t, '_opname', '')}"
+
+
+def _only_user(v: Value, users: dict) -> Op | None:
+    us = users.get(v, [])
+    return us[0] if len(us) == 1 else None
+
+
+def _match(op: Op, users: dict, outputs: set[int]) -> tuple[list[Op], tuple, str] | None:
+    """(the five ops, experts_mlp's tensor args, activation) of a chain starting at `op`."""
+    if _qualname(op) not in GROUPED_MM or len(op.args) < 3 or op.kwargs:
+        return None
+    x, w_in, offs = op.args[:3]
+    h = op.outputs[0]
+    split = _only_user(h, users)
+    if split is None or getattr(split.target, "_opname", "") != "split" or \
+            len(split.outputs) != 2 or split.args[1] * 2 != h.meta.shape[-1] or \
+            (len(split.args) > 2 and split.args[2] not in (-1, len(h.meta.shape) - 1)):
+        return None
+    a, b = split.outputs
+    act = _only_user(a, users)
+    if act is None or _ACT.get(getattr(act.target, "_opname", "")) is None or \
+            len(act.args) != 1 or act.kwargs:
+        return None
+    mul = _only_user(act.outputs[0], users)
+    if mul is None or getattr(mul.target, "_opname", "") != "mul" or \
+            list(mul.args) != [act.outputs[0], b] or _only_user(b, users) is not mul:
+        return None
+    down = _only_user(mul.outputs[0], users)
+    if down is None or _qualname(down) != _qualname(op) or down.args[0] is not mul.outputs[0] \
+            or down.args[2] is not offs or down.kwargs:
+        return None
+    chain = [op, split, act, mul, down]
+    if any(id(v) in outputs for o in chain[:-1] for v in o.outputs):
+        return None
+    return chain, (x, w_in, down.args[1], offs), _ACT[act.target._opname]
+
+
+@contract()
+def fuse_experts(graph: Graph) -> Graph:
+    if not any(_qualname(op) in GROUPED_MM for op in graph.ops):
+        return graph
+    g = graph.clone()
+    users = g.users()
+    outputs = {id(v) for v in g.outputs if isinstance(v, Value)}
+    fused: dict[int, Op] = {}                   # id(last op of a chain) -> the new op
+    gone: set[int] = set()
+    for op in g.ops:
+        if id(op) in gone:
+            continue
+        found = _match(op, users, outputs)
+        if found is None:
+            continue
+        chain, args, act = found
+        out = chain[-1].outputs[0]
+        prefix = op.name.rsplit("_grouped_mm", 1)[0]
+        out.name = g.fresh_name(prefix + ("_mlp" if prefix.endswith("_experts") else
+                                          "_experts_mlp"))
+        new = Op(EXPERTS_MLP, (*args, _qualname(op), act), {}, [out], op.source,
+                 op.module_path)
+        new.module_stack, new.stage, new.recompute = op.module_stack, op.stage, op.recompute
+        fused[id(chain[-1])] = new              # where all its inputs exist
+        gone |= {id(o) for o in chain}
+    if not fused:
+        return graph
+    g.ops = [fused.get(id(op), op) for op in g.ops
+             if id(op) in fused or id(op) not in gone]
+    return g
+
+
+class FuseExperts:
+    name = "fuse_experts"
+    requires = produces = ()
+
+    def __call__(self, graph: Graph) -> Graph:
+        return fuse_experts(graph)
+
+
+__all__ = ["fuse_experts", "FuseExperts", "GROUPED_MM"]
