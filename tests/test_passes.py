@@ -42,7 +42,8 @@ def test_pipeline_is_the_documented_list():
     cfg = ComputeConfig(plan_ngpus=2)
     names = [getattr(p, "name", getattr(p, "__name__", "")) for p in
              build_pipeline(cfg, get_policy("tp"))]
-    assert names == ["constant_fold", "dce", "fuse_attention", "unfuse_projections", "plan",
+    assert names == ["constant_fold", "dce", "fuse_attention", "unfuse_projections",
+                     "fuse_experts", "plan",
                      "sink_gathers", "insert_comm", "localize", "overlap_grad_sync"]
     cfg = ComputeConfig(plan_ngpus=2, constant_folding=False)
     assert "constant_fold" not in [getattr(p, "__name__", "") for p in
