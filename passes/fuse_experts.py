@@ -104,6 +104,7 @@ def fuse_experts(graph: Graph) -> Graph:
 class FuseExperts:
     name = "fuse_experts"
     requires = produces = ()
+    quiet_when_unchanged = True      # run_pipeline lists it only when it fused a layer
 
     def __call__(self, graph: Graph) -> Graph:
         return fuse_experts(graph)
