@@ -75,6 +75,24 @@ def saved_bytes(fn) -> tuple[torch.Tensor, int]:
     return out, sum(seen.values())
 
 
+def timed_steps(pm, batch: dict, steps: int, cuda: bool = False) -> tuple[list, int, object]:
+    """(ms of each of `steps` forward + backward steps after one warm-up, the bytes the last
+    forward saved, its loss); every rank starts each step together."""
+    times, acts, loss = [], 0, None
+    for step in range(steps + 1):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss, acts = saved_bytes(lambda: pm(**batch))
+        loss.backward()
+        pm.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if step:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times, acts, loss
+
+
 def run(args, seq: int, cp: int, outdir: Path) -> dict:
     import nncompile
     from nncompile.tools.simulate import run_ranks
@@ -86,18 +104,7 @@ def run(args, seq: int, cp: int, outdir: Path) -> dict:
     def rank_fn(rank: int) -> dict:
         pm = nncompile.parallelize(model, batch, config, pas_policy="tp",
                                    gen_savedir=str(outdir), instance_name=f"s{seq}_c{cp}")
-        times, acts, loss = [], 0, None
-        for step in range(args.steps + 1):
-            if dist.is_initialized():
-                dist.barrier()
-            t0 = time.perf_counter()
-            loss, acts = saved_bytes(lambda: pm(**batch))
-            loss.backward()
-            pm.zero_grad(set_to_none=True)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            if step:
-                times.append((time.perf_counter() - t0) * 1e3)
+        times, acts, loss = timed_steps(pm, batch, args.steps, args.device == "cuda")
         return {"rank": rank, "activations": acts, "ms": statistics.median(times),
                 "loss": float(loss)}
 

@@ -19,16 +19,14 @@ import copy
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from context_parallel import saved_bytes  # noqa: E402
+from context_parallel import timed_steps  # noqa: E402
 
 EXPERT_NAMES = ("experts_gate_up_proj", "experts_down_proj")
 
@@ -66,16 +64,7 @@ def run(args, ep: int, outdir: Path) -> dict:
         experts = sum(p.numel() * p.element_size() for n, p in pm.named_parameters()
                       if n.endswith(EXPERT_NAMES))
         total = sum(p.numel() * p.element_size() for p in pm.parameters())
-        times, acts, loss = [], 0, None
-        for step in range(args.steps + 1):
-            if dist.is_initialized():
-                dist.barrier()
-            t0 = time.perf_counter()
-            loss, acts = saved_bytes(lambda: pm(**batch))
-            loss.backward()
-            pm.zero_grad(set_to_none=True)
-            if step:
-                times.append((time.perf_counter() - t0) * 1e3)
+        times, acts, loss = timed_steps(pm, batch, args.steps)
         return {"experts": experts, "params": total, "activations": acts,
                 "ms": statistics.median(times), "loss": float(loss)}
 
