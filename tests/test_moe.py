@@ -83,13 +83,12 @@ def test_experts_split_across_the_plan(arch, tmp_path):
     def rank_fn(rank):
         pm = nncompile.parallelize(copy.deepcopy(model), data, cfg, pas_policy="tp",
                                    gen_savedir=str(tmp_path))
-        code = open(pm.gencode_path).read()
-        return expert_elements(pm), code.count("comm.local_experts("), \
-            nncompile.verify(model, data, cfg, "tp", gen_savedir=str(tmp_path / "v"))
+        return expert_elements(pm), open(pm.gencode_path).read().count("comm.local_experts(")
 
-    for mine, calls, report in run_ranks(4, rank_fn):
+    for mine, calls in run_ranks(4, rank_fn):
         assert mine * 4 == whole and calls == (2 if arch != "deepseek_v3" else 1)
-        assert report.ok, report
+    report = nncompile.verify(model, data, cfg, "tp", gen_savedir=str(tmp_path / "v"))
+    assert report.ok, report
 
 
 def test_all_tokens_routed_to_one_ranks_experts(tmp_path):
