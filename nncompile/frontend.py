@@ -272,6 +272,14 @@ class _Lowering:
         if target is operator.getitem:
             self.env[node] = self.env[node.args[0]][node.args[1]]
             return
+        if self.sizes is None and getattr(target, "__module__", None) == "_operator" and \
+                isinstance(val, (bool, int, float, torch.SymInt, torch.SymBool, torch.SymFloat)):
+            # static shapes: size arithmetic and comparisons some torch versions keep as
+            # Python operators (torch 2.11: Mixtral's router loss compares sizes) are
+            # constants at the traced shapes
+            self.env[node] = val.node.hint if isinstance(
+                val, (torch.SymInt, torch.SymBool, torch.SymFloat)) else val
+            return
         if isinstance(target, torch._ops.HigherOrderOperator):
             self._inline_hop(gm, node, no_grad)
             return
