@@ -36,12 +36,13 @@ import math
 
 from nncompile.errors import ConfigError
 from nncompile.ir import PARAM, Graph, Partial, Replicate, Shard, Stage, StridedShard
+from nncompile.mesh import CP
 from nncompile.rules import RANDOM_LOCAL, draws_random, strategies, strided_splits
 from nncompile.rules.sequence import sequence_strategies
 
 from .policies.greedy import Walk
 
-CP = "cp"
+
 ALLGATHER, ULYSSES = "allgather", "ulysses"       # pas_config["context_parallel_attention"]
 ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"       # pas_config["context_parallel_order"]
 
