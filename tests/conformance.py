@@ -92,7 +92,7 @@ def build_model(loop: "Loop") -> nn.Module:
     if loop.model == "bn":
         return BNNet().train()
     if loop.model == "moe":
-        return TinyMoE().train()
+        return TinyMoE(loop.dropout).train()
     return TinyGPT(loop.dropout, fused=loop.model == "gpt_fused").train()
 
 
@@ -200,7 +200,7 @@ DROP = Loop(dropout=0.1)
 DYN = Loop(dropout=0.1, sizes=((4, 16), (2, 8)))
 BN = Loop(model="bn")
 FUSED = Loop(model="gpt_fused", dropout=0.1)
-MOE = Loop(model="moe")
+MOE = Loop(model="moe", dropout=0.1)           # attention dropout
 # Threaded cells under plan_ngpus 1 have no dropout (see "Threads or processes"); dp_dropout
 # runs it as processes. The compile cell saves no checkpoint: every resumed pm would compile
 # again (the checkpoint is the same code with or without compile).

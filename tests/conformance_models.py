@@ -94,12 +94,14 @@ class BNNet(nn.Module):
 
 class TinyMoE(nn.Module):
     """Hugging Face's Mixtral at d 32, 2 layers of 4 experts (top-2), called like TinyGPT:
-    next-token cross-entropy plus the router's load-balancing loss (coefficient 0.02)."""
+    next-token cross-entropy plus the router's load-balancing loss (coefficient 0.02);
+    `dropout`: its attention dropout."""
 
-    def __init__(self):
+    def __init__(self, dropout=0.0):
         super().__init__()
         import transformers
         self.lm = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            attention_dropout=dropout,
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
             num_experts_per_tok=2, max_position_embeddings=BLOCK, bos_token_id=0,
