@@ -39,6 +39,7 @@ from .tools import activation_memory
 from .tools.check import (VerifyReport, check_compiled, compare_parallel, eager_reference,
                           refuse_if_diverges)
 from nncompile.runtime.loader import load_rank_module
+from nncompile.experts import experts_forms
 from nncompile.passes import build_pipeline, get_policy, plan_graph, run_pipeline
 from nncompile.passes.autodist import report_table as plan_report
 
@@ -154,7 +155,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     seconds = {"trace": time.perf_counter() - start}
     cpu_traced = _cpu()
     _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
-    passes = build_pipeline(config, policy)
+    experts = experts_forms(module) if config.plan_ngpus > 1 else None
+    passes = build_pipeline(config, policy, experts)
     result = run_pipeline(graph, passes, check=check)
     seconds["passes"] = sum(ms for _, _, ms in result.history) / 1e3
     cpu_passed = _cpu()

@@ -37,7 +37,12 @@ LOCAL = {
     "cross_entropy_rows": "this rank's rows, the count of targets all-reduced over {group}",
     "attention_rows": "this rank's query rows against every key and value, a causal mask "
                       "shifted by the rows before them",
+    "local_moe": "the picks of this rank's experts, zeros for the rest",
+    "dispatch_moe": "each pick sent to the rank of its expert and back: all-to-all over "
+                    "{group}, counts first",
 }
+# the backward of a local implementation where it communicates
+LOCAL_BACKWARD = {"dispatch_moe": "the same all-to-alls reversed"}
 BACKWARD = {
     "identity": "identity",
     "all_reduce": "all_reduce of the gradient",
@@ -69,8 +74,8 @@ def comm_note(op: Op) -> list[str]:
     if c is None:              # a local implementation that communicates
         group = str(op.kwargs.get("group", "PLAN_GROUP"))
         what = LOCAL.get(kind, "a local implementation").format(group=group)
-        return [f"{kind}{move}: {what} "
-                f"({'backward: local, no communication' if grad else 'no backward'})"]
+        back = LOCAL_BACKWARD.get(kind, "local, no communication")
+        return [f"{kind}{move}: {what} ({f'backward: {back}' if grad else 'no backward'})"]
     back = c.backward_kind(bool(op.kwargs.get("reduce_grad")))
     what = FORWARD.get(kind, c.forward or "no forward work")
     linears = op.kwargs.get("linears")

@@ -18,7 +18,7 @@ PAS_CONFIG_KEYS = frozenset({
     "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
     "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank",
     "overlap_grad_sync", "batched_inputs", "context_parallel", "context_parallel_attention",
-    "context_parallel_order"})
+    "context_parallel_order", "expert_parallel"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
                "offload_params", "check", "compile", "init_sync")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -90,6 +90,7 @@ class ComputeConfig:
                                   f"{type(value).__name__}), e.g. {name}={{}}")
         check_pas_config_keys(self.pas_config)
         self._check_context_parallel()
+        self._check_expert_parallel()
         if self.pipeline.enabled and self.check:     # (checks the pipeline options too)
             raise ConfigError("check=True runs the plan in one process through forward, which "
                               "a pipelined plan does not have; leave check off with "
@@ -166,6 +167,31 @@ class ComputeConfig:
                               f"ranks, but pipeline_stages={stages} leaves "
                               f"{self.plan_ngpus // stages} per stage (plan_ngpus="
                               f"{self.plan_ngpus}); use a C that divides it, or more plan_ngpus")
+
+    @property
+    def expert_parallel(self) -> int | str:
+        """E, the ranks each mixture-of-experts layer's experts and tokens split over
+        (pas_config["expert_parallel"], default 1: the policy decides); "auto": autodist
+        chooses each layer's split (nncompile/rules/experts.py)."""
+        return self.pas_config.get("expert_parallel", 1)
+
+    def _check_expert_parallel(self) -> None:
+        e = self.expert_parallel
+        if e in (1, AUTO):
+            return
+        stages = self.pipeline.stages if self.pipeline.enabled else 1
+        ranks = self.plan_ngpus // stages if isinstance(stages, int) else None
+        if not _is_int(e) or e < 1 or (ranks is not None and e != ranks):
+            raise ConfigError(
+                f"pas_config['expert_parallel']={e!r}: the experts split over the plan's "
+                f"{ranks if ranks is not None else 'stage'} tensor ranks, so it is "
+                f"{ranks if ranks is not None else 'their number'} (plan_ngpus="
+                f"{self.plan_ngpus}{f', pipeline_stages={stages}' if stages != 1 else ''}); "
+                "1 (the policy decides) or 'auto' (autodist decides). Data-parallel units "
+                "(runtime_ngpus) multiply it: ep 2 x dp 2 is plan_ngpus=2, runtime_ngpus=4")
+        if self.context_parallel != 1:
+            raise ConfigError(f"pas_config['expert_parallel']={e} does not combine with "
+                              "context_parallel yet; use one of them")
 
     def _check_memory_fields(self) -> None:
         z = self.use_zero

@@ -1,6 +1,7 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
-    trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections] -> [fuse_experts]
+    trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections]
+          -> [fuse_moe_layers] -> [fuse_experts]
           -> [pipeline_stages] -> plan(policy) -> [context_parallel] -> sink_gathers
           -> insert_comm -> [recompute]
           -> localize -> overlap_grad_sync
@@ -11,8 +12,9 @@ into `enable_gqa=True` (passes/fuse_attention.py). unfuse_projections (plan_ngpu
 fused projection whose output is only split into pieces (nanoGPT's `c_attn` then `.split`)
 into one projection per piece over parts of the fused parameter, so the plan splits q, k and
 v by heads (passes/unfuse_projections.py); it is in the history (and graphs/) only when it
-cut one. fuse_experts (plan_ngpus > 1) makes a mixture-of-experts layer's gated expert MLP one
-op whose experts the plan may split (passes/fuse_experts.py).
+cut one. fuse_moe_layers (plan_ngpus > 1) makes each mixture-of-experts layer's experts module
+one op whose tokens and experts the plan may split, fuse_experts a custom MoE's grouped expert
+products (passes/fuse_experts.py).
 
 Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
@@ -43,7 +45,7 @@ from .overlap_grad_sync import overlap_grad_sync
 from .pipeline_stages import PartitionStages
 from .plan import Plan
 from .context_parallel import ContextParallel
-from .fuse_experts import FuseExperts, fuse_experts
+from .fuse_experts import FuseExperts, FuseMoELayers, fuse_experts, fuse_moe_layers
 from .recompute import AUTO, Recompute
 from .sink_gathers import sink_gathers
 from .split_stages import split_stages
@@ -63,6 +65,10 @@ def check_auto_memory(config: Any, policy: Callable) -> None:
         raise ConfigError(f"pas_config['context_parallel']='auto' is chosen by autodist, but "
                           f"the policy is {getattr(policy, '__name__', repr(policy))!r}; pass "
                           "pas_policy='autodist' or the number of context-parallel ranks")
+    if config.expert_parallel == AUTO and policy is not POLICIES["autodist"]:
+        raise ConfigError(f"pas_config['expert_parallel']='auto' is chosen by autodist, but "
+                          f"the policy is {getattr(policy, '__name__', repr(policy))!r}; pass "
+                          "pas_policy='autodist' or the number of expert-parallel ranks")
     auto = auto_fields(config)
     if auto and policy is not POLICIES["autodist"]:
         name = getattr(policy, "__name__", repr(policy))
@@ -73,8 +79,9 @@ def check_auto_memory(config: Any, policy: Callable) -> None:
             "True/False, pas_config['recompute_modules'] a list of module names or globs)")
 
 
-def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
-    """The passes, in order, one per line."""
+def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -> list[Pass]:
+    """The passes, in order, one per line. `experts`: the model's experts modules
+    ({FQN: nncompile.experts.ExpertsForm}, experts_forms)."""
     check_auto_memory(config, policy)
     overlap = config.pas_config.get("overlap_grad_sync", True)
     if not isinstance(overlap, bool):
@@ -86,6 +93,7 @@ def build_pipeline(config: Any, policy: Callable) -> list[Pass]:
         dce,
         FuseAttention(config.plan_ngpus),
         UnfuseProjections(config.plan_ngpus) if config.plan_ngpus > 1 else None,
+        FuseMoELayers(experts) if experts and config.plan_ngpus > 1 else None,
         FuseExperts() if config.plan_ngpus > 1 else None,
         PartitionStages(config, autodist=policy is POLICIES["autodist"])
         if config.pipeline.enabled else None,
@@ -175,7 +183,7 @@ def _stages(stages) -> str:
 
 __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce",
            "fuse_attention", "FuseAttention", "unfuse_projections", "UnfuseProjections",
-           "fuse_experts", "FuseExperts",
+           "fuse_experts", "FuseExperts", "fuse_moe_layers", "FuseMoELayers",
            "Plan", "ContextParallel", "sink_gathers", "insert_comm", "localize",
            "overlap_grad_sync", "split_stages", "LowerZero3", "lower_recompute", "plan_graph",
            "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError",

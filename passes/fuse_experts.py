@@ -1,5 +1,21 @@
-"""fuse_experts: a mixture-of-experts layer's gated expert MLP becomes one op, so a rule can
-split its experts (nncompile/experts.py, nncompile/rules/experts.py).
+"""fuse_experts: a mixture-of-experts layer's experts become one op, so a rule can split
+them (nncompile/experts.py, nncompile/rules/experts.py).
+
+FuseMoELayers: each experts module of Hugging Face's interface (nncompile.experts
+.experts_forms, confirmed against its own forward at compile time) traces as one region of
+ops, whatever its implementation (grouped products, a loop over experts, masked rows); the
+region becomes moe_experts, which a rule can split by tokens and by experts:
+
+Before (the ops of module model.layers.0.mlp.experts):   After:
+    v = aten.view.default(top_k_index, [-1])                 y = nncompile.moe_experts(
+    s, order = aten.sort.default(v)                              x, top_k_index,
+    ... grouped_mm, split, silu, mul, grouped_mm, ...            top_k_weights, gate_up_proj,
+    y = aten.sum.dim_IntList(..., [1])                           down_proj, 'silu', False)
+
+The region's inputs must be the interface's three tensors and the two weights, its output
+one tensor [tokens, hidden]; otherwise it runs as traced.
+
+fuse_experts (below): a custom MoE's gated expert MLP as grouped products.
 
 Hugging Face's batched experts (Mixtral, Qwen3-MoE, DeepSeek-V3 under the default
 "grouped_mm" implementation) trace as two grouped matrix products around a gated
@@ -20,8 +36,9 @@ replicated along the plan. Precondition: none (before the plan). Idempotent: yes
 """
 from __future__ import annotations
 
-from nncompile.experts import EXPERTS_MLP
-from nncompile.ir import Graph, Op, Value
+from nncompile.experts import EXPERTS_MLP, MOE_EXPERTS, ExpertsForm
+from nncompile.ir import PARAM, Graph, Op, Value
+from nncompile.log import log
 
 from .contract import contract
 
@@ -101,6 +118,86 @@ def fuse_experts(graph: Graph) -> Graph:
     return g
 
 
+def _region(g: Graph, fqn: str) -> list[Op]:
+    return [op for op in g.ops
+            if any(path == fqn for path, _ in (getattr(op, "module_stack", None) or ()))]
+
+
+def _region_io(g: Graph, fqn: str, ops: list[Op], users: dict, outputs: set[int]):
+    """(x, top_k_index, top_k_weights, w_in, w_out, output) of an experts module's region, or
+    a reason it does not fit."""
+    made = {id(v) for op in ops for v in op.outputs}
+    inside = {id(op) for op in ops}
+    external = []
+    for op in ops:
+        for v in op.tensor_inputs():
+            if id(v) not in made and v.kind not in ("const",) and v not in external:
+                external.append(v)
+    weights = {v.fqn: v for v in external if v.kind == PARAM}
+    w_in, w_out = weights.get(f"{fqn}.gate_up_proj"), weights.get(f"{fqn}.down_proj")
+    rest = [v for v in external if v.kind != PARAM]
+    if w_in is None or w_out is None or len(weights) != 2 or len(rest) != 3:
+        return f"reads {[v.name for v in external]}, not 3 tensors and its 2 weights"
+    index = [v for v in rest if not v.meta.dtype.is_floating_point]
+    floats = [v for v in rest if v.meta.dtype.is_floating_point]
+    if len(index) != 1 or len(floats) != 2:
+        return "its inputs are not hidden states, integer picks and float weights"
+    index = index[0]
+    tokens, k = index.meta.shape[0], index.meta.shape[-1]
+    xs = [v for v in floats if tuple(v.meta.shape[:1]) == (tokens,) and v.meta.shape[-1] != k]
+    if len(xs) != 1:
+        return "its hidden states and routing weights cannot be told apart"
+    x = xs[0]
+    weights_in = next(v for v in floats if v is not x)
+    leaving = [v for op in ops for v in op.outputs
+               if id(v) in outputs or any(id(u) not in inside for u in users.get(v, []))]
+    if len(leaving) != 1 or tuple(leaving[0].meta.shape) != tuple(x.meta.shape):
+        return f"{len(leaving)} values leave it, not one shaped like its input"
+    return x, index, weights_in, w_in, w_out, leaving[0]
+
+
+@contract()
+def fuse_moe_layers(graph: Graph, forms: dict[str, ExpertsForm]) -> Graph:
+    g = graph.clone()
+    users = g.users()
+    outputs = {id(v) for v in g.outputs if isinstance(v, Value)}
+    fused: dict[int, Op] = {}                   # id(last op of a region) -> the new op
+    gone: set[int] = set()
+    for fqn, form in forms.items():
+        ops = _region(g, fqn)
+        if not ops:
+            continue
+        io = _region_io(g, fqn, ops, users, outputs)
+        if isinstance(io, str):
+            log(f"fuse_experts: {fqn} runs as traced: {io}")
+            continue
+        *args, out = io
+        last = ops[-1]
+        out.name = g.fresh_name(args[3].name.rsplit("_gate_up_proj", 1)[0] + "_out")
+        new = Op(MOE_EXPERTS, (*args, form.act, form.transposed), {}, [out], last.source,
+                 fqn)
+        new.module_stack, new.stage, new.recompute = last.module_stack, last.stage, \
+            last.recompute
+        fused[id(last)] = new
+        gone |= {id(o) for o in ops}
+    if not fused:
+        return graph
+    g.ops = [fused.get(id(op), op) for op in g.ops if id(op) in fused or id(op) not in gone]
+    return g
+
+
+class FuseMoELayers:
+    name = "fuse_moe_layers"
+    requires = produces = ()
+    quiet_when_unchanged = True
+
+    def __init__(self, forms: dict[str, ExpertsForm]):
+        self.forms = forms
+
+    def __call__(self, graph: Graph) -> Graph:
+        return fuse_moe_layers(graph, self.forms)
+
+
 class FuseExperts:
     name = "fuse_experts"
     requires = produces = ()
@@ -110,4 +207,4 @@ class FuseExperts:
         return fuse_experts(graph)
 
 
-__all__ = ["fuse_experts", "FuseExperts", "GROUPED_MM"]
+__all__ = ["fuse_experts", "FuseExperts", "fuse_moe_layers", "FuseMoELayers", "GROUPED_MM"]

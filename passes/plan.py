@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
 
-from nncompile.errors import PolicyError
-from nncompile.ir import Graph, Partial, Replicate, Stage
+from nncompile.errors import ConfigError, PolicyError
+from nncompile.experts import MOE_EXPERTS
+from nncompile.ir import PARAM, Graph, Partial, Replicate, Shard, Stage
 from nncompile.rules import replicated, strategies, strided_splits
+from nncompile.rules.experts import DISPATCH
 
 from .pipeline_stages import stage_config
 from .context_parallel import CP, choose_context, tensor_config
@@ -57,6 +59,8 @@ class Plan:
             if isinstance(v.placement, Partial):
                 raise PolicyError(f"{v.kind} {v.fqn!r} cannot be Partial; use Replicate "
                                   "or Shard")
+        if config.expert_parallel not in (1, "auto"):
+            dispatch_experts(g, mesh)
         for op in g.ops:
             if op.strategy is None:
                 op.strategy = replicated(op)
@@ -74,3 +78,29 @@ class Plan:
                 v.placement = p if v.is_tensor else Replicate()
         g.stages = g.stages | {Stage.PLANNED}
         return g
+
+
+def dispatch_experts(g: Graph, mesh) -> None:
+    """pas_config["expert_parallel"] = E: every mixture-of-experts layer (moe_experts) takes
+    its dispatch strategy (its tokens and experts split over the E tensor ranks, all-to-all
+    between them: nncompile/rules/experts.py), whatever the policy chose; insert_comm moves
+    its inputs and output to and from the policy's placements."""
+    layers = [op for op in g.ops if op.target is MOE_EXPERTS]
+    users = g.users()
+    if not layers:
+        raise ConfigError(
+            f"pas_config['expert_parallel']={mesh.size('plan')}: {g.trace_info.model} has no "
+            "mixture-of-experts layer nncompile recognizes (an experts module of Hugging "
+            "Face's interface: docs/experts.md)")
+    for op in layers:
+        s = next((s for s in strategies(op, mesh) if s.local_target == DISPATCH), None)
+        if s is None:
+            x, _, _, w_in = op.args[:4]
+            raise ConfigError(
+                f"pas_config['expert_parallel']={mesh.size('plan')}: {op.module_path} has "
+                f"{w_in.meta.shape[0]} experts and {x.meta.shape[0]} tokens; both must divide "
+                f"by {mesh.size('plan')}")
+        op.strategy = s
+        for v in op.args[3:5]:          # the experts' weights live split, not chunked per step
+            if v.kind == PARAM and all(u is op for u in users.get(v, [])):
+                v.placement = Shard(0)

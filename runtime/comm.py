@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from nncompile.collectives import lookup
 
 from .zero import gather as zero_gather, prefetch as zero_prefetch  # noqa: F401  (ZeRO-3 lines)
+from .experts import dispatch_moe, local_moe  # noqa: F401  (mixture-of-experts layers)
 
 
 def __getattr__(name: str):

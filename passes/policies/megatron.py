@@ -58,7 +58,7 @@ import warnings
 from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Partial, Replicate, Shard, Strategy, \
     StridedShard, Value
 from nncompile.rules import replicated, strategies, strided_splits
-from nncompile.experts import EXPERTS_MLP
+from nncompile.experts import EXPERTS_MLP, MOE_EXPERTS
 from nncompile.symbolic import warn_unsplit_sequence
 
 from ..pipeline_stages import layer_of
@@ -165,7 +165,7 @@ class _Walk:
         """A mixture-of-experts layer's experts (passes/fuse_experts.py) split across the
         ranks: expert weights on their expert dim, the token rows replicated, the output a
         partial sum (nncompile/rules/experts.py)."""
-        if op.target is not EXPERTS_MLP or op.name in self.vetoed:
+        if op.target not in (EXPERTS_MLP, MOE_EXPERTS) or op.name in self.vetoed:
             return None
         for s in self.cands[id(op)]:
             if isinstance(s.outputs[0], Partial) and all(
