@@ -398,6 +398,7 @@ def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[
 def plan_json(g: Graph) -> dict[str, Any]:
     from .passes.pipeline_stages import pipeline_json
     from .passes.fuse_attention import attention_rows
+    from .passes.fuse_experts import experts_rows
     comm = collections.Counter(op.target_name for op in g.ops
                                if op.target_name.startswith("comm."))
     pipeline = pipeline_json(g)         # first: it gives the collectives their stage
@@ -427,6 +428,7 @@ def plan_json(g: Graph) -> dict[str, Any]:
         "autodist": g.plan_state.autodist,
         "pipeline": pipeline,
         "attention": attention_rows(g),      # passes/fuse_attention.py: what each SDPA runs
+        "experts": experts_rows(g),          # passes/fuse_experts.py: each MoE layer's split
     }
 
 

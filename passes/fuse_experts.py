@@ -37,7 +37,7 @@ replicated along the plan. Precondition: none (before the plan). Idempotent: yes
 from __future__ import annotations
 
 from nncompile.experts import EXPERTS_MLP, MOE_EXPERTS, ExpertsForm
-from nncompile.ir import PARAM, Graph, Op, Value
+from nncompile.ir import PARAM, Graph, Op, Shard, Value
 from nncompile.log import log
 
 from .contract import contract
@@ -186,6 +186,25 @@ def fuse_moe_layers(graph: Graph, forms: dict[str, ExpertsForm]) -> Graph:
     return g
 
 
+def experts_rows(g: Graph) -> list[dict]:
+    """plan.json "experts": each mixture-of-experts layer, how it runs and the bytes one rank
+    sends per all-to-all under dispatch (picks spread evenly; nncompile/rules/experts.py)."""
+    from nncompile.rules.experts import DISPATCH, LOCAL, dispatch_bytes
+    rows = []
+    for op in g.ops:
+        if op.target is not MOE_EXPERTS and op.target_name not in (DISPATCH, LOCAL):
+            continue
+        experts = op.args[3].meta.shape[0]
+        split = op.target_name in (DISPATCH, LOCAL) or isinstance(op.args[3].placement, Shard)
+        rows.append({"module": op.module_path, "op": op.name,
+                     "strategy": op.strategy.note if op.strategy else "replicate",
+                     "experts": experts,
+                     "experts_per_rank": experts // g.plan_ngpus if split else experts,
+                     "all_to_all_bytes_per_rank": dispatch_bytes(op, g.plan_ngpus)
+                     if op.target_name == DISPATCH else 0})
+    return rows
+
+
 class FuseMoELayers:
     name = "fuse_moe_layers"
     requires = produces = ()
@@ -207,4 +226,5 @@ class FuseExperts:
         return fuse_experts(graph)
 
 
-__all__ = ["fuse_experts", "FuseExperts", "fuse_moe_layers", "FuseMoELayers", "GROUPED_MM"]
+__all__ = ["fuse_experts", "FuseExperts", "fuse_moe_layers", "FuseMoELayers",
+           "experts_rows", "GROUPED_MM"]

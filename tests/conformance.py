@@ -184,6 +184,7 @@ class Cell:
     stages: int = 0                 # pipeline_stages (microbatches = loop.accum)
     dynamic: bool = False
     cp: int = 1                     # context_parallel: ranks splitting the sequence
+    ep: int = 1                     # expert_parallel: ranks splitting tokens and experts
     recompute: tuple = ()           # recompute_modules (checkpoint regions, lower_recompute)
     compile: bool = False
     process: bool = False           # torchrun processes (tests/workers/conformance.py)
@@ -240,6 +241,9 @@ CELLS = [
     # data parallelism and ZeRO-3 of the expert weights
     Cell("experts", "tp", 2, 2, MOE),
     Cell("experts_zero3", "tp", 2, 4, MOE, zero=3),
+    # expert parallelism: each rank's own tokens dispatched to the ranks of their experts
+    # (all-to-all), ep 2 x dp 2 with ZeRO-3 of the expert weights
+    Cell("ep_dp_zero3", "data", 2, 4, MOE, ep=2, zero=3),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),
@@ -256,6 +260,8 @@ def compute_config(cell: Cell) -> nncompile.ComputeConfig:
            "microbatches": cell.loop.accum} if cell.stages else {}
     if cell.cp > 1:
         pas["context_parallel"] = cell.cp
+    if cell.ep > 1:
+        pas["expert_parallel"] = cell.ep
     if cell.recompute:
         pas["recompute_modules"] = list(cell.recompute)
     return nncompile.ComputeConfig(cell.plan, cell.runtime, use_zero=cell.zero,

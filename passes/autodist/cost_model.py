@@ -114,6 +114,10 @@ def flops(op: Op) -> float:
         rows = x.meta.shape[0]
         return 2.0 * rows * (x.meta.shape[1] * w_in.meta.shape[-1]
                              + w_out.meta.shape[-2] * w_out.meta.shape[-1])
+    if name == "moe_experts":       # each token's k picks through one expert's products
+        x, index, _, w_in, w_out = op.tensor_inputs()[:5]
+        per_pick = (w_in.meta.numel + w_out.meta.numel) / w_in.meta.shape[0]
+        return 2.0 * index.meta.numel * per_pick
     if is_custom_op(op.target):
         f = annotation_flops(name, [v.meta.shape for v in op.tensor_inputs()])
         if f is not None:
@@ -193,6 +197,11 @@ class CostModel:
         backward = self.training and any(v.requires_grad for v in op.outputs)
         if backward:
             t *= 3.0
+        if name == "moe_experts" and isinstance(inputs[0], Shard) and \
+                isinstance(inputs[3], Shard):      # dispatch: the picks there and back
+            x, index = tensors[:2]
+            picks = index.meta.numel * x.meta.shape[-1] * x.meta.dtype.itemsize
+            t += 2 * self.collective("all_to_all", picks) * (2 if backward else 1)
         if c > 1 and name == "scaled_dot_product_attention":    # k and v gathered along cp
             kv = sum(nbytes(v, p, self.n) for v, p in zip(tensors[1:3], inputs[1:3]))
             t += self.collective("all_gather", kv, group=c, span=c * self.n) * (

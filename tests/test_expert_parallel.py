@@ -1,0 +1,176 @@
+"""Expert parallelism (pas_config["expert_parallel"] = E): each rank keeps its own tokens and
+E-th of every MoE layer's experts; each token's picks travel to the ranks holding their
+experts and back (all-to-all, counts exchanged first: runtime/experts.py). Hugging Face's
+Mixtral, Qwen3-MoE and DeepSeek-V3 (top-2 of 4 experts, the router's load-balancing loss in
+the loss) train like one device: under the `data` policy (everything else splits the batch)
+and under `tp` (attention split by heads, the tokens chunked around the experts)."""
+import copy
+import json
+
+import pytest
+import torch
+
+import models
+import nncompile
+from nncompile import ComputeConfig
+from nncompile.errors import ConfigError
+from test_moe import EXPERTS, batch, batch_at, expert_elements, moe
+
+LAYERS = {"mixtral": 2, "qwen3_moe": 2, "deepseek_v3": 1}
+
+
+def ep(e: int, runtime: int | None = None, **kw) -> ComputeConfig:
+    return ComputeConfig(e, runtime or e, pas_config={"expert_parallel": e}, **kw)
+
+
+@pytest.mark.parametrize("arch, policy", [
+    ("mixtral", "data"), ("qwen3_moe", "tp"), ("deepseek_v3", "data"), ("mixtral", "tp")])
+def test_expert_parallel_equals_one_device(arch, policy, tmp_path):
+    report = nncompile.verify(moe(arch), batch(), ep(2), policy, gen_savedir=str(tmp_path))
+    assert report.ok, report
+    code = next(tmp_path.glob("verify_*/gencode1.py")).read_text()
+    assert code.count("= comm.dispatch_moe(") == LAYERS[arch]
+    plan = json.loads(next(tmp_path.glob("verify_*/plan.json")).read_text())
+    assert [r["experts_per_rank"] for r in plan["experts"]] == [2] * LAYERS[arch]
+    # 64 tokens / 2 ranks x 2 picks x hidden 32 x 4 bytes, half of them to the other rank
+    assert all(r["all_to_all_bytes_per_rank"] == 32 * 2 * 32 * 4 / 2 for r in plan["experts"])
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_ep2_dp2_five_adamw_steps_train_like_one_device(arch, tmp_path):
+    """ep 2 x dp 2 on 4 ranks: every unit's losses (router loss included) and the weights
+    after 5 AdamW steps equal one device on the units' batches."""
+    from nncompile.tools.simulate import run_ranks
+    model = moe(arch)
+    batches = [[{k: v[u * 2:(u + 1) * 2] for k, v in batch_at(step).items()} for u in range(2)]
+               for step in range(5)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for step in range(5):
+        losses = []
+        for u in range(2):
+            loss = ref(**batches[step][u])
+            (loss / 2).backward()
+            losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+        want.append(losses)
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), batches[0][0], ep(2, 4), pas_policy="data",
+                                   gen_savedir=str(tmp_path))
+        popt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+        got = []
+        for step in range(5):
+            loss = pm(**batches[step][pm.dp_rank])
+            loss.backward()
+            popt.step()
+            popt.zero_grad()
+            got.append(float(loss))
+        return pm.dp_rank, got, pm.gather_params(), expert_elements(pm)
+
+    whole = sum(p.numel() for n, p in model.named_parameters() if n.endswith(EXPERTS))
+    for unit, got, params, mine in run_ranks(4, rank_fn):
+        assert mine * 2 == whole
+        assert got == pytest.approx([w[unit] for w in want], rel=1e-5)
+        for name, p in ref.named_parameters():
+            bound = 5e-4 * float(p.detach().abs().max())
+            assert float((params[name] - p.detach()).abs().max()) <= bound, name
+
+
+def test_ep4_holds_a_quarter_of_the_experts(tmp_path):
+    """ep 4: each rank's expert parameters are a quarter of one device's; DeepSeek-V3's shared
+    expert and dense first layer are the rest, and the step equals one device."""
+    from nncompile.tools.simulate import run_ranks
+    model, data = moe("deepseek_v3"), batch()
+    whole = sum(p.numel() for n, p in model.named_parameters() if n.endswith(EXPERTS))
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), data, ep(4), pas_policy="data",
+                                   gen_savedir=str(tmp_path))
+        return expert_elements(pm)
+
+    assert run_ranks(4, rank_fn) == [whole // 4] * 4
+    report = nncompile.verify(model, data, ep(4), "data", gen_savedir=str(tmp_path / "v"))
+    assert report.ok, report
+
+
+def test_all_tokens_dispatched_to_one_rank(tmp_path):
+    """Every token's picks are experts 0 and 1 (rank 0's at ep 2): rank 1 sends all its rows
+    to rank 0 and computes none itself; nothing is dropped or hangs; exact."""
+    model = moe("mixtral")
+    for layer in model.model.model.layers:
+        layer.mlp.gate.weight.data.zero_()            # equal scores: top-2 = experts 0, 1
+    report = nncompile.verify(model, batch(), ep(2), "data", gen_savedir=str(tmp_path))
+    assert report.ok, report
+
+
+def test_dcp_checkpoint_reshards_across_expert_parallel_sizes(tmp_path):
+    """A DCP checkpoint written at ep 2 (AdamW state of 2 experts per rank) resumes at ep 4:
+    the next step gives the weights the ep 2 run gives."""
+    from nncompile.tools.simulate import run_ranks
+    model, data, nxt = moe("qwen3_moe"), batch(), batch_at(7)
+
+    def step(pm, opt, x):
+        pm(**x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def train(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), data, ep(2), pas_policy="data",
+                                   gen_savedir=str(tmp_path / "a"))
+        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+        step(pm, opt, data)
+        nncompile.save_checkpoint(tmp_path / "ckpt", pm, opt, format="dcp")
+        step(pm, opt, nxt)
+        return pm.gather_params()
+
+    def resume(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), data, ep(4), pas_policy="data",
+                                   gen_savedir=str(tmp_path / "b"))
+        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+        nncompile.load_checkpoint(tmp_path / "ckpt", pm, opt)
+        step(pm, opt, nxt)
+        return pm.gather_params()
+
+    want = run_ranks(2, train)[0]
+    for got in run_ranks(4, resume):
+        for name, w in want.items():
+            assert torch.allclose(got[name], w, rtol=1e-5, atol=1e-6), name
+
+
+def test_expert_parallel_errors(tmp_path):
+    with pytest.raises(ConfigError, match="expert_parallel'\\]=3.*so it is 2"):
+        ComputeConfig(2, 2, pas_config={"expert_parallel": 3})
+    with pytest.raises(ConfigError, match="does not combine with context_parallel"):
+        ComputeConfig(2, 2, pas_config={"expert_parallel": 2, "context_parallel": 2})
+    with pytest.raises(ConfigError, match="no mixture-of-experts layer"):
+        nncompile.parallelize(models.MLP(), (torch.randn(4, 16), torch.randint(0, 8, (4,))),
+                              ep(2), pas_policy="tp",
+                              gen_savedir=str(tmp_path), load_module=False)
+    with pytest.raises(ConfigError, match="'auto' is chosen by autodist"):
+        nncompile.parallelize(moe("mixtral"), batch(), ComputeConfig(
+            2, 2, pas_config={"expert_parallel": "auto"}), pas_policy="tp",
+            gen_savedir=str(tmp_path), load_module=False)
+
+
+def test_autodist_chooses_the_experts_split(tmp_path):
+    """expert_parallel="auto": autodist prices each layer's splits (the dispatch's all-to-alls
+    included: cost_model.py) and splits the experts of a model whose experts are most of
+    its weights; plan.json shows each layer's choice and all-to-all bytes."""
+    import transformers
+    torch.manual_seed(0)
+    lm = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, output_router_logits=True))
+    data = {"input_ids": torch.randint(0, 256, (4, 64)), "labels": torch.randint(0, 256, (4, 64))}
+    cfg = ComputeConfig(2, 2, pas_config={"expert_parallel": "auto"})
+    nncompile.parallelize(models.HFCausalLM(lm).train(), data, cfg, pas_policy="autodist",
+                          gen_savedir=str(tmp_path), load_module=False)
+    rows = json.loads((tmp_path / "HFCausalLM" / "plan.json").read_text())["experts"]
+    assert len(rows) == 2 and all(r["experts_per_rank"] == 4 for r in rows), rows
+    for r in rows:          # 128 tokens per rank x 2 picks x 128 wide x 4 bytes, half away
+        dispatched = r["strategy"].startswith("dispatch")
+        assert r["all_to_all_bytes_per_rank"] == (128 * 2 * 128 * 4 / 2 if dispatched else 0)
