@@ -154,3 +154,39 @@ def test_context_parallel_on_one_gpu_trains_like_one_device(tmp_path):
     reports = run_ranks(2, lambda rank: nncompile.verify(model, batch, cfg, "tp",
                                                          gen_savedir=str(tmp_path)))
     assert all(r.ok for r in reports), "\n".join(map(str, reports))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_on_cuda_equal_the_hugging_face_experts(dtype):
+    """moe_experts on the GPU (bfloat16 on compute capability 9+: torch._grouped_mm, else one
+    product per expert) gives Mixtral's experts module's output and weight gradients, an
+    expert with no token included."""
+    import transformers
+    from nncompile.experts import _grouped_ok, routed_sum
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
+    experts = experts.to(DEVICE, dtype)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.125)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 64, generator=g).to(DEVICE, dtype)
+    index = torch.randint(0, 3, (96, 2), generator=g).to(DEVICE)    # expert 3: no token
+    index[:, 1] = (index[:, 0] + 1) % 3
+    weights = torch.rand(96, 2, generator=g).to(DEVICE, dtype)
+    assert _grouped_ok(x) == (dtype == torch.bfloat16
+                              and torch.cuda.get_device_capability() >= (9, 0))
+    outs, grads = [], []
+    for fn in (lambda: experts(x, index, weights),
+               lambda: routed_sum(x, index, weights, experts.gate_up_proj, experts.down_proj,
+                                  "silu", False)):
+        experts.zero_grad()
+        y = fn()
+        y.float().square().sum().backward()
+        outs.append(y.float())
+        grads.append([w.grad.float() for w in experts.parameters()])
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(outs[0], outs[1], rtol=tol, atol=tol * float(outs[0].abs().max()))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=tol, atol=tol * float(a.abs().max()))
+        assert float(b[3].abs().max()) == 0.0         # the expert without tokens: zeros

@@ -157,8 +157,10 @@ def test_expert_parallel_errors(tmp_path):
 
 def test_autodist_chooses_the_experts_split(tmp_path):
     """expert_parallel="auto": autodist prices each layer's splits (the dispatch's all-to-alls
-    included: cost_model.py) and splits the experts of a model whose experts are most of
-    its weights; plan.json shows each layer's choice and all-to-all bytes."""
+    included: cost_model.py); under a memory limit that whole experts (12 MiB of weights,
+    48 MiB with their gradients and AdamW state, ~56 MB in all) do not fit, it splits them, by tokens or
+    experts as it prices them on this machine; plan.json shows each layer's choice and
+    all-to-all bytes."""
     import transformers
     torch.manual_seed(0)
     lm = transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -166,7 +168,7 @@ def test_autodist_chooses_the_experts_split(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
         num_experts_per_tok=2, output_router_logits=True))
     data = {"input_ids": torch.randint(0, 256, (4, 64)), "labels": torch.randint(0, 256, (4, 64))}
-    cfg = ComputeConfig(2, 2, pas_config={"expert_parallel": "auto"})
+    cfg = ComputeConfig(2, 2, pas_config={"expert_parallel": "auto", "mem_limit_gb": 0.045})
     nncompile.parallelize(models.HFCausalLM(lm).train(), data, cfg, pas_policy="autodist",
                           gen_savedir=str(tmp_path), load_module=False)
     rows = json.loads((tmp_path / "HFCausalLM" / "plan.json").read_text())["experts"]
