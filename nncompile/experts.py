@@ -137,6 +137,10 @@ def experts_forms(module: torch.nn.Module) -> dict[str, ExpertsForm]:
             seen[key] = _form_of(sub, shapes)
         if seen[key] is not None:
             out[name] = seen[key]
+        else:
+            from nncompile.log import log
+            log(f"{name} ({type(sub).__name__}) has the experts interface but does not compute "
+                "moe_experts (docs/experts.md: a custom MoE); it runs as traced")
     return out
 
 
