@@ -104,12 +104,12 @@ def test_all_tokens_routed_to_one_ranks_experts(tmp_path):
     assert report.ok, report
 
 
-def test_experts_split_with_data_parallelism_trains_like_one_device(tmp_path):
-    """Experts split over plan 2 x 2 data-parallel units, 5 AdamW steps with the router's
-    load-balancing loss: every unit's losses and the weights equal one device on the units'
-    batches."""
+def train_two_units_like_one_device(model, cfg, policy, tmp_path) -> list:
+    """5 AdamW steps of `model` compiled for `cfg` (2 data-parallel units) with `policy`, each
+    unit on its half of the batch: every unit's losses (the router's load-balancing loss
+    included) and the weights equal one device accumulating over the two halves. Returns
+    each rank's parameters."""
     from nncompile.tools.simulate import run_ranks
-    model = moe("mixtral")
     batches = [[{k: v[u * 2:(u + 1) * 2] for k, v in batch_at(step).items()} for u in range(2)]
                for step in range(5)]
     ref = copy.deepcopy(model)
@@ -124,10 +124,9 @@ def test_experts_split_with_data_parallelism_trains_like_one_device(tmp_path):
         opt.step()
         opt.zero_grad()
         want.append(losses)
-    cfg = ComputeConfig(2, 4)
 
     def rank_fn(rank):
-        pm = nncompile.parallelize(copy.deepcopy(model), batches[0][0], cfg, pas_policy="tp",
+        pm = nncompile.parallelize(copy.deepcopy(model), batches[0][0], cfg, pas_policy=policy,
                                    gen_savedir=str(tmp_path))
         popt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
         got = []
@@ -137,13 +136,21 @@ def test_experts_split_with_data_parallelism_trains_like_one_device(tmp_path):
             popt.step()
             popt.zero_grad()
             got.append(float(loss))
-        return pm.dp_rank, got, pm.gather_params()
+        return pm.dp_rank, got, pm.gather_params(), pm
 
-    for unit, got, params in run_ranks(4, rank_fn):
+    out = []
+    for unit, got, params, pm in run_ranks(cfg.runtime_ngpus, rank_fn):
         assert got == pytest.approx([w[unit] for w in want], rel=1e-5)
         for name, p in ref.named_parameters():
             bound = 5e-4 * float(p.detach().abs().max())
             assert float((params[name] - p.detach()).abs().max()) <= bound, name
+        out.append(pm)
+    return out
+
+
+def test_experts_split_with_data_parallelism_trains_like_one_device(tmp_path):
+    """Experts split over plan 2 x 2 data-parallel units: 5 AdamW steps like one device."""
+    train_two_units_like_one_device(moe("mixtral"), ComputeConfig(2, 4), "tp", tmp_path)
 
 
 def batch_at(step: int) -> dict[str, torch.Tensor]:
