@@ -113,13 +113,19 @@ def rank_tables(g: Graph, rank: int, runtime_ngpus: int | None = None
     """A rank's PARAMS, BUFFERS and CONSTS rows (nncompile/rows.py), as the plain tuples its
     file prints (placements as text)."""
     n = g.plan_ngpus
-    shard = rank_mesh(g, runtime_ngpus).shard_of(rank)
+    mesh = rank_mesh(g, runtime_ngpus)
+    shard = mesh.shard_of(rank)
     partial = set(g.plan_state.partial_grad_params)
 
     def sl(v: Value):
         if v.part is not None:          # a part: this rank's box of the source's view
             return part_slices(v.part, v.meta.shape, v.placement, shard, n)
-        return tuple(tuple(s) for s in shard_slices(v.meta.shape, v.placement, shard, n))
+        box = [[0, d] for d in v.meta.shape]    # split along the outer axes first (an expert
+        for axis, p in [*v.axes.items(), (PLAN, v.placement)]:      # weight's "ep"), then plan
+            size = n if axis == PLAN else mesh.size(axis)
+            inner = shard_slices(tuple(b - a for a, b in box), p, mesh.coord(rank, axis), size)
+            box = [[a + i, a + j] for (a, _), (i, j) in zip(box, inner)]
+        return tuple(tuple(s) for s in box)
 
     def part(v: Value):
         p = v.part
@@ -200,6 +206,10 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
     if g.axes:
         text += (f"    MESH_AXES = {g.axes!r}  # mesh axes beyond dp, pp and plan: "
                  f"<AXIS>_GROUP in the code\n")
+    param_axes = {v.name: {a: repr(p) for a, p in v.axes.items()} for v in tg.params if v.axes}
+    if param_axes:
+        text += (f"    PARAM_AXES = {param_axes!r}  # parameters split along those axes too "
+                 f"(PARAMS' slices include it)\n")
     if any(g.plan_state.axis_partial_grad.values()):
         text += (f"    PARTIAL_GRAD_AXES = {g.plan_state.axis_partial_grad!r}  # gradients "
                  f"summed over these axes too\n")

@@ -90,9 +90,9 @@ class Collective:
 
 
 # Axes that split tensors the way the plan axis does: the plan's collectives run on each, on
-# the axis's own process group (PLAN_GROUP, CP_GROUP). An entry whose `group` names another
+# the axis's own process group (PLAN_GROUP, CP_GROUP, EP_GROUP). An entry whose `group` names another
 # axis runs on that axis only.
-TENSOR_AXES = ("plan", "cp")
+TENSOR_AXES = ("plan", "cp", "ep")
 
 
 def runs_on(c: Collective, axis: str) -> bool:

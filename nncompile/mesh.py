@@ -126,13 +126,17 @@ class Mesh:
 
 
 CP = "cp"
+EP = "ep"
 
 
-def replica_dims(mesh: Mesh) -> tuple[str, ...]:
+def replica_dims(mesh: Mesh, sharded: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The dimensions along which every rank holds the same parameters: "dp" and, when the
-    plan splits the sequence, "cp" (context parallelism splits activations only). ZeRO
-    shards parameters, gradients and optimizer state over the ranks along these."""
-    return (DP,) + tuple(a for a in (CP,) if a in mesh.names and mesh.size(a) > 1)
+    plan splits the sequence, "cp" (context parallelism splits activations only), or the
+    batch across expert-parallel ranks, "ep" (their experts excepted). ZeRO shards
+    parameters, gradients and optimizer state over the ranks along these. `sharded`: the
+    axes one parameter is split along (an expert weight's "ep"), left out."""
+    return (DP,) + tuple(a for a in (CP, EP) if a in mesh.names and mesh.size(a) > 1
+                         and a not in sharded)
 
 
 def param_placements(plan_placement: Placement) -> dict[str, Placement]:

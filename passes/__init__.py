@@ -2,7 +2,8 @@
 
     trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections]
           -> [fuse_moe_layers] -> [fuse_experts]
-          -> [pipeline_stages] -> plan(policy) -> [context_parallel] -> sink_gathers
+          -> [pipeline_stages] -> plan(policy) -> [context_parallel] -> [expert_parallel]
+          -> sink_gathers
           -> insert_comm -> [recompute]
           -> localize -> overlap_grad_sync
           -> [split_stages] -> [lower_zero3] -> [lower_recompute] -> codegen (a renderer)
@@ -45,6 +46,7 @@ from .overlap_grad_sync import overlap_grad_sync
 from .pipeline_stages import PartitionStages
 from .plan import Plan
 from .context_parallel import ContextParallel
+from .expert_parallel import ExpertParallel
 from .fuse_experts import FuseExperts, FuseMoELayers, fuse_experts, fuse_moe_layers
 from .recompute import AUTO, Recompute
 from .sink_gathers import sink_gathers
@@ -102,6 +104,7 @@ def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -
                         config.pas_config.get("context_parallel_attention", "allgather"),
                         config.pas_config.get("context_parallel_order"))
         if config.context_parallel != 1 else None,
+        ExpertParallel() if config.expert_parallel not in (1, AUTO) else None,
         sink_gathers,
         insert_comm,
         Recompute(config.pas_config["recompute_modules"])
@@ -184,7 +187,7 @@ def _stages(stages) -> str:
 __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold", "dce",
            "fuse_attention", "FuseAttention", "unfuse_projections", "UnfuseProjections",
            "fuse_experts", "FuseExperts", "fuse_moe_layers", "FuseMoELayers",
-           "Plan", "ContextParallel", "sink_gathers", "insert_comm", "localize",
+           "Plan", "ContextParallel", "ExpertParallel", "sink_gathers", "insert_comm", "localize",
            "overlap_grad_sync", "split_stages", "LowerZero3", "lower_recompute", "plan_graph",
            "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError",
            "PipelineResult", "contract"]

@@ -53,10 +53,11 @@ def order_of(attention: str, order: str | None) -> str:
     return order or (ZIGZAG if attention == ALLGATHER else CONTIGUOUS)
 
 
-def tensor_config(config, c: int):
+def tensor_config(config, c: int, key: str = "context_parallel"):
     """The ComputeConfig the policy plans the tensor axis with: plan_ngpus // C ranks, the
-    data-parallel units as many as before."""
-    pas = {k: v for k, v in config.pas_config.items() if k != "context_parallel"}
+    data-parallel units as many as before (`key`: the pas_config entry of the other axis,
+    context_parallel or expert_parallel)."""
+    pas = {k: v for k, v in config.pas_config.items() if k != key}
     runtime = (config.runtime_ngpus or config.plan_ngpus) // c
     return dataclasses.replace(config, plan_ngpus=config.plan_ngpus // c,
                                runtime_ngpus=runtime, pas_config=pas)

@@ -186,9 +186,16 @@ def insert_comm(graph: Graph) -> Graph:
         ins.new_ops = []
         tensors = op.tensor_inputs()
         repl = {}
-        for v, want in zip(tensors, op.strategy.inputs):
+        for i, (v, want) in enumerate(zip(tensors, op.strategy.inputs)):
+            for axis in axes:           # split along another axis on the dim the plan wants
+                have = v.placement_on(axis)     # split: gathered there first (never nested)
+                other = (op.strategy.axis_inputs.get(axis) or (Replicate(),) * len(tensors))[i]
+                if isinstance(want, Shard) and isinstance(have, Shard) and \
+                        have.dim == want.dim and other != have:
+                    sync = _needs_sync(op, v, other, axis) and v.name not in partial[axis]
+                    repl[id(v)] = ins.convert(repl.get(id(v), v), other, sync, axis)
             sync = _needs_sync(op, v, want) and v.name not in partial[PLAN]
-            repl[id(v)] = ins.convert(v, want, sync)
+            repl[id(v)] = ins.convert(repl.get(id(v), v), want, sync)
         for axis in axes:                                # the mesh's other axes
             wants = op.strategy.axis_inputs.get(axis) or (Replicate(),) * len(tensors)
             for v, want in zip(tensors, wants):

@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar
 
 from nncompile.errors import ConfigError, PolicyError
 from nncompile.experts import MOE_EXPERTS
+from nncompile.mesh import EP
 from nncompile.ir import PARAM, Graph, Partial, Replicate, Shard, Stage
 from nncompile.rules import replicated, strategies, strided_splits
 from nncompile.rules.experts import DISPATCH
@@ -45,6 +46,11 @@ class Plan:
                 config = tensor_config(config, config.context_parallel)     # cp axis priced
                 graph = graph.clone()                                       # by autodist
                 graph.axes = {CP: self.config.context_parallel, **graph.axes}
+            e = config.expert_parallel
+            if e not in (1, "auto") and e < config.plan_ngpus:     # an ep axis beside the
+                config = tensor_config(config, e, "expert_parallel")   # tensor ranks
+                graph = graph.clone()                              # (expert_parallel.py)
+                graph.axes = {EP: e, **graph.axes}
             g = self.policy(graph, config)
         if not isinstance(g, Graph):
             raise PolicyError(f"policy {getattr(self.policy, '__name__', self.policy)!r} "
@@ -59,8 +65,11 @@ class Plan:
             if isinstance(v.placement, Partial):
                 raise PolicyError(f"{v.kind} {v.fqn!r} cannot be Partial; use Replicate "
                                   "or Shard")
-        if config.expert_parallel not in (1, "auto"):
-            dispatch_experts(g, mesh)
+        if self.config.expert_parallel not in (1, "auto"):
+            if EP in g.axes:            # the experts whole on the tensor ranks: they split
+                whole_experts(g)        # along ep (passes/expert_parallel.py)
+            else:
+                dispatch_experts(g, mesh)
         for op in g.ops:
             if op.strategy is None:
                 op.strategy = replicated(op)
@@ -78,6 +87,18 @@ class Plan:
                 v.placement = p if v.is_tensor else Replicate()
         g.stages = g.stages | {Stage.PLANNED}
         return g
+
+
+def whole_experts(g: Graph) -> None:
+    """Every MoE layer replicated on the tensor ranks, its weights too: the ep axis splits
+    its experts and tokens instead."""
+    users = g.users()
+    for op in g.ops:
+        if op.target is MOE_EXPERTS:
+            op.strategy = replicated(op)
+            for v in op.args[3:5]:
+                if v.kind == PARAM and all(u is op for u in users.get(v, [])):
+                    v.placement = Replicate()
 
 
 def dispatch_experts(g: Graph, mesh) -> None:

@@ -31,7 +31,7 @@ from nncompile.errors import ConfigError
 
 from .groups import pipe_group
 from nncompile.rows import param_rows
-from .state import first_holder
+from .state import first_holder, split_axes
 from .torch_patches import wrap_once
 
 
@@ -79,7 +79,7 @@ def _grads(pm):
             if grad is not None:
                 scale.append(grad)
                 if row.name not in skip:
-                    regular.append((grad, row.sharded))
+                    regular.append((grad, (row.sharded, split_axes(pm, row))))
     return pieces, group, regular, scale
 
 
@@ -100,15 +100,22 @@ def _partial_norm(pm, norm_type: float) -> tuple[torch.Tensor, list[torch.Tensor
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     totals = []
-    for sharded in (True, False):
-        local = part([g for g, s in pieces if s == sharded])
-        if zero_group is not None:
+    kinds = {(True, ()), (False, ())} | {(row.sharded, split_axes(pm, row))   # alike on
+                                         for row in param_rows(pm)}      # every rank
+    for sharded, axes in sorted(kinds):      # (split over the plan, other axes split along)
+        local = part([g for g, s in pieces if s == sharded and not axes])
+        if zero_group is not None and not axes:
             dist.all_reduce(local, op=op, group=zero_group)
-        local = _combine(local, part([g for g, s in regular if s == sharded]), inf)
+        local = _combine(local, part([g for g, k in regular if k == (sharded, axes)]), inf)
         if sharded and pm.plan_group is not None:
             dist.all_reduce(local, op=op, group=pm.plan_group)
+        for axis in axes:                    # an expert weight's pieces along "ep"
+            if pm.axis_group(axis) is not None:
+                dist.all_reduce(local, op=op, group=pm.axis_group(axis))
         totals.append(local)
-    total = _combine(*totals, inf)
+    total = totals[0]
+    for t in totals[1:]:
+        total = _combine(total, t, inf)
     if pm.PIPE_RANKS > 1 and dist.is_initialized():
         dist.all_reduce(total, op=op,
                         group=pipe_group(pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS,
@@ -161,7 +168,8 @@ def _needs_global(pm) -> bool:
     if not dist.is_initialized():
         return False
     return pm.zero is not None or pm._grad_shards is not None or pm.PIPE_RANKS > 1 or \
-        (pm.plan_group is not None and any(row.sharded for row in param_rows(pm)))
+        (pm.plan_group is not None and any(row.sharded for row in param_rows(pm))) or \
+        bool(pm.PARAM_AXES)
 
 
 def _owned_by(params: list) -> tuple[dict, list]:

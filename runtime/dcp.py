@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nncompile.errors import CheckpointError
 from nncompile.mesh import PP, param_placements
-from nncompile.ir.placement import Shard as ShardPlacement
+from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
 
 from .parts import assemble_sources, sources_of
 from nncompile.rows import BufferRow, ParamRow, param_rows, state_rows, take
@@ -151,7 +151,9 @@ def _mesh(pm):
 
 def _dtensor(pm, local: torch.Tensor, row: ParamRow | BufferRow) -> DTensor:
     """`local` (this rank's piece of `row`'s tensor, or a tensor shaped like it) as a DTensor."""
-    per_dim = {PP: None, **param_placements(row.placement)}   # along "pp": Replicate
+    per_dim = {PP: None, **param_placements(row.placement),   # along "pp": Replicate; an
+               **{axis: parse_placement(text)                     # expert weight's "ep"
+                  for axis, text in pm.PARAM_AXES.get(row.name, {}).items()}}
     names = pm.mesh.names
     placements = [Shard(per_dim[d].dim) if isinstance(per_dim.get(d), ShardPlacement)
                   else Replicate() for d in names]                     # one per mesh dim

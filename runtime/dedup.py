@@ -28,7 +28,8 @@ from nncompile.mesh import PP, replica_dims
 from .groups import group_along, tie_group
 from nncompile.rows import param_rows, state_rows
 from .state import (check_same_plan, first_holder, holders, is_owner, load_local_optimizer_state,
-                    local_optimizer_state, mesh_of, owner_rank, plan_info, tied_pipes)
+                    local_optimizer_state, mesh_of, owner_rank, plan_info, split_axes,
+                    tied_pipes)
 
 
 def deduped_state_dict(pm, optimizer=None) -> tuple[dict, dict | None]:
@@ -62,6 +63,10 @@ def _groups(pm) -> dict:
     mesh = pm.mesh
     out = {"shard": group_along(replica_dims(mesh), *args),
            "stage": group_along(tuple(d for d in mesh.names if d != PP), *args)}
+    for split in sorted({tuple(axes) for axes in pm.PARAM_AXES.values()}):  # expert weights
+        out["shard", split] = group_along(replica_dims(mesh, split), *args)
+        out["stage", split] = group_along(tuple(d for d in mesh.names
+                                                if d != PP and d not in split), *args)
     if out["stage"] is dist.group.WORLD and dist.get_world_size() == 1:
         out["stage"] = None
     for fqn, pipes in tied_pipes(pm).items():
@@ -76,7 +81,9 @@ def _spread(pm, groups: dict, rows: list, fill) -> None:
     for row in rows:
         if not first_holder(pm, row.fqn):
             continue
-        group = groups["shard" if isinstance(row.placement, Shard) else "stage"]
+        kind = "shard" if isinstance(row.placement, Shard) else "stage"
+        split = split_axes(pm, row)
+        group = groups[(kind, split) if split else kind]
         src = owner_rank(pm, row)
         for t in fill(row, src):
             if group is not None:

@@ -88,7 +88,7 @@ def group_along(dims: tuple[str, ...], plan: int, runtime: int, pipe: int = 1,
                    mesh.groups_along(tuple(dims)))
 
 
-RUNTIME_AXES = ("cp",)      # mesh axes beyond dp, pp and plan the runtime makes groups for
+RUNTIME_AXES = ("cp", "ep")      # mesh axes beyond dp, pp and plan the runtime makes groups for
 
 
 def axis_groups(rank: int, plan: int, runtime: int, pipe: int, axes: tuple) -> dict:

@@ -21,7 +21,7 @@ from nncompile.config import ComputeConfig
 from nncompile.errors import ConfigError, InputMismatchError
 from nncompile.symbolic import check_sizes
 from nncompile.ir import MemoryChoice
-from nncompile.ir.placement import Shard
+from nncompile.ir.placement import Shard, parse_placement
 from nncompile.mesh import Mesh, grad_reduction
 from nncompile.rows import buffer_rows, const_rows, param_rows, take
 from nncompile import arguments
@@ -74,6 +74,7 @@ class ParallelModule(torch.nn.Module):
     STAGES: list[tuple] = []           # this rank's stages
     MESH_AXES: dict[str, int] = {}     # mesh axes beyond dp, pp and plan the program uses
     PARTIAL_GRAD_AXES: dict[str, list[str]] = {}   # per such axis: gradients summed over it
+    PARAM_AXES: dict[str, dict[str, str]] = {}     # parameters split along such axes too
 
     def __init__(self, module: torch.nn.Module | None = None, device: Any = None,
                  compute_config: ComputeConfig | None = None):
@@ -438,6 +439,12 @@ class ParallelModule(torch.nn.Module):
                 parts = [torch.empty_like(t) for _ in range(self.PLAN_NGPUS)]
                 dist.all_gather(parts, t.contiguous(), group=self.plan_group)
                 t = torch.cat(parts, dim=row.placement.dim)
+            for axis, text in reversed(self.PARAM_AXES.get(row.name, {}).items()):
+                p, group = parse_placement(text), self.axis_group(axis)   # an expert weight's
+                if t is not None and isinstance(p, Shard) and group is not None:     # "ep"
+                    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+                    dist.all_gather(parts, t.contiguous(), group=group)
+                    t = torch.cat(parts, dim=p.dim)
             full[row.fqn] = None if t is None else t.clone()
         return share_over_pipeline(self, full)
 

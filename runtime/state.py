@@ -213,13 +213,19 @@ def check_same_plan(saved: dict, pm, where: str) -> None:
             f"nncompile.load_checkpoint / nncompile.load_merged_state_dict")
 
 
+def split_axes(pm, row) -> tuple[str, ...]:
+    """The mesh axes beyond "plan" that `row`'s tensor is split along (an expert weight's
+    "ep": the generated file's PARAM_AXES), in mesh order."""
+    return tuple(getattr(pm, "PARAM_AXES", {}).get(row.name, {}))
+
+
 def owner_rank(pm, row) -> int:
     """The global rank that stores this rank's shard of `row` in a deduped checkpoint: in the
     first data-parallel unit (and context rank), on the lowest pipeline rank holding it, this rank's
     tensor-parallel index for a sharded tensor, index 0 for a replicated one."""
     mesh = mesh_of(pm)
     coords = mesh.coords(pm.RANK)
-    for dim in replica_dims(mesh):          # "dp" and "cp": the same parameters
+    for dim in replica_dims(mesh, split_axes(pm, row)):    # "dp", "cp", "ep": the same
         coords[dim] = 0
     if PP in coords:
         coords[PP] = holders(pm, row.fqn)[0]

@@ -244,6 +244,8 @@ CELLS = [
     # expert parallelism: each rank's own tokens dispatched to the ranks of their experts
     # (all-to-all), ep 2 x dp 2 with ZeRO-3 of the expert weights
     Cell("ep_dp_zero3", "data", 2, 4, MOE, ep=2, zero=3),
+    # an ep axis of 2 beside 2 tensor ranks: attention split by heads, experts by dispatch
+    Cell("ep_tp", "tp", 4, 4, MOE, ep=2),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),

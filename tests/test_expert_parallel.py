@@ -15,7 +15,7 @@ import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import ConfigError
 from test_moe import EXPERTS, batch, batch_at, expert_elements, moe, \
-    train_two_units_like_one_device
+    train_units_like_one_device
 
 LAYERS = {"mixtral": 2, "qwen3_moe": 2, "deepseek_v3": 1}
 
@@ -37,15 +37,28 @@ def test_expert_parallel_equals_one_device(arch, policy, tmp_path):
     assert all(r["all_to_all_bytes_per_rank"] == 32 * 2 * 32 * 4 / 2 for r in plan["experts"])
 
 
+SHAPES = {  # (plan_ngpus, runtime_ngpus, policy): the tensor ranks are plan_ngpus // E
+    "ep2": (2, 2, "data"),          # the experts and the batch over both ranks
+    "ep2_dp2": (2, 4, "data"),      # two such units, each its own batch
+    "ep2_tp2": (4, 4, "tp"),        # an ep axis of 2 x 2 tensor ranks (attention by heads)
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_ep2_dp2_five_adamw_steps_train_like_one_device(arch, tmp_path):
-    """ep 2 x dp 2 on 4 ranks: every unit's losses (router loss included) and the weights
-    after 5 AdamW steps equal one device on the units' batches; each rank holds half of the
-    expert weights."""
+def test_five_adamw_steps_train_like_one_device(arch, shape, tmp_path):
+    """ep 2 on 2 ranks, ep 2 x dp 2 and ep 2 x tp 2 on 4: every unit's losses (router loss
+    included) and the weights after 5 AdamW steps equal one device on the units' batches;
+    each rank holds half of the expert weights."""
+    plan, runtime, policy = SHAPES[shape]
     model = moe(arch)
     whole = sum(p.numel() for n, p in model.named_parameters() if n.endswith(EXPERTS))
-    for pm in train_two_units_like_one_device(model, ep(2, 4), "data", tmp_path):
+    cfg = ComputeConfig(plan, runtime, pas_config={"expert_parallel": 2})
+    for pm in train_units_like_one_device(model, cfg, policy, tmp_path):
         assert expert_elements(pm) * 2 == whole
+        code = open(pm.gencode_path).read()
+        assert code.count("= comm.dispatch_moe(") == LAYERS[arch]
+        assert ("group=EP_GROUP" in code) == (shape == "ep2_tp2")
 
 
 def test_ep4_holds_a_quarter_of_the_experts(tmp_path):
@@ -75,11 +88,15 @@ def test_all_tokens_dispatched_to_one_rank(tmp_path):
     assert report.ok, report
 
 
-def test_dcp_checkpoint_reshards_across_expert_parallel_sizes(tmp_path):
-    """A DCP checkpoint written at ep 2 (AdamW state of 2 experts per rank) resumes at ep 4:
-    the next step gives the weights the ep 2 run gives."""
+@pytest.mark.parametrize("shape", ["ep2", "ep2_tp2"])
+def test_checkpoints_resume_and_reshard_across_expert_parallel_sizes(shape, tmp_path):
+    """A checkpoint written at ep 2 (AdamW state of 2 experts per rank; under ep 2 x tp 2 the
+    experts split along the ep axis) resumes from the deduped format under the same plan and
+    from DCP at ep 4: the next step gives the weights the first run gives."""
     from nncompile.tools.simulate import run_ranks
     model, data, nxt = moe("qwen3_moe"), batch(), batch_at(7)
+    plan, runtime, policy = SHAPES[shape]
+    first = ComputeConfig(plan, runtime, pas_config={"expert_parallel": 2})
 
     def step(pm, opt, x):
         pm(**x).backward()
@@ -87,31 +104,36 @@ def test_dcp_checkpoint_reshards_across_expert_parallel_sizes(tmp_path):
         opt.zero_grad(set_to_none=True)
 
     def train(rank):
-        pm = nncompile.parallelize(copy.deepcopy(model), data, ep(2), pas_policy="data",
+        pm = nncompile.parallelize(copy.deepcopy(model), data, first, pas_policy=policy,
                                    gen_savedir=str(tmp_path / "a"))
         opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
         step(pm, opt, data)
-        nncompile.save_checkpoint(tmp_path / "ckpt", pm, opt, format="dcp")
+        for fmt in ("dcp", "deduped"):
+            nncompile.save_checkpoint(tmp_path / fmt, pm, opt, format=fmt)
         step(pm, opt, nxt)
         return pm.gather_params()
 
-    def resume(rank):
-        pm = nncompile.parallelize(copy.deepcopy(model), data, ep(4), pas_policy="data",
-                                   gen_savedir=str(tmp_path / "b"))
-        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
-        nncompile.load_checkpoint(tmp_path / "ckpt", pm, opt)
-        step(pm, opt, nxt)
-        return pm.gather_params()
+    def resume(cfg, fmt, policy):
+        def rank_fn(rank):
+            pm = nncompile.parallelize(copy.deepcopy(model), data, cfg, pas_policy=policy,
+                                       gen_savedir=str(tmp_path / f"b_{fmt}"))
+            opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+            nncompile.load_checkpoint(tmp_path / fmt, pm, opt)
+            step(pm, opt, nxt)
+            return pm.gather_params()
+        return run_ranks(cfg.runtime_ngpus, rank_fn)
 
-    want = run_ranks(2, train)[0]
-    for got in run_ranks(4, resume):
+    want = run_ranks(runtime, train)[0]
+    for got in resume(ep(4), "dcp", "data") + resume(first, "deduped", policy):
         for name, w in want.items():
             assert torch.allclose(got[name], w, rtol=1e-5, atol=1e-6), name
 
 
 def test_expert_parallel_errors(tmp_path):
-    with pytest.raises(ConfigError, match="expert_parallel'\\]=3.*so it is 2"):
-        ComputeConfig(2, 2, pas_config={"expert_parallel": 3})
+    with pytest.raises(ConfigError, match="expert_parallel'\\]=3.*one of \\[1, 2, 4\\]"):
+        ComputeConfig(4, 4, pas_config={"expert_parallel": 3})
+    with pytest.raises(ConfigError, match="does not combine with pipeline_stages, ZeRO"):
+        ComputeConfig(4, 8, use_zero=1, pas_config={"expert_parallel": 2})
     with pytest.raises(ConfigError, match="does not combine with context_parallel"):
         ComputeConfig(2, 2, pas_config={"expert_parallel": 2, "context_parallel": 2})
     with pytest.raises(ConfigError, match="no mixture-of-experts layer"):

@@ -104,22 +104,24 @@ def test_all_tokens_routed_to_one_ranks_experts(tmp_path):
     assert report.ok, report
 
 
-def train_two_units_like_one_device(model, cfg, policy, tmp_path) -> list:
-    """5 AdamW steps of `model` compiled for `cfg` (2 data-parallel units) with `policy`, each
-    unit on its half of the batch: every unit's losses (the router's load-balancing loss
-    included) and the weights equal one device accumulating over the two halves. Returns
-    each rank's parameters."""
+def train_units_like_one_device(model, cfg, policy, tmp_path) -> list:
+    """5 AdamW steps of `model` compiled for `cfg` with `policy`, each data-parallel unit on
+    its share of the batch: every unit's losses (the router's load-balancing loss included)
+    and the weights equal one device accumulating over the shares. Returns each rank's
+    module."""
     from nncompile.tools.simulate import run_ranks
-    batches = [[{k: v[u * 2:(u + 1) * 2] for k, v in batch_at(step).items()} for u in range(2)]
-               for step in range(5)]
+    units = cfg.runtime_ngpus // cfg.plan_ngpus
+    rows = 4 // units
+    batches = [[{k: v[u * rows:(u + 1) * rows] for k, v in batch_at(step).items()}
+                for u in range(units)] for step in range(5)]
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     want = []
     for step in range(5):
         losses = []
-        for u in range(2):
+        for u in range(units):
             loss = ref(**batches[step][u])
-            (loss / 2).backward()
+            (loss / units).backward()
             losses.append(float(loss))
         opt.step()
         opt.zero_grad()
@@ -150,7 +152,7 @@ def train_two_units_like_one_device(model, cfg, policy, tmp_path) -> list:
 
 def test_experts_split_with_data_parallelism_trains_like_one_device(tmp_path):
     """Experts split over plan 2 x 2 data-parallel units: 5 AdamW steps like one device."""
-    train_two_units_like_one_device(moe("mixtral"), ComputeConfig(2, 4), "tp", tmp_path)
+    train_units_like_one_device(moe("mixtral"), ComputeConfig(2, 4), "tp", tmp_path)
 
 
 def batch_at(step: int) -> dict[str, torch.Tensor]:

@@ -83,6 +83,16 @@ def softmax(op: Op, n: int):
     return elementwise(op, n, skip_dims=(op.args[1],))
 
 
+@register("topk")
+def topk(op: Op, n: int):
+    """Each row's k largest along `dim`: split along any other dim (values and indices)."""
+    x = op.args[0]
+    rank = len(x.meta.shape)
+    along = (op.args[2] if len(op.args) > 2 else op.kwargs.get("dim", -1)) % rank
+    return [make(op, {x: Shard(d)}, [Shard(d), Shard(d)], f"split dim {d}")
+            for d in range(rank) if d != along and divisible(x, d, n)]
+
+
 @register("layer_norm", "rms_norm")
 def norm(op: Op, n: int):
     x, normalized_shape = op.args[0], op.args[1]
