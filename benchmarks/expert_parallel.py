@@ -1,7 +1,8 @@
 """Mixture-of-experts layers with their experts split across E ranks (each holds E_total / E
 experts of every layer), two ways: `ep` (pas_config expert_parallel=E under the data policy:
-each rank its own tokens, dispatched to the experts' ranks by all-to-all) and `tp` (the tp
-policy: every rank has every token and computes its experts' picks, outputs all-reduced).
+each rank its own tokens, dispatched to the experts' ranks by all-to-all), `tp` (the tp
+policy: every rank has every token and computes its experts' picks, outputs all-reduced) and
+`eptp` (an ep axis of E beside 2 tensor ranks, 2E ranks in all: attention by heads).
 Per rank: parameter bytes (experts and the rest), the bytes autograd keeps for backward and
 the step time, for E = 1, 2, 4, on a Hugging Face Mixtral.
 
@@ -59,8 +60,9 @@ def run(args, ep: int, mode: str, outdir: Path) -> dict:
     import nncompile
     from nncompile.tools.simulate import run_ranks
     model, batch = model_and_batch(args)
-    pas = {"expert_parallel": ep} if mode == "ep" and ep > 1 else {}
-    config = nncompile.ComputeConfig(ep, ep, pas_config=pas)
+    ranks = 2 * ep if mode == "eptp" else ep
+    pas = {"expert_parallel": ep} if mode in ("ep", "eptp") and ep > 1 else {}
+    config = nncompile.ComputeConfig(ranks, ranks, pas_config=pas)
     policy = "data" if mode == "ep" else "tp"
 
     def rank_fn(rank: int) -> dict:
@@ -73,7 +75,7 @@ def run(args, ep: int, mode: str, outdir: Path) -> dict:
         return {"experts": experts, "params": total, "activations": acts,
                 "ms": statistics.median(times), "loss": float(loss)}
 
-    rows = run_ranks(ep, rank_fn) if ep > 1 else [rank_fn(0)]
+    rows = run_ranks(ranks, rank_fn) if ranks > 1 else [rank_fn(0)]
     return {"ep": ep, "mode": mode if ep > 1 else "-", **{k: max(r[k] for r in rows) for k in ("experts", "params",
                                                                "activations", "ms")},
             "loss": rows[0]["loss"]}

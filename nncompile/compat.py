@@ -111,6 +111,12 @@ def _with_comms(world):
 
 # ---- collectives ------------------------------------------------------------------------------
 
+def grouped_mm():
+    """torch._grouped_mm, one product per group of rows (private; its fast path: bfloat16 on
+    CUDA compute capability 9+), or None where this torch has none."""
+    return getattr(torch, "_grouped_mm", None)
+
+
 def all_gather_single():
     """dist.all_gather_into_tensor under the name this torch prefers (torch 2.13 added
     `all_gather_single` and deprecated the `_tensor` spelling)."""

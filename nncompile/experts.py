@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nncompile import compat
+
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -57,8 +59,8 @@ def _experts_mlp(x, w_in, w_out, offs, gmm: str, act: str):
 
 
 def _grouped_ok(x: torch.Tensor) -> bool:
-    """torch._grouped_mm runs here: bfloat16 on a CUDA device of compute capability 9+."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+    """The grouped product runs here: bfloat16 on a CUDA device of compute capability 9+."""
+    return (compat.grouped_mm() is not None and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
@@ -75,8 +77,9 @@ def expert_rows(xs, experts, w_in, w_out, act: str, transposed: bool):
     f = ACTIVATIONS[act]
     if _grouped_ok(xs) and xs.shape[0]:
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        a, b = torch._grouped_mm(xs, win, offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm((f(a) * b).contiguous(), wout, offs=offs)
+        mm = compat.grouped_mm()
+        a, b = mm(xs, win, offs=offs).chunk(2, dim=-1)
+        y = mm((f(a) * b).contiguous(), wout, offs=offs)
     else:
         pieces, start = [], 0
         for e, c in enumerate(counts.tolist()):

@@ -237,9 +237,8 @@ CELLS = [
     # draws the forward's dropout masks again (rng.recompute_draws)
     Cell("zero3_recompute", "tp", 2, 4, DROP, zero=3, recompute=("Block",)),
     Cell("cp_dynamic", "tp", 2, 2, DYN, dynamic=True, cp=2),
-    # Mixtral's experts split across the plan (2 of 4 per rank), with its router loss; with
-    # data parallelism and ZeRO-3 of the expert weights
-    Cell("experts", "tp", 2, 2, MOE),
+    # Mixtral's experts split across the plan (2 of 4 per rank), with its router loss, data
+    # parallelism and ZeRO-3 of the expert weights
     Cell("experts_zero3", "tp", 2, 4, MOE, zero=3),
     # expert parallelism: each rank's own tokens dispatched to the ranks of their experts
     # (all-to-all), ep 2 x dp 2 with ZeRO-3 of the expert weights
