@@ -67,7 +67,7 @@ class Plan:
                                   "or Shard")
         if self.config.expert_parallel not in (1, "auto"):
             if EP in g.axes:            # the experts whole on the tensor ranks: they split
-                whole_experts(g)        # along ep (passes/expert_parallel.py)
+                whole_experts(g, mesh)  # along ep (passes/expert_parallel.py)
             else:
                 dispatch_experts(g, mesh)
         for op in g.ops:
@@ -89,13 +89,15 @@ class Plan:
         return g
 
 
-def whole_experts(g: Graph) -> None:
-    """Every MoE layer replicated on the tensor ranks, its weights too: the ep axis splits
-    its experts and tokens instead."""
+def whole_experts(g: Graph, mesh) -> None:
+    """Every MoE layer's experts whole on the tensor ranks, its tokens split between them
+    where they divide (each tensor rank dispatches its share along ep), its weights whole:
+    the ep axis splits the experts instead (passes/expert_parallel.py)."""
     users = g.users()
     for op in g.ops:
         if op.target is MOE_EXPERTS:
-            op.strategy = replicated(op)
+            op.strategy = next((s for s in strategies(op, mesh) if s.note == "split tokens"),
+                               replicated(op))
             for v in op.args[3:5]:
                 if v.kind == PARAM and all(u is op for u in users.get(v, [])):
                     v.placement = Replicate()
