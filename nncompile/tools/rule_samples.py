@@ -193,6 +193,8 @@ def model_ops(name: str, g: torch.Generator) -> list[Sample]:
                                (lambda x, t: _ce(x, t, "sum"), (r(8, 8), tgt)),
                                (lambda x, t: _ce(x, t, "none"), (r(8, 8), tgt))],
         "softmax": [(lambda x: torch.softmax(x, -1), (r(4, 8, 4),))],
+        "topk": [(lambda x: torch.topk(x, 2, -1)[1], (r(4, 8, 4),)),    # a router's picks
+                 (lambda x: torch.topk(x, 3, 1)[0], (r(4, 8, 4),))],
         "log_softmax": [(lambda x: torch.log_softmax(x, 1), (r(4, 8, 4),))],
         "_softmax": [(lambda x: torch.ops.aten._softmax.default(x, -1, False), (r(4, 8, 4),))],
         "_log_softmax": [(lambda x: torch.ops.aten._log_softmax.default(x, 0, False),
