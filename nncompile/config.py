@@ -177,6 +177,9 @@ class ComputeConfig:
 
     def _check_expert_parallel(self) -> None:
         e = self.expert_parallel
+        if e == AUTO and (self.context_parallel != 1 or self.pipeline.enabled):
+            raise ConfigError("pas_config['expert_parallel']='auto' does not combine with "
+                              "context_parallel or pipeline_stages yet; give E")
         if e in (1, AUTO):
             return
         stages = self.pipeline.stages if self.pipeline.enabled else 1

@@ -104,7 +104,7 @@ def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -
                         config.pas_config.get("context_parallel_attention", "allgather"),
                         config.pas_config.get("context_parallel_order"))
         if config.context_parallel != 1 else None,
-        ExpertParallel() if config.expert_parallel not in (1, AUTO) else None,
+        ExpertParallel() if config.expert_parallel != 1 else None,
         sink_gathers,
         insert_comm,
         Recompute(config.pas_config["recompute_modules"])

@@ -40,7 +40,7 @@ from nncompile.mesh import CP
 from nncompile.rules import RANDOM_LOCAL, draws_random, strategies, strided_splits
 from nncompile.rules.sequence import sequence_strategies
 
-from .policies.greedy import Walk
+from .policies.greedy import Walk, take_best
 
 
 ALLGATHER, ULYSSES = "allgather", "ulysses"       # pas_config["context_parallel_attention"]
@@ -95,7 +95,7 @@ def choose_context(graph: Graph, config, policy) -> Graph:
     if not planned_at:
         raise errors[-1] if errors else ConfigError(
             "context_parallel='auto': no context-parallel size fits; give one")
-    c, tie = _pick(rows)
+    c, tie = pick_size(rows)
     planned = planned_at[c]
     why = (f"autodist: context_parallel={c} of {[r['cp'] for r in rows]}: "
            + ("the fastest plan that fits" if not tie else
@@ -114,19 +114,20 @@ TIE = 0.01        # modelled step times this close are a tie (the calibrated mod
                   # error is 1.4-10 %: docs/autodist.md)
 
 
-def _pick(rows: list[dict]) -> tuple[int, bool]:
-    """(C, whether a tie decided): the fastest plan that fits; among plans within TIE of it,
-    the one needing the least memory (the most headroom for what the model does not see)."""
+def pick_size(rows: list[dict], key: str = "cp") -> tuple[int, bool]:
+    """(the size under `key`, whether a tie decided): the fastest plan that fits; among plans
+    within TIE of it, the one needing the least memory (the most headroom for what the model
+    does not see)."""
     fits = [r for r in rows if r["fits"]]
     timed = [r for r in fits if r.get("ms") is not None]
     if not timed:
-        return fits[0]["cp"], False
+        return fits[0][key], False
     fastest = min(timed, key=lambda r: r["ms"])
     close = [r for r in timed if r["ms"] <= fastest["ms"] * (1 + TIE) and r.get("gb") is not None]
     if not close:
-        return fastest["cp"], False
+        return fastest[key], False
     leanest = min(close, key=lambda r: (r["gb"], r["ms"]))
-    return leanest["cp"], leanest is not fastest
+    return leanest[key], leanest is not fastest
 
 
 def _row_text(r: dict) -> str:
@@ -205,21 +206,13 @@ def sequence_walk(scratch: Graph, c: int, attention: str, zigzag: bool, plan_of=
         with strided_splits():
             candidates = strategies(op, c) + sequence_strategies(op, c)
         plan = plan_of(op.name) if plan_of is not None else None
-        scored = []
-        for i, s in enumerate(candidates):
-            if s.note == "keep partial" and not any(
-                    isinstance(v.placement, Partial) for v in op.tensor_inputs()):
-                continue
-            if plan is not None and _conflicts(op, plan, s, zigzag):
-                continue
-            if zigzag and not _splits_evenly(op, s, 2 * c):
-                continue
-            r = _rank(walk, op, s, attention)
-            if r is not None:
-                scored.append((r, walk.cost(op, s), i, s))
-        best = min(scored)[3] if scored else candidates[-1]
-        walk.apply(op, best, candidates)
-        out[op.name] = best
+
+        def rank(s, op=op, plan=plan):
+            if plan is not None and _conflicts(op, plan, s, zigzag) or \
+                    zigzag and not _splits_evenly(op, s, 2 * c):
+                return None
+            return _rank(walk, op, s, attention)
+        out[op.name] = take_best(walk, op, candidates, rank)
     return out
 
 
@@ -295,16 +288,23 @@ class ContextParallel:
                 **g.trace_info.sizes, name: (lo, hi, math.lcm(mult, pieces))})
         plan = {op.name: op.strategy for op in g.ops}
         along = sequence_walk(scratch, c, self.attention, self.order == ZIGZAG, plan.get)
-        for mine in g.ops:
-            best = along[mine.name]
-            mine.strategy.axis_inputs = {**mine.strategy.axis_inputs, CP: best.inputs}
-            if best.local_target is not None:
-                mine.strategy.axis_local = (CP, best.local_target)
-            for v, p in zip(mine.outputs, best.outputs):
-                if v.is_tensor and not isinstance(p, Replicate):
-                    v.axes = {**v.axes, CP: p}
+        place_along(g, CP, along)
         _check_even(g, c)
         return g
+
+
+def place_along(g: Graph, axis: str, along: dict) -> None:
+    """Give every op of `g` its strategy along mesh `axis` (`along`: {op name: strategy}, a
+    walk's): what it wants of its inputs there, its local implementation there, and its
+    outputs' placements along it."""
+    for op in g.ops:
+        best = along[op.name]
+        op.strategy.axis_inputs = {**op.strategy.axis_inputs, axis: best.inputs}
+        if best.local_target is not None:
+            op.strategy.axis_local = (axis, best.local_target)
+        for v, p in zip(op.outputs, best.outputs):
+            if v.is_tensor and not isinstance(p, Replicate):
+                v.axes = {**v.axes, axis: p}
 
 
 def _check_even(g: Graph, c: int) -> None:

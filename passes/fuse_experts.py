@@ -190,14 +190,21 @@ def experts_rows(g: Graph) -> list[dict]:
     """plan.json "experts": each mixture-of-experts layer, how it runs and the bytes one rank
     sends per all-to-all under dispatch (picks spread evenly; nncompile/rules/experts.py)."""
     from nncompile.rules.experts import DISPATCH, LOCAL, dispatch_bytes
-    rows = []
+    rows, ep = [], g.axes.get("ep", 1)
     for op in g.ops:
         if op.target is not MOE_EXPERTS and op.target_name not in (DISPATCH, LOCAL):
             continue
         experts = op.args[3].meta.shape[0]
+        note = op.strategy.note if op.strategy else "replicate"
+        if ep > 1:                  # along the ep axis (the tokens maybe split on the plan's)
+            tokens_split = g.plan_ngpus if isinstance(op.args[0].placement, Shard) else 1
+            rows.append({"module": op.module_path, "op": op.name,
+                         "strategy": f"dispatch along ep ({experts // ep} per rank); {note}",
+                         "experts": experts, "experts_per_rank": experts // ep,
+                         "all_to_all_bytes_per_rank": dispatch_bytes(op, ep, ep * tokens_split)})
+            continue
         split = op.target_name in (DISPATCH, LOCAL) or isinstance(op.args[3].placement, Shard)
-        rows.append({"module": op.module_path, "op": op.name,
-                     "strategy": op.strategy.note if op.strategy else "replicate",
+        rows.append({"module": op.module_path, "op": op.name, "strategy": note,
                      "experts": experts,
                      "experts_per_rank": experts // g.plan_ngpus if split else experts,
                      "all_to_all_bytes_per_rank": dispatch_bytes(op, g.plan_ngpus)

@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
 
-from nncompile.errors import ConfigError, PolicyError
+from nncompile.errors import PolicyError
 from nncompile.experts import MOE_EXPERTS
 from nncompile.mesh import EP
 from nncompile.ir import PARAM, Graph, Partial, Replicate, Shard, Stage
 from nncompile.rules import replicated, strategies, strided_splits
-from nncompile.rules.experts import DISPATCH
 
 from .pipeline_stages import stage_config
 from .context_parallel import CP, choose_context, tensor_config
+from .expert_parallel import choose_experts, dispatch_of, no_experts_error
 
 
 @dataclass
@@ -38,9 +38,14 @@ class Plan:
         pp = graph.plan_state.pipeline
         if pp is not None:         # each stage runs on its pp.tp tensor-parallel ranks
             config = stage_config(config, pp.tp, pp.ranks)
+        experts = config.expert_parallel
         if config.context_parallel == "auto":       # autodist tries each C (context_parallel.py)
             g = choose_context(graph, config, self.policy)
             config = tensor_config(config, g.axes.get(CP, 1))
+        elif experts == "auto":                     # and each E (expert_parallel.py)
+            g, experts = choose_experts(graph, config, self.policy)
+            if EP in g.axes:
+                config = tensor_config(config, experts, "expert_parallel")
         else:
             if config.context_parallel > 1:     # the tensor axis: plan_ngpus // C ranks, the
                 config = tensor_config(config, config.context_parallel)     # cp axis priced
@@ -65,7 +70,7 @@ class Plan:
             if isinstance(v.placement, Partial):
                 raise PolicyError(f"{v.kind} {v.fqn!r} cannot be Partial; use Replicate "
                                   "or Shard")
-        if self.config.expert_parallel not in (1, "auto"):
+        if experts != 1:
             if EP in g.axes:            # the experts whole on the tensor ranks: they split
                 whole_experts(g, mesh)  # along ep (passes/expert_parallel.py)
             else:
@@ -111,19 +116,9 @@ def dispatch_experts(g: Graph, mesh) -> None:
     layers = [op for op in g.ops if op.target is MOE_EXPERTS]
     users = g.users()
     if not layers:
-        raise ConfigError(
-            f"pas_config['expert_parallel']={mesh.size('plan')}: {g.trace_info.model} has no "
-            "mixture-of-experts layer nncompile recognizes (an experts module of Hugging "
-            "Face's interface: docs/experts.md)")
+        raise no_experts_error(g, mesh.size("plan"))
     for op in layers:
-        s = next((s for s in strategies(op, mesh) if s.local_target == DISPATCH), None)
-        if s is None:
-            x, _, _, w_in = op.args[:4]
-            raise ConfigError(
-                f"pas_config['expert_parallel']={mesh.size('plan')}: {op.module_path} has "
-                f"{w_in.meta.shape[0]} experts and {x.meta.shape[0]} tokens; both must divide "
-                f"by {mesh.size('plan')}")
-        op.strategy = s
+        op.strategy = dispatch_of(op, mesh.size("plan"))
         for v in op.args[3:5]:          # the experts' weights live split, not chunked per step
             if v.kind == PARAM and all(u is op for u in users.get(v, [])):
                 v.placement = Shard(0)

@@ -58,6 +58,10 @@ def test_five_adamw_steps_train_like_one_device(arch, shape, tmp_path):
         code = open(pm.gencode_path).read()
         assert code.count("= comm.dispatch_moe(") == LAYERS[arch]
         assert ("group=EP_GROUP" in code) == (shape == "ep2_tp2")
+    rows = json.loads((tmp_path / "HFCausalLM" / "plan.json").read_text())["experts"]
+    tokens = {"ep2": 32, "ep2_dp2": 16, "ep2_tp2": 16}[shape]   # one rank's, of 64 per step
+    assert [r["all_to_all_bytes_per_rank"] for r in rows] == \
+        [tokens * 2 * 32 * 4 / 2] * LAYERS[arch]                   # 2 picks x 32 wide, half away
 
 
 def test_ep4_holds_a_quarter_of_the_experts(tmp_path):
@@ -148,12 +152,13 @@ def test_expert_parallel_errors(tmp_path):
 
 
 def test_autodist_chooses_the_experts_split(tmp_path):
-    """expert_parallel="auto": autodist prices each layer's splits (the dispatch's all-to-alls
-    included: cost_model.py); under a memory limit that whole experts (12 MiB of weights,
+    """expert_parallel="auto" at plan 4: autodist plans E = 1 (each layer's split free), 2 (an
+    ep axis beside 2 tensor ranks) and 4 (dispatch on the plan's ranks), each priced with its
+    batch and experts split and the dispatch's all-to-alls (cost_model.py), and keeps the
+    fastest that fits the memory limit; under a limit that whole experts (12 MiB of weights,
     48 MiB with their gradients and AdamW state, ~56 MB in all) do not fit, each layer keeps
-    its expert weights split: it computes them split (by tokens or by experts) or gathers
-    them for the layer, as it prices them on this machine. plan.json shows each layer's
-    choice and all-to-all bytes."""
+    its expert weights split. plan.json shows the candidates, each layer's choice and its
+    all-to-all bytes."""
     import transformers
     torch.manual_seed(0)
     lm = transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -161,17 +166,19 @@ def test_autodist_chooses_the_experts_split(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
         num_experts_per_tok=2, output_router_logits=True))
     data = {"input_ids": torch.randint(0, 256, (4, 64)), "labels": torch.randint(0, 256, (4, 64))}
-    cfg = ComputeConfig(2, 2, pas_config={"expert_parallel": "auto", "mem_limit_gb": 0.045})
+    cfg = ComputeConfig(4, 4, pas_config={"expert_parallel": "auto", "mem_limit_gb": 0.045})
     nncompile.parallelize(models.HFCausalLM(lm).train(), data, cfg, pas_policy="autodist",
                           gen_savedir=str(tmp_path), load_module=False)
     plan = json.loads((tmp_path / "HFCausalLM" / "plan.json").read_text())
+    auto = plan["autodist"]["expert_parallel"]
+    assert [r["ep"] for r in auto["candidates"]] == [1, 2, 4] and auto["chosen"] in (1, 2, 4)
     assert plan["autodist"]["memory"]["per_rank_bytes"]["total"] <= 45e6
+    code = (tmp_path / "HFCausalLM" / "gencode0.py").read_text()
+    assert ("MESH_AXES = {'ep': 2}" in code) == (auto["chosen"] == 2)
     rows = plan["experts"]
     assert len(rows) == 2
-    for r in rows:          # 128 tokens per rank x 2 picks x 128 wide x 4 bytes, half away
+    for r in rows:
         stored = [plan["params"][f"{r['module']}.{w}"] for w in ("gate_up_proj", "down_proj")]
-        assert "S(0)" in stored, stored
-        split = r["strategy"].startswith(("dispatch", "split experts"))
-        assert r["experts_per_rank"] == (4 if split else 8), r
-        dispatched = r["strategy"].startswith("dispatch")
-        assert r["all_to_all_bytes_per_rank"] == (128 * 2 * 128 * 4 / 2 if dispatched else 0)
+        assert "S(0)" in stored or auto["chosen"] == 2, stored     # ep 2: split along ep
+        if r["strategy"].startswith("dispatch"):   # 64 tokens x 2 picks x 128 x 4 B, 3/4 away
+            assert r["all_to_all_bytes_per_rank"] == 64 * 2 * 128 * 4 * 3 / 4

@@ -26,15 +26,16 @@ from .registry import divisible, make, register
 DISPATCH, LOCAL = "comm.dispatch_moe", "comm.local_moe"
 
 
-def dispatch_bytes(op: Op, n: int) -> float:
-    """Bytes one rank sends in one all-to-all of `dispatch` when the picks spread evenly
-    over the experts (each of its T/n tokens' k picks, hidden wide, (n - 1)/n of them away);
-    forward sends them and gets them back, backward the same."""
+def dispatch_bytes(op: Op, n: int, split: int | None = None) -> float:
+    """Bytes one rank sends in one all-to-all of `dispatch` over n ranks when the picks
+    spread evenly over the experts (each of its T/split tokens' k picks, hidden wide,
+    (n - 1)/n of them away; split: n unless the tokens split further); forward sends them and
+    gets them back, backward the same."""
     x, index = op.args[:2]
     tokens, k = index.meta.shape[0], index.meta.shape[-1]
     if type(tokens) is not int:
         return 0.0
-    return tokens / n * k * x.meta.shape[-1] * x.meta.dtype.itemsize * (n - 1) / n
+    return tokens / (split or n) * k * x.meta.shape[-1] * x.meta.dtype.itemsize * (n - 1) / n
 
 
 @register("nncompile_moe::moe_experts")

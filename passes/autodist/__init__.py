@@ -36,6 +36,7 @@ import time
 
 from nncompile.config import PAS_CONFIG_KEYS
 from nncompile.errors import ConfigError
+from nncompile.experts import MOE_EXPERTS
 from nncompile.ir import Graph
 from nncompile.log import log as _log
 
@@ -95,8 +96,12 @@ def problem_of(g: Graph, config, recompute: list[str] | None = None, narrow=None
         recompute = [] if rc == AUTO else list(rc or [])
     model = cost_model(config)
     model.context = g.axes.get("cp", 1)     # the sequence split (passes/context_parallel.py)
+    model.experts_split = g.axes.get("ep", 1)   # the batch and experts split along ep
+    model.experts = frozenset(v.name for op in g.ops if op.target is MOE_EXPERTS
+                              for v in op.args[3:5]) if model.experts_split > 1 else frozenset()
     if narrow is None:
         narrow = context_narrow(g, config)
+    narrow = experts_narrow(g, config, narrow)
     return build_problem(g, model, parse_constraints(pc.get("constraints")), recompute, narrow)
 
 
@@ -110,6 +115,26 @@ def context_narrow(g: Graph, config):
     from ..context_parallel import plan_filter, sequence_splits
     along = sequence_splits(g, c, config.pas_config)
     return lambda op, cands: plan_filter(op, cands, along.get(op.name))
+
+
+def experts_narrow(g: Graph, config, narrow=None):
+    """`narrow` with each mixture-of-experts layer kept to the split pas_config
+    ["expert_parallel"] = E gives it (passes/plan.py): dispatch when E is the plan's ranks,
+    its tokens split (the experts whole) beside an ep axis (passes/expert_parallel.py)."""
+    from nncompile.rules.experts import DISPATCH
+    if "ep" in g.axes:
+        keep = lambda s: s.note == "split tokens"                    # noqa: E731
+    elif config.expert_parallel not in (1, AUTO) and config.expert_parallel == config.plan_ngpus:
+        keep = lambda s: s.local_target == DISPATCH                   # noqa: E731
+    else:
+        return narrow
+
+    def pick(op, cands):
+        cands = narrow(op, cands) if narrow is not None else cands
+        if op.target is not MOE_EXPERTS:
+            return cands
+        return [s for s in cands if keep(s)] or cands
+    return pick
 
 
 def apply(g: Graph, prob: Problem, picks: list[int]) -> None:

@@ -138,12 +138,25 @@ class CostModel:
     # rows, on 1/C of the sequence (compute and activations / C), gathering attention's keys
     # and values along cp (and reduce-scattering their gradients)
     context: int = 1
+    # expert-parallel ranks (Graph.axes["ep"]): each runs every token-wise op on 1/E of the
+    # batch and holds 1/E of the experts (`experts`: their weights' names)
+    experts_split: int = 1
+    experts: frozenset = frozenset()
+
+    @property
+    def token_split(self) -> int:
+        """The ranks beside the plan's that split the tokens (cp x ep)."""
+        return self.context * self.experts_split
 
     def tokens_share(self, v: Value, full_bytes: float) -> float:
-        """The bytes of `v` one context-parallel rank holds: an activation's 1/C (its tokens),
-        a parameter, buffer or constant whole."""
-        return full_bytes if v.kind in FREE_KINDS or self.context == 1 else \
-            full_bytes / self.context
+        """The bytes of `v` one context- or expert-parallel rank holds: an activation's 1/C
+        (its tokens), a parameter, buffer or constant whole."""
+        return full_bytes if v.kind in FREE_KINDS or self.token_split == 1 else \
+            full_bytes / self.token_split
+
+    def param_share(self, v: Value) -> float:
+        """The part of a parameter's plan piece one rank holds: 1/E of an expert weight."""
+        return 1.0 / self.experts_split if v.name in self.experts else 1.0
 
     def axis_size(self, axis: str) -> int:
         """The ranks along mesh axis `axis`: the group a collective on it runs over."""
@@ -192,19 +205,25 @@ class CostModel:
                 nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs))
         dtype = op.outputs[0].meta.dtype if op.outputs and op.outputs[0].is_tensor else None
         peak = self.profile.peak_flops(dtype) * (self.profile.op_efficiency or {}).get(name, 1.0)
-        c = self.context
+        c = self.token_split
         t = (max(f / peak / c, b / self.profile.mem_bandwidth / c) + over) * self.stretch
         backward = self.training and any(v.requires_grad for v in op.outputs)
         if backward:
             t *= 3.0
-        if name == "moe_experts" and isinstance(inputs[0], Shard) and \
-                isinstance(inputs[3], Shard):      # dispatch: the picks there and back
+        if name == "moe_experts":                  # dispatch: the picks there and back
             x, index = tensors[:2]
             picks = index.meta.numel * x.meta.shape[-1] * x.meta.dtype.itemsize
-            t += 2 * self.collective("all_to_all", picks) * (2 if backward else 1)
-        if c > 1 and name == "scaled_dot_product_attention":    # k and v gathered along cp
+            if self.experts_split > 1:              # along ep, of this tensor rank's share
+                share = picks / (self.n if isinstance(inputs[0], Shard) else 1)
+                t += 2 * self.collective("all_to_all", share, group=self.experts_split,
+                                         span=self.experts_split * self.n) * (
+                    2 if backward else 1)
+            elif isinstance(inputs[0], Shard) and isinstance(inputs[3], Shard):
+                t += 2 * self.collective("all_to_all", picks) * (2 if backward else 1)
+        if self.context > 1 and name == "scaled_dot_product_attention":     # k, v along cp
             kv = sum(nbytes(v, p, self.n) for v, p in zip(tensors[1:3], inputs[1:3]))
-            t += self.collective("all_gather", kv, group=c, span=c * self.n) * (
+            t += self.collective("all_gather", kv, group=self.context,
+                                 span=self.context * self.n) * (
                 2 if backward else 1)                              # + their reduce-scatter
         return t
 
@@ -279,11 +298,13 @@ class CostModel:
 
     def grad_reduce(self, param: Value, placement: Placement) -> float:
         """The runtime's data-parallel all-reduce of one parameter's local gradient."""
-        if not (self.training and param.requires_grad) or self.dp * self.context <= 1:
+        split = self.context * (1 if param.name in self.experts else self.experts_split)
+        if not (self.training and param.requires_grad) or self.dp * split <= 1:
             return 0.0
-        return self.collective("all_reduce", nbytes(param, placement, self.n),
-                               group=self.dp * self.context,
-                               span=self.dp * self.n * self.context, bucketed=True)
+        return self.collective("all_reduce",
+                               nbytes(param, placement, self.n) * self.param_share(param),
+                               group=self.dp * split, span=self.dp * self.n * split,
+                               bucketed=True)
 
     def optimizer_step(self, param: Value, placement: Placement, shards: int = 1) -> float:
         """Seconds of the optimizer's step on this rank's piece of `param` (a 1/`shards` share
@@ -298,7 +319,7 @@ class CostModel:
 
     # ---- memory ----
     def param_memory(self, v: Value, placement: Placement) -> float:
-        local = nbytes(v, placement, self.n)
+        local = nbytes(v, placement, self.n) * self.param_share(v)
         if not (self.training and v.requires_grad):
             return local
         return local * 2 + local / v.meta.dtype.itemsize * self.optimizer_state_bytes
@@ -307,7 +328,7 @@ class CostModel:
         if not self.training or opname(op) in VIEWS or op.target_name.startswith("comm."):
             return 0.0
         return sum(nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs)
-                   if v.is_tensor and v.requires_grad) / self.context
+                   if v.is_tensor and v.requires_grad) / self.token_split
 
 
 # ---- a fixed plan's cost ----------------------------------------------------------------------

@@ -89,7 +89,7 @@ class MemoryModel:
 
     def state(self, v: Value, placement: Placement, choice: MemoryChoice) -> StateBytes:
         """Where parameter `v`'s state lives under `placement` and `choice`."""
-        local = nbytes(v, placement, self.model.n)
+        local = nbytes(v, placement, self.model.n) * self.model.param_share(v)
         z = self._z(choice)
         if not (self.model.training and v.requires_grad):       # frozen: the values only
             p = local / z if choice.zero == 3 else local

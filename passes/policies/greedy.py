@@ -68,20 +68,26 @@ class Walk:
 Rank = Callable[[Walk, Op, Strategy], int | None]   # smaller is preferred; None: not allowed
 
 
+def take_best(walk: Walk, op: Op, candidates: list[Strategy], rank) -> Strategy:
+    """Apply and return the candidate `rank(s)` prefers (then the cheapest, then the first);
+    the last (replicate) where it allows none."""
+    scored = []
+    for i, s in enumerate(candidates):
+        if s.note == "keep partial" and not any(
+                isinstance(v.placement, Partial) for v in op.tensor_inputs()):
+            continue                      # partial sums are kept, never started, by an op
+        r = rank(s)
+        if r is not None:
+            scored.append((r, walk.cost(op, s), i, s))
+    best = min(scored)[3] if scored else candidates[-1]
+    walk.apply(op, best, candidates)
+    return best
+
+
 def greedy(graph: Graph, n: int, rank: Rank) -> Graph:
     g = graph.clone()
     g.plan_ngpus = n
     walk = Walk(g)
     for op in g.ops:
-        candidates = strategies(op, n)
-        scored = []
-        for i, s in enumerate(candidates):
-            if s.note == "keep partial" and not any(
-                    isinstance(v.placement, Partial) for v in op.tensor_inputs()):
-                continue                  # partial sums are kept, never started, by an op
-            r = rank(walk, op, s)
-            if r is not None:
-                scored.append((r, walk.cost(op, s), i, s))
-        best = min(scored)[3] if scored else candidates[-1]
-        walk.apply(op, best, candidates)
+        take_best(walk, op, strategies(op, n), lambda s: rank(walk, op, s))
     return g
