@@ -183,13 +183,13 @@ class ComputeConfig:
         if e in (1, AUTO):
             return
         stages = self.pipeline.stages if self.pipeline.enabled else 1
-        ranks = self.plan_ngpus // stages if isinstance(stages, int) else None
-        if not _is_int(e) or e < 1 or (ranks is not None and ranks % e):
-            divisors = [d for d in range(1, (ranks or self.plan_ngpus) + 1)
-                        if (ranks or self.plan_ngpus) % d == 0]
+        width = self.plan_ngpus // stages if isinstance(stages, int) else None
+        if not _is_int(e) or e < 1 or (width is not None and width % e):
+            divisors = [d for d in range(1, (width or self.plan_ngpus) + 1)
+                        if (width or self.plan_ngpus) % d == 0]
             raise ConfigError(
                 f"pas_config['expert_parallel']={e!r}: the ranks each MoE layer's experts "
-                f"split over, an int that divides the plan's {ranks or 'stage'} tensor ranks "
+                f"split over, an int that divides the plan's {width or 'stage'} tensor ranks "
                 f"(plan_ngpus={self.plan_ngpus}"
                 f"{f', pipeline_stages={stages}' if stages != 1 else ''}): one of {divisors}, "
                 "or 'auto' (autodist decides). Data-parallel units (runtime_ngpus) multiply "
@@ -197,14 +197,14 @@ class ComputeConfig:
         if self.context_parallel != 1:
             raise ConfigError(f"pas_config['expert_parallel']={e} does not combine with "
                               "context_parallel yet; use one of them")
-        if ranks is not None and e < ranks:     # an "ep" mesh axis beside the tensor ranks
+        if width is not None and e < width:     # an "ep" mesh axis beside the tensor ranks
             if self.pipeline.enabled or self.use_zero not in (0, False) or \
                     self.offload_optimizer not in (False,) or self.offload_params:
                 raise ConfigError(
                     f"pas_config['expert_parallel']={e} of plan_ngpus={self.plan_ngpus} (an "
-                    f"ep axis of {e} x {ranks // e} tensor ranks) does not combine with "
+                    f"ep axis of {e} x {width // e} tensor ranks) does not combine with "
                     "pipeline_stages, ZeRO or offloading yet; use expert_parallel="
-                    f"{ranks} (experts and tensor plan on the same ranks) for those")
+                    f"{width} (experts and tensor plan on the same ranks) for those")
 
     def _check_memory_fields(self) -> None:
         z = self.use_zero
