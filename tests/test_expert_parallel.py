@@ -64,6 +64,15 @@ def test_five_adamw_steps_train_like_one_device(arch, shape, tmp_path):
         [tokens * 2 * 32 * 4 / 2] * LAYERS[arch]                   # 2 picks x 32 wide, half away
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_with_expert_parallel_trains_like_one_device(zero, tmp_path):
+    """ep 2 x dp 2 with ZeRO-1 or -2 (optimizer state, and gradients, sharded over the two
+    units holding the same experts): five AdamW steps like one device (ZeRO-3: the
+    conformance cell ep_dp_zero3)."""
+    cfg = ComputeConfig(2, 4, use_zero=zero, pas_config={"expert_parallel": 2})
+    train_units_like_one_device(moe("qwen3_moe"), cfg, "data", tmp_path)
+
+
 def test_ep4_holds_a_quarter_of_the_experts(tmp_path):
     """ep 4: each rank's expert parameters are a quarter of one device's; DeepSeek-V3's shared
     expert and dense first layer are the rest, and the step equals one device."""
