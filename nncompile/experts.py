@@ -148,9 +148,8 @@ def experts_forms(module: torch.nn.Module) -> dict[str, ExpertsForm]:
 
 
 def _interface_shapes(sub: torch.nn.Module):
-    params = dict(sub.named_parameters(recurse=False))
-    if set(params) != set(WEIGHTS) or list(sub.buffers()) or list(sub.children()) and \
-            any(True for c in sub.children() for _ in c.parameters()):
+    params = dict(sub.named_parameters())          # its children's too: none allowed
+    if set(params) != set(WEIGHTS) or any(True for _ in sub.buffers()):
         return None
     try:
         names = list(inspect.signature(sub.forward).parameters)

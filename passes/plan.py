@@ -98,14 +98,8 @@ def whole_experts(g: Graph, mesh) -> None:
     """Every MoE layer's experts whole on the tensor ranks, its tokens split between them
     where they divide (each tensor rank dispatches its share along ep), its weights whole:
     the ep axis splits the experts instead (passes/expert_parallel.py)."""
-    users = g.users()
-    for op in g.ops:
-        if op.target is MOE_EXPERTS:
-            op.strategy = next((s for s in strategies(op, mesh) if s.note == "split tokens"),
-                               replicated(op))
-            for v in op.args[3:5]:
-                if v.kind == PARAM and all(u is op for u in users.get(v, [])):
-                    v.placement = Replicate()
+    _set_experts(g, lambda op: next((s for s in strategies(op, mesh)
+                                     if s.note == "split tokens"), replicated(op)), Replicate())
 
 
 def dispatch_experts(g: Graph, mesh) -> None:
@@ -113,12 +107,18 @@ def dispatch_experts(g: Graph, mesh) -> None:
     its dispatch strategy (its tokens and experts split over the E tensor ranks, all-to-all
     between them: nncompile/rules/experts.py), whatever the policy chose; insert_comm moves
     its inputs and output to and from the policy's placements."""
-    layers = [op for op in g.ops if op.target is MOE_EXPERTS]
-    users = g.users()
-    if not layers:
+    if not any(op.target is MOE_EXPERTS for op in g.ops):
         raise no_experts_error(g, mesh.size("plan"))
-    for op in layers:
-        op.strategy = dispatch_of(op, mesh.size("plan"))
-        for v in op.args[3:5]:          # the experts' weights live split, not chunked per step
-            if v.kind == PARAM and all(u is op for u in users.get(v, [])):
-                v.placement = Shard(0)
+    _set_experts(g, lambda op: dispatch_of(op, mesh.size("plan")), Shard(0))
+
+
+def _set_experts(g: Graph, strategy_of, weights) -> None:
+    """Each MoE layer takes `strategy_of(op)`; its expert weights, where only it reads them,
+    live as `weights` (not moved per step)."""
+    users = g.users()
+    for op in g.ops:
+        if op.target is MOE_EXPERTS:
+            op.strategy = strategy_of(op)
+            for v in op.args[3:5]:
+                if v.kind == PARAM and all(u is op for u in users.get(v, [])):
+                    v.placement = weights

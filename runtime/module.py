@@ -21,7 +21,7 @@ from nncompile.config import ComputeConfig
 from nncompile.errors import ConfigError, InputMismatchError
 from nncompile.symbolic import check_sizes
 from nncompile.ir import MemoryChoice
-from nncompile.ir.placement import Shard, parse_placement
+from nncompile.ir.placement import Shard
 from nncompile.mesh import Mesh, grad_reduction
 from nncompile.rows import buffer_rows, const_rows, param_rows, take
 from nncompile import arguments
@@ -32,7 +32,7 @@ from .reducer import Reducer
 from .zero import ZeroRuntime
 from .param_handles import make_handles, release_original, take_original
 from .parts import assemble_sources
-from .state import check_same_plan, plan_info, share_over_pipeline
+from .state import check_same_plan, gather_split_axes, plan_info, share_over_pipeline
 
 
 def _slice(full: torch.Tensor, slices) -> torch.Tensor:
@@ -439,12 +439,8 @@ class ParallelModule(torch.nn.Module):
                 parts = [torch.empty_like(t) for _ in range(self.PLAN_NGPUS)]
                 dist.all_gather(parts, t.contiguous(), group=self.plan_group)
                 t = torch.cat(parts, dim=row.placement.dim)
-            for axis, text in reversed(self.PARAM_AXES.get(row.name, {}).items()):
-                p, group = parse_placement(text), self.axis_group(axis)   # an expert weight's
-                if t is not None and isinstance(p, Shard) and group is not None:     # "ep"
-                    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-                    dist.all_gather(parts, t.contiguous(), group=group)
-                    t = torch.cat(parts, dim=p.dim)
+            if t is not None:
+                t = gather_split_axes(self, row, t)     # an expert weight's "ep"
             full[row.fqn] = None if t is None else t.clone()
         return share_over_pipeline(self, full)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from nncompile.errors import CheckpointError
 from nncompile.mesh import PLAN, PP, Mesh, replica_dims
-from nncompile.ir.placement import Shard
+from nncompile.ir.placement import Shard, parse_placement
 from nncompile.pipeline_config import PipelineConfig
 
 from .groups import pipe_group
@@ -217,6 +217,18 @@ def split_axes(pm, row) -> tuple[str, ...]:
     """The mesh axes beyond "plan" that `row`'s tensor is split along (an expert weight's
     "ep": the generated file's PARAM_AXES), in mesh order."""
     return tuple(getattr(pm, "PARAM_AXES", {}).get(row.name, {}))
+
+
+def gather_split_axes(pm, row, t: torch.Tensor) -> torch.Tensor:
+    """`t` (this rank's piece of `row` along the plan) all-gathered along the other axes the
+    row is split on (split_axes), innermost first (a collective over each axis's group)."""
+    for axis, text in reversed(getattr(pm, "PARAM_AXES", {}).get(row.name, {}).items()):
+        p, group = parse_placement(text), pm.axis_group(axis)
+        if isinstance(p, Shard) and group is not None:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=p.dim)
+    return t
 
 
 def owner_rank(pm, row) -> int:

@@ -240,10 +240,9 @@ CELLS = [
     # Mixtral's experts split across the plan (2 of 4 per rank), with its router loss, data
     # parallelism and ZeRO-3 of the expert weights
     Cell("experts_zero3", "tp", 2, 4, MOE, zero=3),
-    # expert parallelism: each rank's own tokens dispatched to the ranks of their experts
-    # (all-to-all), ep 2 x dp 2 with ZeRO-3 of the expert weights
+    # expert parallelism (tokens dispatched by all-to-all): ep 2 x dp 2 with ZeRO-3, and an
+    # ep axis of 2 beside 2 tensor ranks (attention split by heads)
     Cell("ep_dp_zero3", "data", 2, 4, MOE, ep=2, zero=3),
-    # an ep axis of 2 beside 2 tensor ranks: attention split by heads, experts by dispatch
     Cell("ep_tp", "tp", 4, 4, MOE, ep=2),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
@@ -259,10 +258,8 @@ BY_NAME = {c.name: c for c in CELLS}
 def compute_config(cell: Cell) -> nncompile.ComputeConfig:
     pas = {"pipeline_stages": cell.stages, "pipeline_schedule": "1f1b",
            "microbatches": cell.loop.accum} if cell.stages else {}
-    if cell.cp > 1:
-        pas["context_parallel"] = cell.cp
-    if cell.ep > 1:
-        pas["expert_parallel"] = cell.ep
+    pas.update({k: v for k, v in (("context_parallel", cell.cp), ("expert_parallel", cell.ep))
+                if v > 1})
     if cell.recompute:
         pas["recompute_modules"] = list(cell.recompute)
     return nncompile.ComputeConfig(cell.plan, cell.runtime, use_zero=cell.zero,
