@@ -29,11 +29,13 @@ from nncompile.runtime.dedup import deduped_state_dict, load_deduped_state_dict 
 from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  # noqa: E402
 from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # noqa: E402
                                           save_checkpoint)
+from nncompile.runtime.pretrained import load_pretrained, save_pretrained  # noqa: E402
 from .tools import memory  # noqa: E402,F401  (nncompile.memory.profile: measured vs predicted)
 
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
            "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint",
+           "save_pretrained", "load_pretrained",
            "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",
            "load_merged_state_dict", "CheckpointError", "EditedCodeWarning",
            "NNCompileError", "ConfigError", "TraceError", "PolicyError", "ReuseError",

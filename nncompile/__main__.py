@@ -9,6 +9,10 @@
     merge FILES_OR_DIRS -o FILE     merge a checkpoint (per-rank files or its directory; sharded,
                                     deduped or dcp) into one file the original module and any
                                     plan load (nncompile.load_checkpoint)
+    export FILES_OR_DIRS -o DIR [--config CONFIG] [--prefix P] [--max-shard-size S]
+                                    any checkpoint (directory, rank files, merged or state_dict
+                                    file, Lightning's) -> what model.save_pretrained writes:
+                                    safetensors by the original names, index, config.json
     show DIR                        per rank: parameters, collectives and gradient reduction per
                                     step; the plan summary (policy, placements, autodist estimate);
                                     a pipelined plan: per stage its layers, ranks, parameters,
@@ -91,6 +95,20 @@ def _merge(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from nncompile.errors import NNCompileError
+    from nncompile.runtime.pretrained import export_pretrained
+    shard = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    try:
+        out = export_pretrained(args.inputs, args.output, args.config, prefix=args.prefix,
+                                max_shard_size=shard)
+    except NNCompileError as e:
+        print(f"nncompile export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {' '.join(args.inputs)} -> {out} ({', '.join(sorted(os.listdir(out)))})")
+    return 0
+
+
 def _inspect(args) -> int:
     from nncompile.tools import inspection
     from nncompile.errors import NNCompileError
@@ -145,6 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", help="rank*.pt files or checkpoint directories")
     p.add_argument("-o", "--output", required=True, help="merged .pt file to write")
     p.set_defaults(func=_merge)
+    p = sub.add_parser("export", help="a checkpoint of any format -> Hugging Face safetensors "
+                                      "files (what model.save_pretrained writes)")
+    p.add_argument("inputs", nargs="+", help="checkpoint directory, rank*.pt files, a merged "
+                                             "file or a state_dict file")
+    p.add_argument("-o", "--output", required=True, help="directory to write")
+    p.add_argument("--config", help="the Hugging Face model's config.json, or its directory "
+                                    "(default: config.json beside the checkpoint; without one "
+                                    "the names are the module's own)")
+    p.add_argument("--prefix", help="the model's prefix in the checkpoint's keys (default: "
+                                    "found from the config's model)")
+    p.add_argument("--max-shard-size", default="50GB",
+                   help="as model.save_pretrained's (default 50GB): bytes or '5GB', '200MB'")
+    p.set_defaults(func=_export)
     p = sub.add_parser("show", help="per-rank parameters, collectives and the plan summary "
                                     "(and the pipeline stages)")
     p.add_argument("dir", help="gen_savedir or instance directory")

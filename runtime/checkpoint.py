@@ -442,22 +442,7 @@ def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) 
     {"model", "optimizer", "extra"} that the original module, or any plan, loads. A Lightning
     checkpoint of NnCompileStrategy becomes an ordinary Lightning checkpoint. Runs in a single
     process."""
-    files = rank_files(paths)
-    if len(files) == 1 and files[0].is_dir():
-        merged = _merge_dcp(files[0])
-    else:
-        blobs = [load_torch(f, map_location="cpu") for f in files]
-        if all(isinstance(b, dict) and "pytorch-lightning_version" in b for b in blobs):
-            merged = merge_lightning_checkpoints(blobs)
-        else:
-            for f, b in zip(files, blobs):
-                if not isinstance(b, dict) or "model" not in b:
-                    raise CheckpointError(f"{f} is not an nncompile rank file (no 'model' "
-                                          "entry)")
-            opts = [b.get("optimizer") for b in blobs]
-            model, opt = merge_state_dicts([b["model"] for b in blobs],
-                                           opts if all(o is not None for o in opts) else None)
-            merged = {"model": model, "optimizer": opt, "extra": blobs[0].get("extra")}
+    merged = merged_checkpoint(paths)
     out = Path(output).absolute()
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -474,6 +459,29 @@ def merge_checkpoint(paths: list[str | os.PathLike], output: str | os.PathLike) 
         raise CheckpointError(f"cannot write the merged checkpoint {out} ({_os_error(e)}); "
                               "pass a path in a directory you can write to") from e
     return out
+
+
+def merged_checkpoint(paths: list[str | os.PathLike]) -> dict:
+    """Per-rank files or checkpoint directories (sharded, deduped or dcp) -> the merged
+    checkpoint in memory: {"model", "optimizer", "extra"}, or an ordinary Lightning checkpoint
+    for an NnCompileStrategy one."""
+    files = rank_files(paths)
+    if len(files) == 1 and files[0].is_dir():
+        merged = _merge_dcp(files[0])
+    else:
+        blobs = [load_torch(f, map_location="cpu") for f in files]
+        if all(isinstance(b, dict) and "pytorch-lightning_version" in b for b in blobs):
+            merged = merge_lightning_checkpoints(blobs)
+        else:
+            for f, b in zip(files, blobs):
+                if not isinstance(b, dict) or "model" not in b:
+                    raise CheckpointError(f"{f} is not an nncompile rank file (no 'model' "
+                                          "entry)")
+            opts = [b.get("optimizer") for b in blobs]
+            model, opt = merge_state_dicts([b["model"] for b in blobs],
+                                           opts if all(o is not None for o in opts) else None)
+            merged = {"model": model, "optimizer": opt, "extra": blobs[0].get("extra")}
+    return merged
 
 
 def _merge_dcp(directory: Path) -> dict:

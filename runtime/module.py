@@ -30,6 +30,7 @@ from . import consistency
 from .groups import axis_groups, get_groups, group_along
 from .reducer import Reducer
 from .zero import ZeroRuntime
+from .meta_buffers import with_real_buffers
 from .param_handles import make_handles, release_original, take_original
 from .parts import assemble_sources
 from .state import check_same_plan, gather_split_axes, plan_info, share_over_pipeline
@@ -120,6 +121,7 @@ class ParallelModule(torch.nn.Module):
                         requires_grad=not self.INFERENCE_ONLY and row.name not in self.FROZEN)
                 self.register_parameter(row.name, p)
         full_buffers = {}
+        state = with_real_buffers(module, state, [row.fqn for row in buffer_rows(self)])
         for row in buffer_rows(self):
             full = state[row.fqn].detach().to(self.device)
             full_buffers[row.name] = full
@@ -424,11 +426,13 @@ class ParallelModule(torch.nn.Module):
             self._reducer.sync = bool(value)
 
     # ---- full tensors -------------------------------------------------------------------
-    def _gather(self, local: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-        """Full tensors by FQN from this rank's shards by local name: all-gathered along "plan"
-        inside the stage, then shared over the pipeline ranks (a tied weight once)."""
+    def _gather(self, local: dict[str, torch.Tensor | None], rows: list | None = None
+                ) -> dict[str, torch.Tensor | None]:
+        """Full tensors by FQN from this rank's shards by local name (of every parameter, or
+        of `rows`): all-gathered along "plan" inside the stage, then shared over the pipeline
+        ranks (a tied weight once)."""
         full = {}
-        rows = param_rows(self)
+        rows = param_rows(self) if rows is None else rows
         sources = assemble_sources(self, rows, local)    # fused parameters held as parts
         for row in rows:
             if row.part is not None:
