@@ -73,6 +73,8 @@ def _all(obj: Any) -> list[Any]:
 def _raise_if_any(error: str | None, what: str) -> None:
     """Every rank raises the same CheckpointError if any rank failed (none goes on alone)."""
     failed = [(r, e) for r, e in enumerate(_all(error)) if e is not None]
+    if failed and _rank_world()[1] == 1:
+        raise CheckpointError(failed[0][1])
     if failed:
         raise CheckpointError(f"{what} failed on " + "; ".join(f"rank {r}: {e}"
                                                                for r, e in failed))

@@ -262,3 +262,35 @@ def test_export_of_a_mixtral_checkpoint_matches_save_pretrained(tmp_path, capsys
 
 
 INDEX = "model.safetensors.index.json"
+
+
+def test_lightning_loads_and_saves_pretrained(run_ranks, tmp_path):
+    """NnCompileStrategy(pretrained=dir) on 2 ranks (tp 2), the LightningModule's Llama built
+    on meta: validation logs the eager model's loss; strategy.save_pretrained after two steps
+    writes what from_pretrained reads back as the trained weights (worker)."""
+    import workers.pretrained as w
+    model = w.build("llama", seed=4)
+    with torch.no_grad():
+        loss = model(**w.batch(9), use_cache=False).loss
+    model.save_pretrained(tmp_path / "ckpt")
+    torch.save(loss, tmp_path / "ckpt" / "val_loss.pt")
+    out = run_ranks("tests/workers/lightning_pretrained.py", 2, "--ckpt",
+                    str(tmp_path / "ckpt"), "--savedir", str(tmp_path))
+    assert "ok lightning pretrained" in out, out[-3000:]
+
+
+def test_meta_buffers_outside_hugging_face_are_a_clear_error(tmp_path):
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            return (self.lin(x) * self.scale).sum()
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(nncompile.ConfigError, match="buffer 'scale' is on meta"):
+        nncompile.parallelize(model, {"x": torch.randn(2, 4)}, ComputeConfig(1, 1),
+                              pas_policy="data", gen_savedir=str(tmp_path))

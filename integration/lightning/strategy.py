@@ -31,6 +31,10 @@ logging and checkpoints work as for any plan (train_step.py, with what is refuse
 Checkpoints are directories with one `rank{r}.pt` per rank ("sharded" or "deduped"), written
 atomically; `merge_checkpoint` turns one into an ordinary Lightning checkpoint that another
 plan, or plain Lightning, loads.
+
+Hugging Face weights: `pretrained="dir"` loads `model.save_pretrained`'s files into the parallel
+module right after it is built (each rank its slices; the LightningModule may build its model
+on meta), and `trainer.strategy.save_pretrained(out)` writes them back by their original names.
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_stat
 from nncompile.runtime.merge import load_merged_optimizer_state, load_merged_state_dict
 from nncompile.runtime.optimizer import ZeroOptimizer
 from nncompile.runtime.param_handles import local_name
+from nncompile.runtime.pretrained import remember_pretrained
 from nncompile.rows import param_rows, state_rows
 from nncompile.runtime.state import (describe, plan_info, plan_mismatch, with_members,
                                      without_members)
@@ -82,7 +87,7 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
                  pas_policy: Any = "autodist", gen_savedir: str = "./.nncompile",
                  reuse: str = "match", instance_name: str | None = None,
                  state_dict_type: str = "sharded", dynamic_dims: dict | None = None,
-                 accelerator=None,
+                 pretrained: str | None = None, accelerator=None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io=None,
                  precision_plugin=None, process_group_backend: str | None = None,
@@ -105,6 +110,7 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
         self.instance_name = instance_name
         self.dynamic_dims = dynamic_dims
         self.state_dict_type = state_dict_type
+        self.pretrained = pretrained
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -207,7 +213,8 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
-        self.model.to(self.root_device)
+        # a model built on meta (its weights come from `pretrained=`) stays there
+        self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))
 
     def _setup_model(self, model):
         return model
@@ -225,6 +232,9 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
                                    device=self.root_device,
                                    dynamic_dims=self.dynamic_dims
                                    or getattr(lm, "dynamic_dims", None))
+        remember_pretrained(pm, lm)     # a Hugging Face model inside: save_pretrained's names
+        if self.pretrained is not None:
+            nncompile.load_pretrained(pm, self.pretrained)
         traced = {row.source.split(".")[0] for row in param_rows(pm)}   # frozen ones included
         for name, child in list(lm.named_children()):
             if name in traced:
@@ -352,6 +362,11 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
         if self.state_dict_type == "sharded":        # with each group's members, for merging
             return with_members(self.parallel_module, optimizer, optimizer.state_dict())
         return deduped_optimizer_state(self.parallel_module, optimizer)
+
+    def save_pretrained(self, out_dir, config=None, **kwargs):
+        """nncompile.save_pretrained of the parallel module: the Hugging Face model inside the
+        LightningModule (e.g. `self.model`) as model.save_pretrained writes it. Every rank."""
+        return nncompile.save_pretrained(self.parallel_module, out_dir, config, **kwargs)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """A directory `filepath` with one rank{r}.pt per rank, renamed into place at the end."""

@@ -5,7 +5,8 @@ save: Llama (tied embeddings) and Mixtral, each trained 3 AdamW steps under tp 2
       nncompile.save_pretrained. Rank 0 checks that AutoModelForCausalLM.from_pretrained(dir)
       holds exactly the gathered weights and that the files and the index are those
       model.save_pretrained writes for the same weights (some cases with small shards, so
-      both ranks write files).
+      both ranks write files); load_pretrained of those files into the same plan over other
+      initial weights gives the same weights back.
 load: a checkpoint written by model.save_pretrained loads with load_pretrained into the model
       built on meta and compiled for tp 2 x ZeRO-3 dp 2: the loss equals the eager model's;
       each rank prints its shard, the peak resident memory the load added (VmHWM, reset
@@ -98,6 +99,13 @@ def save_case(name: str, workdir: str) -> None:
     full = {k.removeprefix("model."): v for k, v in pm.gather_params().items()}
     out = os.path.join(workdir, name)
     nncompile.save_pretrained(pm, out, max_shard_size=shard)
+    # and back in: the same plan (its generated code reused) over other initial weights
+    fresh = nncompile.parallelize(HFCausalLM(build(arch, seed=7)), unit_batch(0, 0), cfg,
+                                  pas_policy=policy, gen_savedir=os.path.join(workdir, "gen"),
+                                  instance_name=name)
+    nncompile.load_pretrained(fresh, out)
+    for k, v in fresh.gather_params().items():
+        assert torch.equal(v, full[k.removeprefix("model.")]), f"{name}: {k} after loading"
     if rank == 0:
         loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
         for k, v in full.items():
