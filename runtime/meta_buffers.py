@@ -6,8 +6,8 @@ built, so those need values then.
     after:  the values transformers gives it when from_pretrained loads on meta (the model's
             own _init_weights on the buffer's module), computed on a copy of that module
 
-A Hugging Face model's buffers are recomputed so; any other module's meta buffer is an error
-that says how to build the model with real buffers.
+A Hugging Face model's buffers are recomputed so (where its _init_weights gives them values);
+any other meta buffer is an error that says how to build the model with real buffers.
 """
 from __future__ import annotations
 
@@ -34,10 +34,14 @@ def with_real_buffers(module: torch.nn.Module | None, state: dict[str, torch.Ten
         if model is not None and owner.startswith(prefix.rstrip(".")) and owner not in done:
             sub = copy.deepcopy(module.get_submodule(owner))
             sub.to_empty(device="cpu", recurse=False)
+            for b in sub.buffers(recurse=False):
+                if b.is_floating_point():
+                    b.fill_(float("nan"))        # what _init_weights leaves alone stays NaN
             model._init_weights(sub)
             done[owner] = sub
         value = getattr(done[owner], name, None) if owner in done else None
-        if value is None or value.is_meta:
+        if value is None or value.is_meta or not value.is_floating_point() or \
+                bool(value.isnan().any()):
             raise ConfigError(
                 f"buffer {fqn!r} is on meta, and nncompile computes the generated module's "
                 f"constants from buffer values when it builds it; build the model with real "

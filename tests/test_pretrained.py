@@ -19,20 +19,30 @@ from nncompile.tools.simulate import run_ranks
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+# transformers 4.57 traces neither Mixtral (its MoE loops over the experts a batch hit) nor a
+# model built on meta (its rotary embedding enters torch.autocast on the meta device):
+# docs/versions.md
+HF5 = int(transformers.__version__.split(".")[0]) >= 5
+needs_hf5 = pytest.mark.skipif(not HF5, reason="Mixtral and meta-built models trace with "
+                                               "transformers 5 (docs/versions.md)")
+
 
 def test_save_pretrained_from_every_plan(run_ranks, tmp_path):
     """Llama (tied embeddings) and Mixtral after 3 AdamW steps under tp 2, ZeRO-3 dp 2
     (Mixtral with offload_params), pp 2 and Mixtral's ep 2: from_pretrained holds exactly the
     gathered weights; files, index and config equal model.save_pretrained's (worker)."""
-    out = run_ranks("tests/workers/pretrained.py", 2, "save", "--workdir", str(tmp_path))
-    for name in ("llama-tp2", "llama-zero3", "llama-pp2", "mixtral-tp2",
-                 "mixtral-zero3-offload", "mixtral-pp2", "mixtral-ep2"):
+    import workers.pretrained as w
+    cases = [c for c in w.CASES if HF5 or not c.startswith("mixtral")]
+    out = run_ranks("tests/workers/pretrained.py", 2, "save", "--workdir", str(tmp_path),
+                    "--cases", *cases)
+    for name in cases:
         assert re.search(rf"{name}: \d+ files like model.save_pretrained, \d+ weights exact",
                          out), out[-3000:]
     # the small shard size split them: both ranks wrote files
-    assert len(list((tmp_path / "mixtral-tp2").glob("model-*-of-*.safetensors"))) > 2
+    assert len(list((tmp_path / "llama-zero3").glob("model-*-of-*.safetensors"))) > 2
 
 
+@needs_hf5
 def test_load_into_meta_model_tp2_zero3_dp2_with_a_shard_of_memory(run_ranks, tmp_path):
     """A ~125 MB Llama saved by model.save_pretrained (in shards) loads into the model built
     on meta and compiled for tp 2 x ZeRO-3 dp 2: the loss equals the eager model's, and on
@@ -79,13 +89,20 @@ def saved(tmp_path):
     return d, pm, source
 
 
-def test_load_pretrained_single_process_and_meta(saved, tmp_path):
+def test_load_pretrained_single_process(saved):
     d, pm, source = saved
     nncompile.load_pretrained(pm, d)
     got = _weights(pm)
-    for k, v in source.state_dict().items():
-        if f"model.{k}" in got:
-            assert torch.equal(got[f"model.{k}"], v), k
+    assert len(got) == len(list(source.parameters()))        # each once, tied or not
+    for k, v in got.items():
+        assert torch.equal(source.state_dict()[k.removeprefix("model.")], v), k
+
+
+@needs_hf5
+def test_load_pretrained_into_meta_built_model(saved, tmp_path):
+    d, pm, _ = saved
+    nncompile.load_pretrained(pm, d)
+    got = _weights(pm)
     meta_pm, _ = _llama_pm(tmp_path, meta=True, instance_name="meta")
     nncompile.load_pretrained(meta_pm, d / "model.safetensors")       # one file also loads
     assert all(torch.equal(v, got[k]) for k, v in _weights(meta_pm).items())
@@ -229,6 +246,7 @@ def test_plain_module_tp2_round_trip_and_export(tmp_path):
     assert all(torch.equal(exported[k], v) for k, v in saved.items())
 
 
+@needs_hf5
 def test_export_of_a_mixtral_checkpoint_matches_save_pretrained(tmp_path, capsys):
     """A merged file of a Hugging Face model wrapped in another module (keys under
     "model.") exports, with the config found beside it, to model.save_pretrained's files
@@ -264,6 +282,7 @@ def test_export_of_a_mixtral_checkpoint_matches_save_pretrained(tmp_path, capsys
 INDEX = "model.safetensors.index.json"
 
 
+@needs_hf5
 def test_lightning_loads_and_saves_pretrained(run_ranks, tmp_path):
     """NnCompileStrategy(pretrained=dir) on 2 ranks (tp 2), the LightningModule's Llama built
     on meta: validation logs the eager model's loss; strategy.save_pretrained after two steps
