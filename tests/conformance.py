@@ -14,7 +14,10 @@ real scripts have (nanoGPT's train.py, Hugging Face's Trainer):
 - a checkpoint after step `ckpt_at` in every format (sharded, deduped, dcp, and a merged file
   made from the sharded one), each resumed into a fresh pm + optimizer + scheduler that runs
   the rest of the loop; the merged file is also resumed by the original module and a plain
-  `torch.optim.AdamW` on one device ("merged->1dev");
+  `torch.optim.AdamW` on one device ("merged->1dev"); where a cell lists "pretrained",
+  `nncompile.save_pretrained`'s files are loaded by `load_pretrained` into a fresh pm whose
+  weights were scrambled, which goes on with a fresh AdamW (Hugging Face files hold weights
+  only; the scheduler keeps its state), against one device loading the same files;
 - dropout > 0 (a nanoGPT-shaped GPT with embedding, attention and residual dropout, whose
   attention reads `self.training` as nanoGPT's does) and a BatchNorm model.
 
@@ -84,6 +87,7 @@ import nncompile  # noqa: E402
 from conformance_models import VOCAB, BNNet, TinyGPT, TinyMoE  # noqa: E402
 
 FORMATS = ("sharded", "deduped", "dcp", "merged")
+PRETRAINED = "pretrained"       # save_pretrained / load_pretrained: weights only
 SEED = 1234
 
 
@@ -202,18 +206,19 @@ DYN = Loop(dropout=0.1, sizes=((4, 16), (2, 8)))
 BN = Loop(model="bn")
 FUSED = Loop(model="gpt_fused", dropout=0.1)
 MOE = Loop(model="moe", dropout=0.1)           # attention dropout
+HF = (*FORMATS, PRETRAINED)                     # and Hugging Face files out and back in
 # Threaded cells under plan_ngpus 1 have no dropout (see "Threads or processes"); dp_dropout
 # runs it as processes. The compile cell saves no checkpoint: every resumed pm would compile
 # again (the checkpoint is the same code with or without compile).
 CELLS = [
     Cell("dp", "dp", 1, 2),
     Cell("data", "data", 2, 2, DROP),
-    Cell("tp", "tp", 2, 2, DROP),
+    Cell("tp", "tp", 2, 2, replace(DROP, formats=HF)),
     Cell("tp_sp", "tp_sp", 2, 2, DROP),
     Cell("autodist", "autodist", 2, 2, DROP),
     Cell("zero1", "dp", 1, 2, zero=1),
     Cell("zero2", "tp", 2, 4, DROP, zero=2),
-    Cell("zero3", "tp", 2, 4, DROP, zero=3),
+    Cell("zero3", "tp", 2, 4, replace(DROP, formats=HF), zero=3),
     Cell("zero3_dp", "dp", 1, 2, zero=3),
     Cell("offload", "tp", 2, 4, DROP, zero=1, offload=True),
     Cell("dynamic", "tp", 2, 2, DYN, dynamic=True),
@@ -239,15 +244,15 @@ CELLS = [
     Cell("cp_dynamic", "tp", 2, 2, DYN, dynamic=True, cp=2),
     # Mixtral's experts split across the plan (2 of 4 per rank), with its router loss, data
     # parallelism and ZeRO-3 of the expert weights
-    Cell("experts_zero3", "tp", 2, 4, MOE, zero=3),
+    Cell("experts_zero3", "tp", 2, 4, replace(MOE, formats=HF), zero=3),
     # expert parallelism (tokens dispatched by all-to-all): ep 2 x dp 2 with ZeRO-3, and an
     # ep axis of 2 beside 2 tensor ranks (attention split by heads)
     Cell("ep_dp_zero3", "data", 2, 4, MOE, ep=2, zero=3),
-    Cell("ep_tp", "tp", 4, 4, MOE, ep=2),
+    Cell("ep_tp", "tp", 4, 4, replace(MOE, formats=HF), ep=2),
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),
-    Cell("pp", "tp", 2, 2, Loop(val_micro=2), stages=2, process=True),
+    Cell("pp", "tp", 2, 2, Loop(val_micro=2, formats=HF), stages=2, process=True),
     Cell("pp_dropout", "tp", 2, 2, replace(DROP, val_micro=2), stages=2, process=True),
     # the sequence split in two inside each of two pipeline stages
     Cell("pp_cp", "tp", 4, 4, Loop(val_micro=2), stages=2, cp=2, process=True),
@@ -354,8 +359,13 @@ def train_rank(cell: Cell, model: nn.Module, workdir: Path, threaded: bool) -> d
     opt = make_optimizer(cell.loop, pm)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cell.loop))
 
+    at_ckpt = {}
+
     def save(step):
         extra = {"step": step, "sched": sched.state_dict()}
+        at_ckpt.update(extra)
+        if PRETRAINED in cell.loop.formats:
+            nncompile.save_pretrained(pm, ckpt / PRETRAINED)
         for fmt in ("sharded", "deduped", "dcp"):
             if fmt in cell.loop.formats or (fmt == "sharded" and "merged" in cell.loop.formats):
                 nncompile.save_checkpoint(ckpt / fmt, pm, opt, format=fmt, extra=extra)
@@ -372,7 +382,14 @@ def train_rank(cell: Cell, model: nn.Module, workdir: Path, threaded: bool) -> d
             opt2 = make_optimizer(cell.loop, pm2)
             sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lr_lambda(cell.loop))
             path = ckpt / ("merged.pt" if fmt == "merged" else fmt)
-            extra = nncompile.load_checkpoint(path, pm2, opt2)
+            if fmt == PRETRAINED:
+                with torch.no_grad():                       # a load that misses one shows
+                    for p in pm2.stored_parameters():
+                        p.normal_()
+                nncompile.load_pretrained(pm2, path)
+                extra = at_ckpt
+            else:
+                extra = nncompile.load_checkpoint(path, pm2, opt2)
             sched2.load_state_dict(extra["sched"])
             out[f"resume:{fmt}"] = run_steps(cell, pm2, opt2, sched2, unit, extra["step"],
                                              threaded)
@@ -413,8 +430,12 @@ def run_reference(loop: Loop, units: int, resume_from: dict | None = None,
     opt = make_reference_optimizer(loop, model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(loop))
     if resume_from is not None:
-        model.load_state_dict(resume_from["model"])
-        opt.load_state_dict(resume_from["optimizer"])
+        if resume_from["optimizer"] is None:     # Hugging Face files: weights, a tie once
+            missing, extra = model.load_state_dict(resume_from["model"], strict=False)
+            assert not extra and all(k in _tied(model) for k in missing), (missing, extra)
+        else:
+            model.load_state_dict(resume_from["model"])
+            opt.load_state_dict(resume_from["optimizer"])
         sched.load_state_dict(resume_from["extra"]["sched"])
     bufs = [{k: v.clone() for k, v in model.named_buffers()} for _ in range(units)]
 
@@ -478,6 +499,39 @@ def resumed_from_first_unit(loop: Loop, units: int) -> list[dict]:
     return _REFS[key]
 
 
+def _tied(model: nn.Module) -> set[str]:
+    """State keys whose parameter another key also names."""
+    names = dict(model.named_parameters(remove_duplicate=False))
+    first = {}
+    return {k for k, p in names.items() if first.setdefault(id(p), k) != k}
+
+
+def pretrained_on_one_device(cell: Cell, workdir: Path) -> list[dict] | dict:
+    """The reference's rest of the loop from save_pretrained's files (loaded into the original
+    module on one device, as from_pretrained would), with a fresh AdamW and the scheduler's
+    state at ckpt_at: per unit, as run_reference. Starting from the very weights the plan
+    saved, the fresh optimizer's first update (lr * g / (|g| + eps), amplifying any difference)
+    compares loading, not the rounding of the steps before."""
+    from safetensors.torch import load_file
+    from nncompile.pretrained_layout import find_pretrained
+    path = workdir / "ckpt" / PRETRAINED
+    try:
+        found = find_pretrained(build_model(cell.loop))
+        if found is None:
+            weights = load_file(path / "model.safetensors")
+        else:                           # a Hugging Face model inside: as a user reads it
+            prefix, hf = found
+            weights = {prefix + k: v for k, v in
+                       type(hf).from_pretrained(path).state_dict().items()}
+        run_reference(cell.loop, cell.units)
+        snap = _AT_CKPT[(cell.loop, cell.units)]
+        return run_reference(cell.loop, cell.units,
+                             {"model": weights, "optimizer": None, "extra": snap["extra"]},
+                             snap["extra"]["step"])
+    except Exception as e:                                   # noqa: BLE001 - reported
+        return {"error": _short(e)}
+
+
 def merged_on_one_device(cell: Cell, workdir: Path) -> dict:
     """The merged checkpoint resumed by the original module and a plain AdamW (one device,
     per unit as run_reference); unit 0's records."""
@@ -497,8 +551,8 @@ class Mismatch(AssertionError):
         self.row = row
 
 
-FEATURES = ("train", "norm", "val", "weights", "buffers", *(f"resume:{f}" for f in FORMATS),
-            "merged->1dev")
+FEATURES = ("train", "norm", "val", "weights", "buffers",
+            *(f"resume:{f}" for f in (*FORMATS, PRETRAINED)), "merged->1dev")
 
 
 def _checks(rec: dict, ref: dict):
@@ -513,7 +567,8 @@ def _checks(rec: dict, ref: dict):
             yield f"final {kind[:-1]} {name}", kind, rec.get(kind, {}).get(name), want
 
 
-def compare(cell: Cell, records: list[dict], merged: dict | None = None) -> dict:
+def compare(cell: Cell, records: list[dict], merged: dict | None = None,
+            pretrained: list[dict] | dict | None = None) -> dict:
     """Every rank's records against its unit's one-device reference. Returns the matrix row
     (feature -> max abs error, or what raised); raises Mismatch naming the first value out of
     tolerance (phase, step, what, unit, rank), the uninterrupted run before the resumes."""
@@ -530,6 +585,12 @@ def compare(cell: Cell, records: list[dict], merged: dict | None = None) -> dict
             ref = refs[rec["unit"]]
             if first_unit and phase and phase != "resume:sharded":
                 ref = resumed_from_first_unit(cell.loop, cell.units)[rec["unit"]]
+            if phase == f"resume:{PRETRAINED}":
+                if "error" in pretrained:
+                    row[phase] = pretrained["error"]
+                    first = first or f"{cell.name} {phase}: {pretrained['error']}"
+                    continue
+                ref = pretrained[rec["unit"]]
             want = ref if not phase else {
                 **ref, **{k: {s: v for s, v in ref[k].items() if s >= ckpt}
                           for k in ("train", "norm", "val")}}

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import torch
 
-from conformance import (BY_NAME, CELLS, FEATURES, HERE, ROOT, Cell, Mismatch, _cell_text,
-                         _short, compare, format_row, merged_on_one_device, run_plan)
+from conformance import (BY_NAME, CELLS, FEATURES, HERE, PRETRAINED, ROOT, Cell, Mismatch,
+                         _cell_text, _short, compare, format_row, merged_on_one_device,
+                         pretrained_on_one_device, run_plan)
 
 
 def format_matrix(rows: dict[str, dict], times: dict[str, float] | None = None) -> str:
     """plan x feature -> max abs error (ERR: the first line of what raised)."""
     short = {"resume:sharded": "r:sharded", "resume:deduped": "r:deduped", "resume:dcp": "r:dcp",
-             "resume:merged": "r:merged"}
+             "resume:merged": "r:merged", "resume:pretrained": "r:hf"}
     heads = ["cell"] + [short.get(f, f) for f in FEATURES] + (["s"] if times else [])
     lines, errors = [], []
     for name, row in rows.items():
@@ -92,7 +93,9 @@ def run_cell(cell: Cell, workdir: Path, launched: dict | None = None) -> tuple[d
     else:
         records = run_plan(cell, workdir)
     merged = merged_on_one_device(cell, workdir) if "merged" in cell.loop.formats else None
-    return compare(cell, records, merged), time.time() - t0
+    pretrained = pretrained_on_one_device(cell, workdir) \
+        if PRETRAINED in cell.loop.formats else None
+    return compare(cell, records, merged, pretrained), time.time() - t0
 
 
 def main() -> None:
