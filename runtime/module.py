@@ -29,7 +29,7 @@ from nncompile import arguments
 from . import consistency
 from .groups import axis_groups, get_groups, group_along
 from .reducer import Reducer
-from .zero import ZeroRuntime
+from .zero import ZeroRuntime, all_gather_along
 from .meta_buffers import with_real_buffers
 from .param_handles import make_handles, release_original, take_original
 from .parts import assemble_sources
@@ -426,11 +426,11 @@ class ParallelModule(torch.nn.Module):
             self._reducer.sync = bool(value)
 
     # ---- full tensors -------------------------------------------------------------------
-    def _gather(self, local: dict[str, torch.Tensor | None], rows: list | None = None
-                ) -> dict[str, torch.Tensor | None]:
+    def _gather(self, local: dict[str, torch.Tensor | None], rows: list | None = None,
+                copy: bool = True) -> dict[str, torch.Tensor | None]:
         """Full tensors by FQN from this rank's shards by local name (of every parameter, or
         of `rows`): all-gathered along "plan" inside the stage, then shared over the pipeline
-        ranks (a tied weight once)."""
+        ranks (a tied weight once). copy=False: a whole one may be `local`'s own tensor."""
         full = {}
         rows = param_rows(self) if rows is None else rows
         sources = assemble_sources(self, rows, local)    # fused parameters held as parts
@@ -440,12 +440,10 @@ class ParallelModule(torch.nn.Module):
                 continue
             t = local[row.name]
             if t is not None and isinstance(row.placement, Shard) and self.plan_group is not None:
-                parts = [torch.empty_like(t) for _ in range(self.PLAN_NGPUS)]
-                dist.all_gather(parts, t.contiguous(), group=self.plan_group)
-                t = torch.cat(parts, dim=row.placement.dim)
+                t = all_gather_along(t, row.placement.dim, self.PLAN_NGPUS, self.plan_group)
             if t is not None:
                 t = gather_split_axes(self, row, t)     # an expert weight's "ep"
-            full[row.fqn] = None if t is None else t.clone()
+            full[row.fqn] = t.clone() if copy and t is not None else t
         return share_over_pipeline(self, full)
 
     def local_params(self) -> dict[str, torch.Tensor]:

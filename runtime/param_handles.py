@@ -442,7 +442,7 @@ def release_original(pm, module, rows, shared: dict) -> None:
         p._nnc_origin = (weakref.ref(pm), name)
         if not p.is_meta and p.numel():
             p.grad = None
-            p.untyped_storage().resize_(0)     # frees it; shape, dtype and device stay
+            _free(p)                           # shape, dtype and device stay
             if type(p) is torch.nn.Parameter:  # print/copy/pickle say so, not read freed memory
                 p.__class__ = ReleasedParameter
             gone.append(fqn)
@@ -455,6 +455,17 @@ def release_original(pm, module, rows, shared: dict) -> None:
         if not getattr(owner, "_nnc_sd_guard", False):
             owner._nnc_sd_guard = True
             owner.register_state_dict_pre_hook(_released_state_dict)
+
+
+def _free(p: torch.nn.Parameter) -> None:
+    """Give back p's memory, keeping its shape: its storage resized to nothing, or, for one
+    that cannot resize (from_pretrained maps the safetensors file), swapped for an empty one."""
+    try:
+        p.untyped_storage().resize_(0)
+    except RuntimeError:
+        empty = torch.UntypedStorage(0, device=p.device)
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device).set_(empty, 0, p.shape,
+                                                                      p.stride())
 
 
 class ReleasedParameter(torch.nn.Parameter):

@@ -37,6 +37,7 @@ from nncompile.ir.placement import Shard
 from nncompile.safetensors_file import SafetensorsWriter, read_header
 
 from .state import share_over_pipeline
+from .zero import all_gather_along
 
 _SOURCE = "_nnc_pretrained_source"
 
@@ -134,22 +135,20 @@ def _layout(pm, prefix, max_shard_size="50GB") -> tuple[str, Any, dict, Layout]:
 # ---- out ----------------------------------------------------------------------------------
 def gather_state(pm, fqns: set[str]) -> dict[str, torch.Tensor]:
     """{FQN: full tensor} of the parameters and persistent buffers `fqns` on every rank (a
-    collective: every rank of the job calls it with the same FQNs)."""
+    collective: every rank of the job calls it with the same FQNs); under ZeRO-3 only these
+    tensors' elements travel, not their units. A whole tensor may be pm's own (read it)."""
     rows = [r for r in param_rows(pm) if r.source in fqns]
-    names = {r.name for r in rows}
     if pm.zero is not None:
-        local = pm.zero.local_tensors(names=names)
+        local = {r.name: pm.zero.local_tensor(r.name) for r in rows}
     else:
         local = {r.name: getattr(pm, r.name).detach() for r in rows}
-    full = pm._gather(local, rows)
+    full = pm._gather(local, rows, copy=False)
     buffers = {}
     for row in buffer_rows(pm):
         if row.fqn in fqns:
             t = getattr(pm, row.name).detach()
             if isinstance(row.placement, Shard) and pm.plan_group is not None:
-                parts = [torch.empty_like(t) for _ in range(pm.PLAN_NGPUS)]
-                dist.all_gather(parts, t.contiguous(), group=pm.plan_group)
-                t = torch.cat(parts, dim=row.placement.dim)
+                t = all_gather_along(t, row.placement.dim, pm.PLAN_NGPUS, pm.plan_group)
             buffers[row.fqn] = t
     full.update(share_over_pipeline(pm, buffers))
     return full

@@ -26,6 +26,7 @@ from nncompile.pipeline_config import PipelineConfig
 from .groups import pipe_group
 from .optimizer import ZeroOptimizer, load_segment_state, segment_state_by_name
 from .param_handles import adopt, local_names, zero3_segments
+from .zero import all_gather_along
 from nncompile.rows import buffer_rows, param_rows
 
 
@@ -225,9 +226,7 @@ def gather_split_axes(pm, row, t: torch.Tensor) -> torch.Tensor:
     for axis, text in reversed(getattr(pm, "PARAM_AXES", {}).get(row.name, {}).items()):
         p, group = parse_placement(text), pm.axis_group(axis)
         if isinstance(p, Shard) and group is not None:
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=p.dim)
+            t = all_gather_along(t, p.dim, dist.get_world_size(group), group)
     return t
 
 

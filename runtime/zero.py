@@ -102,6 +102,14 @@ def gather_piece(layout: "FlatLayout", piece: torch.Tensor, size: int, group,
     return all_gather_flat(local, size, group)[0]
 
 
+def all_gather_along(t: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
+    """Equal pieces of `group`'s ranks joined along `dim`, gathered into one buffer (along
+    dim 0 that buffer is the result: no copy)."""
+    flat, _ = all_gather_flat(t.contiguous().reshape(-1), size, group)
+    joined = flat.view(size, *t.shape).movedim(0, dim)
+    return joined.reshape(*t.shape[:dim], size * t.shape[dim], *t.shape[dim + 1:])
+
+
 def all_gather_flat(local: torch.Tensor, size: int, group, async_op: bool = False):
     """Equal pieces of every rank of `group` concatenated: (full, work or None)."""
     full = torch.empty(local.numel() * size, dtype=local.dtype, device=local.device)
@@ -221,6 +229,25 @@ class ZeroRuntime:
             for name, t in zip(unit.layout.names, unit.layout.unflatten(full)):
                 out[name] = t.clone()
         return out
+
+    def local_tensor(self, name: str) -> torch.Tensor:
+        """The full local tensor `name` alone: each rank of the ZeRO group whose piece holds
+        some of it broadcasts that part into place (a collective; the unit is never gathered
+        whole, and nothing but the tensor is allocated)."""
+        unit = next(u for u in self.units if name in u.layout.names)
+        lay = unit.layout
+        i = lay.names.index(name)
+        a = sum(lay.numels[:i])
+        out = torch.empty(lay.numels[i], dtype=self.flat(unit).dtype, device=self.device)
+        for r in range(self.size):
+            s, e = max(r * lay.chunk, a), min((r + 1) * lay.chunk, a + lay.numels[i])
+            if s >= e:
+                continue
+            if r == self.rank:
+                out[s - a:e - a].copy_(self.flat(unit).detach()[s - lay.lo:e - lay.lo])
+            if self.group is not None:
+                dist.broadcast(out[s - a:e - a], src=self.ranks[r], group=self.group)
+        return out.view(lay.shapes[i])
 
     @torch.no_grad()
     def load_local_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
