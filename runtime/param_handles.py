@@ -458,14 +458,12 @@ def release_original(pm, module, rows, shared: dict) -> None:
 
 
 def _free(p: torch.nn.Parameter) -> None:
-    """Give back p's memory, keeping its shape: its storage resized to nothing, or, for one
-    that cannot resize (from_pretrained maps the safetensors file), swapped for an empty one."""
-    try:
-        p.untyped_storage().resize_(0)
-    except RuntimeError:
-        empty = torch.UntypedStorage(0, device=p.device)
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device).set_(empty, 0, p.shape,
-                                                                      p.stride())
+    """Give back p's memory, keeping its shape: its storage resized to nothing (one that
+    cannot resize, which from_pretrained maps from the safetensors file, first swapped for a
+    fresh one)."""
+    if not p.untyped_storage().resizable():
+        p.data = torch.empty_like(p.data)       # never written: no memory is touched
+    p.untyped_storage().resize_(0)
 
 
 class ReleasedParameter(torch.nn.Parameter):

@@ -313,3 +313,24 @@ def test_meta_buffers_outside_hugging_face_are_a_clear_error(tmp_path):
     with pytest.raises(nncompile.ConfigError, match="buffer 'scale' is on meta"):
         nncompile.parallelize(model, {"x": torch.randn(2, 4)}, ComputeConfig(1, 1),
                               pas_policy="data", gen_savedir=str(tmp_path))
+
+
+def test_a_from_pretrained_model_parallelizes(saved, tmp_path):
+    """from_pretrained maps the safetensors file into the parameters' storage, which cannot
+    be resized; tp 2 still releases the original's parameters (threaded ranks) and computes
+    the eager loss."""
+    d, _, source = saved
+    x = torch.randint(1, 64, (2, 8))
+    with torch.no_grad():
+        want = float(source(input_ids=x, labels=x, use_cache=False).loss)
+
+    def rank_fn(rank):
+        model = models.HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(d))
+        pm = nncompile.parallelize(model, {"input_ids": x, "labels": x}, ComputeConfig(2, 2),
+                                   pas_policy="tp", gen_savedir=str(tmp_path / "gen"))
+        released = sum(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+        with torch.no_grad():
+            return float(pm(x, x)), released
+
+    for loss, released in run_ranks(2, rank_fn):
+        assert abs(loss - want) <= 1e-5 * abs(want) and released > 0
