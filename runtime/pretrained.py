@@ -61,20 +61,20 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all(obj: Any) -> list[Any]:
-    """obj of every rank (a collective when distributed)."""
+def _all(obj: Any, local: bool = False) -> list[Any]:
+    """obj of every rank (a collective when distributed and not `local`)."""
     rank, world = _rank_world()
-    if world == 1:
+    if world == 1 or local:
         return [obj]
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj)
     return out
 
 
-def _raise_if_any(error: str | None, what: str) -> None:
+def _raise_if_any(error: str | None, what: str, local: bool = False) -> None:
     """Every rank raises the same CheckpointError if any rank failed (none goes on alone)."""
-    failed = [(r, e) for r, e in enumerate(_all(error)) if e is not None]
-    if failed and _rank_world()[1] == 1:
+    failed = [(r, e) for r, e in enumerate(_all(error, local)) if e is not None]
+    if failed and (local or _rank_world()[1] == 1):
         raise CheckpointError(failed[0][1])
     if failed:
         raise CheckpointError(f"{what} failed on " + "; ".join(f"rank {r}: {e}"
@@ -169,19 +169,20 @@ def save_pretrained(pm, out_dir: str | os.PathLike, config: Any = None, *,
 
 
 def write_pretrained(out: Path, layout: Layout, model, config: tuple, full_of,
-                     prefix: str = "") -> Path:
+                     prefix: str = "", local: bool = False) -> Path:
     """The files of `layout` in `out`: file k written by rank k mod world size, from the full
     tensors `full_of(state keys)` returns group by group (on every rank: a collective for
     save_pretrained), then config.json ((config, dtype): config_files) and the index by
-    rank 0, stale shards removed."""
-    rank, world = _rank_world()
+    rank 0, stale shards removed. local: this process alone writes every file (export, also
+    inside a distributed job)."""
+    rank, world = (0, 1) if local else _rank_world()
     error = None
     if rank == 0:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             error = f"cannot create {out} ({e.strerror or e})"
-    _raise_if_any(error, f"save_pretrained to {out}")
+    _raise_if_any(error, f"save_pretrained to {out}", local)
     where = {n: f for f, names in layout.files.items() for n in names}
     writers: dict[str, SafetensorsWriter] = {}
     try:
@@ -200,13 +201,13 @@ def write_pretrained(out: Path, layout: Layout, model, config: tuple, full_of,
     if error is not None:
         for w in writers.values():
             w.abort()
-    _raise_if_any(error, f"save_pretrained to {out}")
+    _raise_if_any(error, f"save_pretrained to {out}", local)
     for f, w in writers.items():
         try:
             w.commit()
         except (OSError, CheckpointError) as e:
             error = f"{out / f}: {e}"
-    _raise_if_any(error, f"save_pretrained to {out}")
+    _raise_if_any(error, f"save_pretrained to {out}", local)
     if rank == 0:
         for name, text in config_files(model, *config).items():
             write_text(out / name, text)
@@ -448,7 +449,7 @@ def export_pretrained(paths: list[str | os.PathLike], out_dir: str | os.PathLike
     layout = plan_layout(state, aliases, model, max_shard_size)
     return write_pretrained(Path(out_dir), layout, model, (hf_config, weights_dtype(state)),
                             lambda fqns: {prefix + k: state_dict[prefix + k] for k in fqns},
-                            prefix)
+                            prefix, local=True)
 
 
 def _checkpoint_state(paths: list[str | os.PathLike]) -> dict[str, torch.Tensor]:

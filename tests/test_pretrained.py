@@ -213,7 +213,7 @@ def test_plain_module_tp2_round_trip_and_export(tmp_path):
     """nanoGPT (not a Hugging Face model; c_attn held as q/k/v parts under tp, wte/lm_head
     tied) under tp 2 on threaded ranks: save_pretrained writes the state_dict's names (the
     tie once), load_pretrained into another initialization gives the same weights back, and
-    `python -m nncompile export` of its sharded checkpoint writes the same files."""
+    `python -m nncompile export` of its sharded and dcp checkpoints writes the same files."""
     from nncompile.__main__ import main
     idx = torch.randint(0, 16, (2, 32))
     model = _gpt()
@@ -228,6 +228,7 @@ def test_plain_module_tp2_round_trip_and_export(tmp_path):
         want = _weights(pm)
         nncompile.save_pretrained(pm, tmp_path / "hf")
         nncompile.save_checkpoint(tmp_path / "ckpt", pm)
+        nncompile.save_checkpoint(tmp_path / "dcp", pm, format="dcp")
         fresh = nncompile.parallelize(_gpt(seed=5), {"idx": idx, "targets": idx}, cfg,
                                       pas_policy="tp", gen_savedir=str(tmp_path / "gen"))
         nncompile.load_pretrained(fresh, tmp_path / "hf")
@@ -240,10 +241,11 @@ def test_plain_module_tp2_round_trip_and_export(tmp_path):
     keys = [k for k in model.state_dict() if k != "lm_head.weight"]
     assert sorted(saved) == sorted(keys)            # lm_head.weight is wte.weight: once
     assert os.listdir(tmp_path / "hf") == ["model.safetensors"]     # no config: none written
-    assert main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "exported")]) == 0
-    exported = load_file(tmp_path / "exported" / "model.safetensors")
-    assert exported.keys() == saved.keys()
-    assert all(torch.equal(exported[k], v) for k, v in saved.items())
+    for fmt in ("ckpt", "dcp"):                         # a sharded and a dcp checkpoint
+        assert main(["export", str(tmp_path / fmt), "-o", str(tmp_path / f"x_{fmt}")]) == 0
+        exported = load_file(tmp_path / f"x_{fmt}" / "model.safetensors")
+        assert exported.keys() == saved.keys()
+        assert all(torch.equal(exported[k], v) for k, v in saved.items())
 
 
 @needs_hf5

@@ -2,7 +2,7 @@
 LightningModule builds its Llama on meta, `pretrained=` loads model.save_pretrained's files
 into the parallel module, validation logs the eager model's loss; after two training steps
 `trainer.strategy.save_pretrained` writes files from_pretrained reads back as the trained
-weights.
+weights, and `python -m nncompile export` of the strategy's checkpoint writes the same.
 
     torchrun --nproc_per_node=2 tests/workers/lightning_pretrained.py --ckpt DIR --savedir DIR
 """
@@ -72,7 +72,16 @@ def main() -> None:
                trainer.strategy.parallel_module.gather_params().items()}
     out = os.path.join(args.savedir, "trained")
     trainer.strategy.save_pretrained(out)
+    lit_ckpt = os.path.join(args.savedir, "lit.ckpt")
+    trainer.save_checkpoint(lit_ckpt)
     if trainer.global_rank == 0:
+        from safetensors.torch import load_file
+        from nncompile.__main__ import main as cli
+        exported = os.path.join(args.savedir, "exported")       # the strategy's checkpoint
+        assert cli(["export", lit_ckpt, "-o", exported, "--config", args.ckpt]) == 0
+        assert sorted(os.listdir(exported)) == sorted(os.listdir(out))
+        a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (exported, out))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         back = AutoModelForCausalLM.from_pretrained(out).state_dict()
         assert all(torch.equal(back[k], v) for k, v in trained.items())
         moved = max(float((back[k] - v).abs().max()) for k, v in
