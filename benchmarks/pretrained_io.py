@@ -35,26 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import nncompile  # noqa: E402
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from nncompile.tools.resident import reset_peak, status  # noqa: E402
 
 
 def measured(fn):
     """(result, seconds, peak resident bytes added) of fn(), after a barrier."""
     dist.barrier()
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    base = status("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     out = fn()
     dist.barrier()
-    return out, time.perf_counter() - t0, _status("VmHWM") - base
+    return out, time.perf_counter() - t0, status("VmHWM") - base
 
 
 class CausalLM(torch.nn.Module):

@@ -48,6 +48,8 @@ import time
 
 MODELS = ["llama", "qwen2", "mistral", "gpt2", "gemma2"]
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from nncompile.tools.resident import reset_peak, status  # noqa: E402
 
 
 def hf_model(name: str, d: int, layers: int, vocab: int, seq: int):
@@ -151,12 +153,12 @@ def run_child(args) -> None:
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    base = _status("VmRSS")
-    _reset_hwm()
+    base = status("VmRSS")
+    reset_peak()
     times = [step() for _ in range(args.steps)]
     out = {"model": args.model, "variant": args.variant, "world": world, "rank": rank,
            "median_ms": statistics.median(times) * 1e3, "losses": losses,
-           "step_hwm": _status("VmHWM"), "base_rss": base, "torch": torch.__version__,
+           "step_hwm": status("VmHWM"), "base_rss": base, "torch": torch.__version__,
            "cuda_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     if world > 1:
         every = [None] * world
@@ -194,26 +196,6 @@ def layers_of(model):
     inner = model.model
     body = getattr(inner, "model", None) or getattr(inner, "transformer", None)
     return list(getattr(body, "layers", None) or getattr(body, "h"))
-
-
-def _reset_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _status(field: str) -> int | None:
-    """A /proc/self/status memory line (VmRSS, VmHWM) in bytes; None where there is none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 # ---- the parent -------------------------------------------------------------------------------

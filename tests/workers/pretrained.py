@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import nncompile  # noqa: E402
 from models import HFCausalLM  # noqa: E402
 from nncompile.rows import param_rows  # noqa: E402
+from nncompile.tools.resident import reset_peak, status  # noqa: E402
 
 
 def config(arch: str, size: str = "small"):
@@ -135,14 +136,6 @@ def save_case(name: str, workdir: str) -> None:
     dist.barrier()
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def load_case(ckpt: str, workdir: str) -> None:
     from transformers import AutoModelForCausalLM
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -156,11 +149,10 @@ def load_case(ckpt: str, workdir: str) -> None:
     shard = sum(p.numel() * p.element_size() for p in pm.stored_parameters())
     full = 4 * sum({r.source: int(torch.Size(r.source_shape).numel())
                     for r in param_rows(pm)}.values())
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                                    # VmHWM := VmRSS
+    before = status("VmRSS")
+    reset_peak()                                        # VmHWM := VmRSS
     nncompile.load_pretrained(pm, ckpt)
-    added = _status("VmHWM") - before
+    added = status("VmHWM") - before
     with torch.no_grad():
         loss = float(pm(**b))
     want = float(torch.load(os.path.join(ckpt, "loss.pt")))
