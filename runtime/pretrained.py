@@ -32,7 +32,7 @@ from nncompile.log import log
 from nncompile.pretrained_layout import (INDEX, WEIGHTS, Layout, config_files, converted_values,
                                          find_pretrained, plan_layout, reverter,
                                          stale_shards, weights_dtype)
-from nncompile.rows import buffer_rows, param_rows, take
+from nncompile.rows import BufferRow, buffer_rows, param_rows, take
 from nncompile.ir.placement import Shard
 from nncompile.safetensors_file import SafetensorsWriter, read_header
 
@@ -82,18 +82,22 @@ def _raise_if_any(error: str | None, what: str, local: bool = False) -> None:
 
 
 # ---- the module's state: full shapes and dtypes -------------------------------------------
-def _dtype(pm, row) -> torch.dtype:
-    if pm.zero is not None and row in param_rows(pm):
-        unit = next(u for u in pm.zero.units if row.name in u.layout.names)
-        return pm.zero.flat(unit).dtype
-    return getattr(pm, row.name).dtype
+def _dtypes(pm) -> dict[str, torch.dtype]:
+    """{local name: dtype} of this rank's parameters and buffers (under ZeRO-3 its unit's)."""
+    out = {row.name: getattr(pm, row.name).dtype for row in buffer_rows(pm)}
+    if pm.zero is not None:
+        out.update({n: pm.zero.flat(u).dtype for u in pm.zero.units for n in u.layout.names})
+    else:
+        out.update({row.name: getattr(pm, row.name).dtype for row in param_rows(pm)})
+    return out
 
 
 def state_specs(pm, prefix: str) -> tuple[dict[str, tuple[tuple, torch.dtype]], dict[str, str]]:
     """({state key without `prefix`: (full shape, dtype)}, {tied key: the key it shares}) for
     every key of the original module's state_dict() under `prefix`; every rank gets all of
     them (a pipeline rank holds only its stages': the ranks exchange theirs)."""
-    mine = {row.source: (tuple(row.source_shape), str(_dtype(pm, row)).split(".")[1])
+    dtypes = _dtypes(pm)
+    mine = {row.source: (tuple(row.source_shape), str(dtypes[row.name]).split(".")[1])
             for row in [*param_rows(pm), *buffer_rows(pm)]}
     specs: dict[str, tuple] = {}
     for theirs in _all(mine):
@@ -394,8 +398,8 @@ def _put(pm, pieces: dict, row, elements) -> None:
         for flat, at, start, stop in pieces[row.name]:
             flat.data[at:at + stop - start].copy_(elements(start, stop))
         return
-    if pm.zero is not None and any(row.name in u.layout.names for u in pm.zero.units):
-        return                          # this rank's piece holds none of it
+    if pm.zero is not None and not isinstance(row, BufferRow):
+        return                          # this rank's ZeRO-3 piece holds none of it
     n = int(torch.Size(row.local_shape).numel())
     getattr(pm, row.name).copy_(elements(0, n).view(row.local_shape))
 

@@ -336,3 +336,16 @@ def test_a_from_pretrained_model_parallelizes(saved, tmp_path):
 
     for loss, released in run_ranks(2, rank_fn):
         assert abs(loss - want) <= 1e-5 * abs(want) and released > 0
+
+
+def test_saving_again_replaces_the_shards(saved, tmp_path):
+    """A save into a directory holding an earlier sharded save leaves only its own files
+    (stale shards and index removed, other files kept), as model.save_pretrained does."""
+    _, pm, _ = saved
+    out = tmp_path / "again"
+    nncompile.save_pretrained(pm, out, max_shard_size=20000)
+    assert (out / INDEX).exists() and len(list(out.glob("model-*.safetensors"))) > 2
+    (out / "tokenizer.json").write_text("{}")
+    nncompile.save_pretrained(pm, out)
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
+                                       "model.safetensors", "tokenizer.json"]
