@@ -349,3 +349,29 @@ def test_saving_again_replaces_the_shards(saved, tmp_path):
     nncompile.save_pretrained(pm, out)
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
                                        "model.safetensors", "tokenizer.json"]
+
+
+def test_gpt2_t5_bart_files_equal_model_save_pretrained(tmp_path):
+    """GPT-2 (Conv1D weights, tied head), T5 and BART (embeddings shared by encoder, decoder
+    and head): the same files, tensors and config as model.save_pretrained; and those files
+    load back into the scrambled parallel module."""
+    for name in ("hf_gpt2", "hf_t5", "hf_bart"):
+        model = models.build(name)
+        ref = tmp_path / f"{name}-hf"
+        model.model.save_pretrained(ref)
+        pm = nncompile.parallelize(model, models.batch(name, 0), ComputeConfig(1, 1),
+                                   pas_policy="data", gen_savedir=str(tmp_path / "gen"),
+                                   instance_name=name)
+        want = _weights(pm)
+        out = tmp_path / name
+        nncompile.save_pretrained(pm, out)
+        assert sorted(os.listdir(out)) == sorted(os.listdir(ref)), name
+        got, exp = load_file(out / "model.safetensors"), load_file(ref / "model.safetensors")
+        assert got.keys() == exp.keys() and all(torch.equal(got[k], exp[k]) for k in got), name
+        assert json.loads((out / "config.json").read_text()) == \
+            json.loads((ref / "config.json").read_text()), name
+        with torch.no_grad():
+            for p in pm.stored_parameters():
+                p.normal_()
+        nncompile.load_pretrained(pm, ref)
+        assert all(torch.equal(v, want[k]) for k, v in _weights(pm).items()), name
