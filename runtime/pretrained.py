@@ -114,9 +114,8 @@ def state_specs(pm, prefix: str) -> tuple[dict[str, tuple[tuple, torch.dtype]], 
         if canon != key and canon.startswith(prefix):
             aliases[key[len(prefix):]] = canon[len(prefix):]
     if unheld:
-        raise CheckpointError(f"the parallel module holds no tensor for {unheld[:3]} (state "
-                              "keys forward never uses are not traced); these cannot be "
-                              "saved or loaded")
+        raise CheckpointError(f"the parallel module holds no tensor for the state keys "
+                              f"{unheld[:3]}; they cannot be saved or loaded")
     return state, aliases
 
 
@@ -137,19 +136,31 @@ def _layout(pm, prefix, max_shard_size="50GB") -> tuple[str, Any, dict, Layout]:
 
 
 # ---- out ----------------------------------------------------------------------------------
-def gather_state(pm, fqns: set[str]) -> dict[str, torch.Tensor]:
+def rows_by_source(pm) -> dict[str, list]:
+    """{original FQN: this rank's parameter rows (its parts) or buffer row of it}."""
+    out: dict[str, list] = {}
+    for row in [*param_rows(pm), *buffer_rows(pm)]:
+        out.setdefault(row.source, []).append(row)
+    return out
+
+
+def gather_state(pm, fqns, by_source: dict[str, list] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """{FQN: full tensor} of the parameters and persistent buffers `fqns` on every rank (a
     collective: every rank of the job calls it with the same FQNs); under ZeRO-3 only these
-    tensors' elements travel, not their units. A whole tensor may be pm's own (read it)."""
-    rows = [r for r in param_rows(pm) if r.source in fqns]
+    tensors' elements travel, not their units. A whole tensor may be pm's own (read it).
+    `by_source`: rows_by_source(pm), computed once for many calls."""
+    by_source = rows_by_source(pm) if by_source is None else by_source
+    mine = [r for f in fqns for r in by_source.get(f, [])]
+    rows = [r for r in mine if not isinstance(r, BufferRow)]
     if pm.zero is not None:
         local = {r.name: pm.zero.local_tensor(r.name) for r in rows}
     else:
         local = {r.name: getattr(pm, r.name).detach() for r in rows}
     full = pm._gather(local, rows, copy=False)
     buffers = {}
-    for row in buffer_rows(pm):
-        if row.fqn in fqns:
+    for row in mine:
+        if isinstance(row, BufferRow):
             t = getattr(pm, row.name).detach()
             if isinstance(row.placement, Shard) and pm.plan_group is not None:
                 t = all_gather_along(t, row.placement.dim, pm.PLAN_NGPUS, pm.plan_group)
@@ -168,8 +179,10 @@ def save_pretrained(pm, out_dir: str | os.PathLike, config: Any = None, *,
     at all. `prefix`: the FQN prefix of the saved model inside pm's module (found for a
     Hugging Face model; "" otherwise)."""
     prefix, model, state, layout = _layout(pm, prefix, max_shard_size)
+    by_source = rows_by_source(pm)
     return write_pretrained(Path(out_dir), layout, model, (config, weights_dtype(state)),
-                            lambda fqns: gather_state(pm, {prefix + k for k in fqns}), prefix)
+                            lambda fqns: gather_state(pm, [prefix + k for k in fqns],
+                                                      by_source), prefix)
 
 
 def write_pretrained(out: Path, layout: Layout, model, config: tuple, full_of,
@@ -351,9 +364,7 @@ def load_pretrained(pm, path: str | os.PathLike, *, prefix: str | None = None) -
     _raise_if_any(error, f"load_pretrained from {path}")
     from safetensors import safe_open
     where = found[0]
-    rows: dict[str, list] = {}
-    for row in [*param_rows(pm), *buffer_rows(pm)]:
-        rows.setdefault(row.source, []).append(row)
+    rows = rows_by_source(pm)
     pieces = zero_pieces(pm)
     for i, group in enumerate(layout.groups):
         mine = [r for k in group.fqns for r in rows.get(prefix + k, [])]
