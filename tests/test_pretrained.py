@@ -375,3 +375,15 @@ def test_gpt2_t5_bart_files_equal_model_save_pretrained(tmp_path):
                 p.normal_()
         nncompile.load_pretrained(pm, ref)
         assert all(torch.equal(v, want[k]) for k, v in _weights(pm).items()), name
+
+
+def test_bfloat16_is_kept(tmp_path):
+    model = models.hf_llama().to(torch.bfloat16)
+    x = torch.randint(1, 64, (2, 8))
+    model.model.save_pretrained(tmp_path / "ref")
+    pm = nncompile.parallelize(model, {"input_ids": x, "labels": x}, ComputeConfig(1, 1),
+                               pas_policy="data", gen_savedir=str(tmp_path / "gen"))
+    nncompile.save_pretrained(pm, tmp_path / "out")
+    got, exp = (load_file(tmp_path / d / "model.safetensors") for d in ("out", "ref"))
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], exp[k]) for k in exp)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
