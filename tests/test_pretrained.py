@@ -386,4 +386,5 @@ def test_bfloat16_is_kept(tmp_path):
     nncompile.save_pretrained(pm, tmp_path / "out")
     got, exp = (load_file(tmp_path / d / "model.safetensors") for d in ("out", "ref"))
     assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], exp[k]) for k in exp)
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"     # 4.57: torch_dtype
