@@ -10,7 +10,7 @@ save: Llama (tied embeddings) and Mixtral, each trained 3 AdamW steps under tp 2
 load: a checkpoint written by model.save_pretrained loads with load_pretrained into the model
       built on meta and compiled for tp 2 x ZeRO-3 dp 2: the loss equals the eager model's;
       each rank prints its shard, the peak resident memory the load added (VmHWM, reset
-      just before) and the full model's bytes.
+      just before) and the full model's bytes; then the same for save_pretrained.
 """
 import argparse
 import copy
@@ -157,9 +157,15 @@ def load_case(ckpt: str, workdir: str) -> None:
         loss = float(pm(**b))
     want = float(torch.load(os.path.join(ckpt, "loss.pt")))
     assert abs(loss - want) <= 1e-5 * abs(want), f"loss {loss} vs the eager model's {want}"
-    print(f"rank {rank}: loss {loss:.6f} == eager {want:.6f}; shard {shard / 2**20:.1f} MiB, "
-          f"load added {added / 2**20:.1f} MiB at its peak, model {full / 2**20:.1f} MiB, "
-          f"ratio {(shard + added) / full:.3f}", flush=True)
+    before = status("VmRSS")
+    reset_peak()
+    nncompile.save_pretrained(pm, os.path.join(workdir, "saved"))
+    saved = status("VmHWM") - before
+    sys.stdout.write(f"rank {rank}: loss {loss:.6f} == eager {want:.6f}; shard "
+                     f"{shard / 2**20:.1f} MiB, load added {added / 2**20:.1f} MiB at its peak, "
+                     f"save {saved / 2**20:.1f} MiB, model {full / 2**20:.1f} MiB, ratio "
+                     f"{(shard + added) / full:.3f}, save ratio {(shard + saved) / full:.3f}\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
