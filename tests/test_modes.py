@@ -94,13 +94,16 @@ def test_eval_loss_equals_the_models_under_each_plan(tmp_path, plan):
             no_grad = pm(idx, tgt)
         pm.train()
         with rng.rank_generator(torch.Generator().manual_seed(7).get_state()):
-            trained = pm(idx, tgt)
-        return with_grad.detach(), no_grad, trained.detach()
+            # three draws: under plan 1 the threads share torch's default generator, so a
+            # rank's masks are whatever it draws; one of them may land close to eval's loss
+            trained = [pm(idx, tgt).detach() for _ in range(3)]
+        return with_grad.detach(), no_grad, trained
 
     for with_grad, no_grad, trained in run_ranks(2, rank_fn):
         torch.testing.assert_close(with_grad, want, rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(no_grad, want, rtol=RTOL, atol=ATOL)
-        assert (trained - want).abs() > 1e-3, "pm.train() must bring dropout back"
+        assert max(float((t - want).abs()) for t in trained) > 1e-3, \
+            "pm.train() must bring dropout back"
     code = (tmp_path / plan / "gencode0.py").read_text()
     assert "self.training" in code and "forward_eval_impl" not in code, \
         "dropout is a mode flag of one program, not a second program"
