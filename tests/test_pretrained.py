@@ -29,8 +29,9 @@ needs_hf5 = pytest.mark.skipif(not HF5, reason="Mixtral and meta-built models tr
 
 def test_save_pretrained_from_every_plan(run_ranks, tmp_path):
     """Llama (tied embeddings) and Mixtral after 3 AdamW steps under tp 2, ZeRO-3 dp 2
-    (Mixtral with offload_params), pp 2 and Mixtral's ep 2: from_pretrained holds exactly the
-    gathered weights; files, index and config equal model.save_pretrained's (worker)."""
+    (Mixtral with offload_params) and pp 2: from_pretrained holds exactly the gathered
+    weights; files, index and config equal model.save_pretrained's; the files load back into
+    the same plan (worker)."""
     import workers.pretrained as w
     cases = [c for c in w.CASES if HF5 or not c.startswith("mixtral")]
     out = run_ranks("tests/workers/pretrained.py", 2, "save", "--workdir", str(tmp_path),

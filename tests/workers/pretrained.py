@@ -1,7 +1,8 @@
 """Hugging Face checkpoints out of and into parallel plans, on gloo ranks (torchrun).
 
 save: Llama (tied embeddings) and Mixtral, each trained 3 AdamW steps under tp 2, ZeRO-3 dp 2
-      (Mixtral: with offload_params), pp 2 (1F1B) and, for Mixtral, ep 2; then
+      (Mixtral: with offload_params) and pp 2 (1F1B) (expert parallelism: the conformance
+      suite's ep_tp cell); then
       nncompile.save_pretrained. Rank 0 checks that AutoModelForCausalLM.from_pretrained(dir)
       holds exactly the gathered weights and that the files and the index are those
       model.save_pretrained writes for the same weights (some cases with small shards, so
@@ -69,7 +70,6 @@ CASES = {
                               "50GB"),
     "mixtral-pp2": ("mixtral", 2, {"pas_config": {"pipeline_stages": 2, "microbatches": 2}},
                     "data", 20000),
-    "mixtral-ep2": ("mixtral", 2, {"pas_config": {"expert_parallel": 2}}, "data", 20000),
 }
 
 
