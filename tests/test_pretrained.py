@@ -331,8 +331,12 @@ def test_a_from_pretrained_model_parallelizes(saved, tmp_path):
     with torch.no_grad():
         want = float(source(input_ids=x, labels=x, use_cache=False).loss)
 
+    # loaded here: from_pretrained is not thread-safe (it patches torch's init functions)
+    loaded = [models.HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(d))
+              for _ in range(2)]
+
     def rank_fn(rank):
-        model = models.HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(d))
+        model = loaded[rank]
         pm = nncompile.parallelize(model, {"input_ids": x, "labels": x}, ComputeConfig(2, 2),
                                    pas_policy="tp", gen_savedir=str(tmp_path / "gen"))
         released = sum(p.untyped_storage().nbytes() == 0 for p in model.parameters())
