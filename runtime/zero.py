@@ -211,14 +211,10 @@ class ZeroRuntime:
         """The full flat vector of a piece cut by `layout` (a collective)."""
         return gather_piece(layout, piece, self.size, self.group, self.device)
 
-    def local_tensors(self, grads: bool = False, names: set[str] | None = None
-                      ) -> dict[str, torch.Tensor | None]:
-        """{local name: full local tensor} of every unit, or of the units holding `names`
-        (every rank of the ZeRO group calls this)."""
+    def local_tensors(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        """{local name: full local tensor} (every rank of the ZeRO group calls this)."""
         out: dict[str, torch.Tensor | None] = {}
         for unit in self.units:
-            if names is not None and names.isdisjoint(unit.layout.names):
-                continue
             flat = self.flat(unit)
             if grads and (not unit.trainable):
                 out.update({n: None for n in unit.layout.names})

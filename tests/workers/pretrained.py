@@ -14,7 +14,6 @@ load: a checkpoint written by model.save_pretrained loads with load_pretrained i
       just before) and the full model's bytes; then the same for save_pretrained.
 """
 import argparse
-import copy
 import json
 import os
 import sys
