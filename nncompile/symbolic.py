@@ -137,6 +137,19 @@ def to_code(expr: sympy.Expr) -> str:
     return f"{printer._wrap(num)} // {printer._wrap(den)}"
 
 
+def keep_symbols(shape: tuple, like: tuple) -> tuple:
+    """`shape` (ints, say from a run on the meta device) with each dim that equals `like`'s
+    at the same position taken from `like`: a pass that builds a new op from an old one
+    keeps the old one's dynamic sizes (Syms) instead of their traced values.
+
+        keep_symbols((2, 16, 32), (Sym(2, s_batch), Sym(16, s_seq), 48))
+            -> (s_batch, s_seq, 32)
+    """
+    if len(shape) != len(like):
+        return tuple(shape)
+    return tuple(b if isinstance(b, Sym) and int(b) == a else a for a, b in zip(shape, like))
+
+
 def literal_code(x: Any) -> str | None:
     return x.code() if isinstance(x, Sym) else None
 

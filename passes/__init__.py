@@ -20,7 +20,9 @@ products (passes/fuse_experts.py).
 Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
 after each pass, records `(name, graph, ms)`, runs `verify` between passes when asked, and
-names the failing pass and the ones before it.
+names the failing pass and the ones before it. Under dynamic_dims it ends with `verify_sizes`
+(nncompile/ir/verify_sizes.py): no op of the final graph holds a dynamic size's traced value
+as a literal, else a GraphError naming the op and the pass that built it.
 
 "auto" memory options (use_zero, offload_optimizer, pas_config recompute_modules) are chosen
 by autodist in the plan pass (graph.plan_state.memory; recompute reads its choice); under any
@@ -34,6 +36,7 @@ from typing import Any, Callable
 
 from nncompile.errors import ConfigError, NNCompileError
 from nncompile.ir import Graph, verify
+from nncompile.ir.verify_sizes import verify_sizes
 
 from .constant_fold import constant_fold
 from .contract import contract, produces_of, requires_of
@@ -177,6 +180,7 @@ def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> Pipel
             raise PassError(f"pass {pass_name(p)!r} declares it produces {_stages(unmet)}, but "
                             "the graph it returned does not have it")
         result.history.append((pass_name(p), result.graph, (time.perf_counter() - start) * 1e3))
+    verify_sizes(result.graph, result.history)     # dynamic dims: no traced size baked in
     return result
 
 

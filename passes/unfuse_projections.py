@@ -36,6 +36,7 @@ import torch
 
 from nncompile.ir import PARAM, Graph, Op, ParamPart, TensorMeta, Value, map_nested
 from nncompile.ir.graph import _values_into
+from nncompile.symbolic import keep_symbols
 
 from .contract import contract
 from .dce import dce
@@ -358,7 +359,7 @@ def _rewrite(g: Graph, lin: _Linear, leaves: list[tuple[Value, _Track]]) -> None
             parts[p].append(sub[p])
         for op in lin.ops:                   # the projection over the parts
             new = _emit(g, op.target, _map(op.args, sub), _map(op.kwargs, sub), op,
-                        f"{op.outputs[0].name}_{i}")
+                        f"{op.outputs[0].name}_{i}", op.outputs[0].meta.shape)
             sub[op.outputs[0]] = new.outputs[0]
             new.attrs[PART], new.attrs[PART_OF] = f"[{i}/{k}]", lin.w.fqn
             new_ops.append(new)
@@ -368,12 +369,14 @@ def _rewrite(g: Graph, lin: _Linear, leaves: list[tuple[Value, _Track]]) -> None
         shape = t.bshape + t.fshape()        # the piece's dims, in order
         like = leaf.producer
         if tuple(out.meta.shape) != shape:
-            new = _emit(g, aten.view.default, (out, list(shape)), {}, like, f"{leaf.name}_view")
+            new = _emit(g, aten.view.default, (out, list(shape)), {}, like, f"{leaf.name}_view",
+                        shape)
             new_ops.append(new)
             out = new.outputs[0]
         perm = [t.natural().index(d) for d in t.dims]
         if perm != list(range(len(perm))):
-            new = _emit(g, aten.permute.default, (out, perm), {}, like, f"{leaf.name}_permute")
+            new = _emit(g, aten.permute.default, (out, perm), {}, like, f"{leaf.name}_permute",
+                        tuple(out.meta.shape[d] for d in perm))
             new_ops.append(new)
             out = new.outputs[0]
         repl[leaf] = out
@@ -405,13 +408,14 @@ def _map(obj, sub: dict):
     return map_nested(obj, lambda v: sub.get(v, v))
 
 
-def _emit(g: Graph, target, args, kwargs, like: Op, base: str) -> Op:
-    """A new op like `like` (source line, module), its output's meta found on the meta device."""
+def _emit(g: Graph, target, args, kwargs, like: Op, base: str, sizes: tuple) -> Op:
+    """A new op like `like` (source line, module), its output's meta found on the meta device;
+    a dim equal to `sizes`' keeps that size, so a dynamic size (a Sym) stays one."""
     def meta(v: Value):
         return torch.empty(v.meta.shape, dtype=v.meta.dtype, device="meta")
     out = target(*map_nested(args, meta), **map_nested(kwargs, meta))
     ins = _values(args) + _values(kwargs)
-    v = Value(g.fresh_name(base), TensorMeta(tuple(out.shape), out.dtype),
+    v = Value(g.fresh_name(base), TensorMeta(keep_symbols(tuple(out.shape), sizes), out.dtype),
               requires_grad=any(x.requires_grad for x in ins) and out.dtype.is_floating_point)
     op = Op(target, args, kwargs, [v], like.source, like.module_path)
     op.module_stack, op.recompute, op.stage = like.module_stack, like.recompute, like.stage
