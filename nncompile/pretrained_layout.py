@@ -64,14 +64,21 @@ def is_pretrained(module: Any) -> bool:
 
 
 def find_pretrained(module: torch.nn.Module | None) -> tuple[str, Any] | None:
-    """(FQN prefix, model) of the outermost Hugging Face model in `module` (itself: prefix
-    ""), or None."""
-    if module is None:
-        return None
-    for name, sub in module.named_modules():
-        if is_pretrained(sub):
-            return (f"{name}." if name else ""), sub
-    return None
+    """(FQN prefix, model) of the first outermost Hugging Face model in `module` (itself:
+    prefix ""), or None."""
+    found = pretrained_models(module)
+    return found[0] if found else None
+
+
+def pretrained_models(module: torch.nn.Module | None) -> list[tuple[str, Any]]:
+    """(FQN prefix, model) of every outermost Hugging Face model in `module`, in module
+    order: a DPO or distillation wrapper holds two (a frozen reference and the policy)."""
+    out: list[tuple[str, Any]] = []
+    for name, sub in (module.named_modules() if module is not None else ()):
+        prefix = f"{name}." if name else ""
+        if is_pretrained(sub) and not any(prefix.startswith(p) for p, _ in out):
+            out.append((prefix, sub))
+    return out
 
 
 def reference_model(config: Any) -> Any:

@@ -27,6 +27,7 @@ from nncompile.rows import buffer_rows, const_rows, param_rows, take
 from nncompile import arguments
 
 from . import consistency
+from .copying import deepcopy_parallel_module
 from .groups import axis_groups, get_groups, group_along
 from .reducer import Reducer
 from .zero import ZeroRuntime, all_gather_along
@@ -331,6 +332,10 @@ class ParallelModule(torch.nn.Module):
             raise InputMismatchError(f"input {name!r} is on {x.device} but this rank's module "
                                      f"is on {self.device}; move it with .to({str(self.device)!r})")
         return x
+
+    def __deepcopy__(self, memo):
+        """An independent copy on the same process groups (runtime/copying.py)."""
+        return deepcopy_parallel_module(self, memo)
 
     # ---- the job around the module -----------------------------------------------------------
     _calls_to_check = 0     # first calls left whose inputs are compared across the plan unit

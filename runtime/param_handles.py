@@ -440,6 +440,7 @@ def release_original(pm, module, rows, shared: dict) -> None:
         if _held_elsewhere(p, pm):
             continue                    # another live pm computes with this very tensor
         p._nnc_origin = (weakref.ref(pm), name)
+        p._nnc_fqn = fqn
         if not p.is_meta and p.numel():
             p.grad = None
             _free(p)                           # shape, dtype and device stay
@@ -469,11 +470,13 @@ def _free(p: torch.nn.Parameter) -> None:
 class ReleasedParameter(torch.nn.Parameter):
     """An original module's Parameter whose storage a ParallelModule freed (still a Parameter,
     same shape, dtype and device, adopted by the optimizer's next step). Reading its values
-    would read freed memory, so printing shows what it is and copying or pickling it is an
+    would read freed memory, so its metadata (shape, dtype, requires_grad, ...) reads as
+    before, and computing with it, reading `.data`, printing, copying or pickling it is an
     error that names what to do:
 
-        before: print(model.lm_head.weight)     -> the process crashes (no storage)
-        after:  <released Parameter [64, 32] float32: its values live in the ParallelModule>
+        before: model.lm_head.weight.norm()     -> the process crashes (SIGSEGV: no storage)
+        after:  ConfigError: cannot compute norm on the parameter 'lm_head.weight' [64, 32] of
+                a module that was parallelized: ... pm.gather_params()['lm_head.weight'] ...
     """
 
     def __repr__(self) -> str:
@@ -496,6 +499,57 @@ class ReleasedParameter(torch.nn.Parameter):
 
     def __reduce_ex__(self, protocol):
         self._refuse("pickle")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _metadata_functions():
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        p = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)), None)
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__":                # a property: .data, .T, .mT, ...
+            name = getattr(getattr(func, "__self__", None), "__name__", "read")
+        origin = getattr(p, "_nnc_origin", None)
+        fqn = getattr(p, "_nnc_fqn", None) or (origin[1] if origin else "?")
+        shape = list(p.shape) if p is not None else "?"
+        verb = f"read .{name} of" if name in ("data", "T", "mT", "H", "real", "imag") else \
+            f"compute {name} on"
+        raise ConfigError(
+            f"cannot {verb} the parameter {fqn!r} {shape} of a module that was "
+            f"parallelized: its storage was released and its values live in the "
+            f"ParallelModule (pm) that nncompile.parallelize returned. Read them whole with "
+            f"pm.gather_params()[{fqn!r}] (every rank calls it), or use pm's own parameters "
+            f"(pm.named_parameters()); edits belong on those, or on the model before "
+            f"parallelize")
+
+
+_METADATA: frozenset | None = None
+
+
+def _metadata_functions() -> frozenset:
+    """What a ReleasedParameter answers: its shape, dtype, device, flags and gradient slot,
+    never its values."""
+    global _METADATA
+    if _METADATA is None:
+        T = torch.Tensor
+        props = ["shape", "dtype", "device", "is_meta", "is_cuda", "is_cpu", "is_sparse",
+                 "is_quantized", "is_nested", "layout", "ndim", "requires_grad", "grad",
+                 "is_leaf", "grad_fn", "names", "_base", "_version", "is_mkldnn", "itemsize",
+                 "nbytes", "_grad", "_grad_fn", "output_nr", "_cdata", "is_xla", "is_mps",
+                 "is_xpu", "is_ipu", "is_mtia", "is_vulkan", "is_maia"]
+        funcs = {getattr(T, n).__get__ for n in props if hasattr(T, n)}
+        funcs |= {getattr(T, n).__set__ for n in ("requires_grad", "grad", "_grad")
+                  if hasattr(T, n)}
+        funcs |= {getattr(T, n).__delete__ for n in ("grad",) if hasattr(T, n)}
+        funcs |= {getattr(T, n) for n in (
+            "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset",
+            "untyped_storage", "data_ptr", "requires_grad_", "is_floating_point",
+            "is_complex", "is_contiguous", "get_device", "type", "__hash__", "__format__",
+            "_is_view", "is_shared", "is_pinned", "register_hook",
+            "register_post_accumulate_grad_hook", "retain_grad", "__setstate__",
+            "_typed_storage", "storage") if hasattr(T, n)}
+        _METADATA = frozenset(funcs)
+    return _METADATA
 
 
 def released(p) -> bool:

@@ -30,7 +30,7 @@ from nncompile.errors import CheckpointError
 from nncompile.fileio import write_text
 from nncompile.log import log
 from nncompile.pretrained_layout import (INDEX, WEIGHTS, Layout, config_files, converted_values,
-                                         find_pretrained, plan_layout, reverter,
+                                         pretrained_models, plan_layout, reverter,
                                          stale_shards, weights_dtype)
 from nncompile.rows import BufferRow, buffer_rows, param_rows, take
 from nncompile.ir.placement import Shard
@@ -43,16 +43,16 @@ _SOURCE = "_nnc_pretrained_source"
 
 
 def remember_pretrained(pm, module: torch.nn.Module | None) -> None:
-    """Record the Hugging Face model inside `module` (prefix, model) on pm, for a caller that
-    drops the module's children afterwards (the Lightning strategy)."""
-    pm.__dict__[_SOURCE] = find_pretrained(module)
+    """Record the Hugging Face models inside `module` [(prefix, model)] on pm, for a caller
+    that drops the module's children afterwards (the Lightning strategy)."""
+    pm.__dict__[_SOURCE] = pretrained_models(module)
 
 
-def pretrained_source(pm) -> tuple[str, Any] | None:
-    """(FQN prefix, Hugging Face model) that pm was built from, or None."""
+def pretrained_sources(pm) -> list[tuple[str, Any]]:
+    """[(FQN prefix, Hugging Face model)] that pm was built from (outermost ones)."""
     if _SOURCE in pm.__dict__:
         return pm.__dict__[_SOURCE]
-    return find_pretrained(pm.module)
+    return pretrained_models(pm.module)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -120,10 +120,20 @@ def state_specs(pm, prefix: str) -> tuple[dict[str, tuple[tuple, torch.dtype]], 
 
 
 def _source(pm, prefix: str | None) -> tuple[str, Any]:
-    found = pretrained_source(pm)
-    model = found[1] if found else None
+    """(prefix, Hugging Face model) to save or load: the one model inside pm's module, the
+    one at `prefix`, or an error when there are several and no prefix says which."""
+    found = pretrained_sources(pm)
     if prefix is None:
-        prefix = found[0] if found else ""
+        if len(found) > 1:
+            trains = {p: any(q.requires_grad for q in m.parameters()) for p, m in found}
+            listed = ", ".join(f"{p[:-1]!r} ({type(m).__name__}, "
+                               f"{'trained' if trains[p] else 'frozen'})" for p, m in found)
+            raise CheckpointError(
+                f"the module holds {len(found)} Hugging Face models: {listed}; pass "
+                f"prefix= to say which one to save or load, e.g. prefix="
+                f"{next((p for p, _ in found if trains[p]), found[0][0])!r}")
+        return (found[0] if found else ("", None))
+    model = next((m for p, m in found if p == prefix), None)
     return prefix, model
 
 

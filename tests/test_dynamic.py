@@ -152,3 +152,74 @@ def test_lightning_last_batch_smaller_matches_plain_lightning(tmp_path):
         assert (s1, b1) == (s2, b2) and abs(a - b) <= 1e-5 * abs(b), (s1, a, b)
     before, after = ours["resumed"]              # a checkpoint of a dynamic compile loads back
     assert abs(before - after) <= 1e-6 * abs(before)
+
+
+def test_fused_projections_and_mla_follow_dynamic_sizes(run_ranks, tmp_path):
+    """GPT-BigCode, Falcon (multi-query, new architecture) and DeepSeek-V3 (MLA) at plan 2,
+    traced at (2, 16): at (3, 12), at (4, 8) (the traced token count) and back at (2, 16),
+    loss and every gradient equal one device's (tests/workers/dynamic_fused.py)."""
+    out = tmp_path / "report.json"
+    run_ranks("tests/workers/dynamic_fused.py", 2, "--savedir", str(tmp_path / "gen"),
+              "--out", str(out))
+    results = json.loads(out.read_text())
+    assert {(r["model"], r["policy"]) for r in results} == {
+        ("gpt_bigcode", "tp"), ("falcon_multi_query", "tp"), ("falcon_new", "tp"),
+        ("deepseek_v3", "tp"), ("falcon_new", "tp_sp"), ("gpt_bigcode", "autodist")}
+    for r in results:
+        assert set(r["sizes"]) == {"3x12", "4x8", "2x16"}, r
+        for size, e in r["sizes"].items():
+            assert e["max_grad_err"] < 1e-5 and e["grads"] >= 15, (r["model"], size, e)
+        assert sum(n for k, n in r["collectives"].items() if k != "comm.sync_grad"), r  # splits
+    sp = next(r for r in results if r["policy"] == "tp_sp")
+    assert sp["collectives"].get("comm.reduce_scatter", 0) > 0, sp    # the sequence is split
+
+
+def _bake_first_reshape(graph):
+    """A pass that forgets the symbols: the first dynamic reshape gets its traced sizes."""
+    g = graph.clone()
+    op = next(o for o in g.ops if o.target_name in ("aten.view.default", "aten.reshape.default")
+              and any(isinstance(s, Sym) for s in o.args[1]))
+    op.args = (op.args[0], [int(s) for s in op.args[1]])
+    return g
+
+
+def test_guard_names_the_pass_and_op_that_bakes_a_dynamic_size():
+    from nncompile.frontend import trace
+    from nncompile.ir.verify_sizes import second_point, verify_sizes
+    from nncompile.passes import PassError, run_pipeline
+    graph = trace(models.build("gpt"), models.batch("gpt", 0), dynamic_dims=GPT_DIMS)
+    assert second_point(graph)          # the sizes move: batch 4 -> 5, seq 16 -> 15 (max 16)
+    assert verify_sizes(graph) is graph
+    _bake_first_reshape.__name__ = "bake"
+    op = next(o for o in graph.ops if o.target_name in ("aten.view.default",
+                                                           "aten.reshape.default")
+              and any(isinstance(s, Sym) for s in o.args[1]))
+    with pytest.raises(nncompile.GraphError) as info:
+        run_pipeline(graph, [_bake_first_reshape])
+    text = str(info.value)
+    assert not isinstance(info.value, PassError)
+    assert f"pass 'bake' built op {op.name} ({op.target_name})" in text, text
+    assert "s_batch=4, s_seq=16" in text and "at s_batch=5, s_seq=15 it fails" in text, text
+    assert "keep_symbols" in text
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "hf_gpt2", "hf_llama", "hf_t5", "hf_bart",
+                                  "custom"])
+def test_guard_passes_every_test_model_with_dynamic_dims(name, tmp_path, monkeypatch):
+    """Every model of tests/models.py, batch and sequence dynamic, at plan 2 under tp: the
+    guard runs on the training (and eval) program, checks its ops and finds nothing."""
+    import nncompile.ir.verify_sizes as guard
+    checked, runs = [], guard._run
+
+    def counting(op, graph, point):
+        checked.append(op.name)
+        return runs(op, graph, point)
+    monkeypatch.setattr(guard, "_run", counting)
+    data = models.batch(name, 0)
+    dims = {k: ({0: "batch"} if name == "mlp" or v.dim() < 2 else
+                {0: "batch", 1: {"name": "seq", "min": 3, "max": 16}})
+            for k, v in data.items()}
+    nncompile.parallelize(models.build(name), data, nncompile.ComputeConfig(2, 2),
+                          pas_policy="tp", gen_savedir=tmp_path, load_module=False,
+                          dynamic_dims=dims)
+    assert len(checked) >= 5, checked

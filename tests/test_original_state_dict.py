@@ -89,3 +89,37 @@ def test_released_parameter_prints_and_refuses_copies(gpt, tmp_path):
     assert is_param and shape == tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
     assert "cannot copy a parameter of a module that was parallelized" in errors[0], errors[0]
     assert "cannot pickle" in errors[1] and "copy.deepcopy(model)" in errors[1], errors[1]
+
+
+@pytest.mark.parametrize("policy,plan,zero", [("tp", 2, 0), ("dp", 1, 3)])
+def test_reading_a_released_parameter_is_an_error_not_a_crash(gpt, tmp_path, policy, plan,
+                                                              zero):
+    """DDP's `model.module` habit on the module given to parallelize: p.norm(),
+    p.data.clamp_(), p.clamp_() and torch functions of a released parameter read no freed
+    memory (that crashed the process): each is a ConfigError naming the parameter and
+    pm.gather_params(); its metadata still reads, and pm's training goes on."""
+    def check(module, pm):
+        w = module.get_parameter("h.0.mlp_fc.weight")
+        errors = []
+        for what in (lambda: w.norm(), lambda: w.data.clamp_(-1, 1), lambda: w.clamp_(-1, 1),
+                     lambda: torch.nn.utils.parameters_to_vector([w]), lambda: w.detach(),
+                     lambda: w + 1):
+            with pytest.raises(nncompile.ConfigError) as e:
+                what()
+            errors.append(str(e.value))
+        meta = (tuple(w.shape), w.dtype, w.requires_grad, w.dim(), w.numel())
+        before = {k: v.clone() for k, v in pm.gather_params().items()}
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        pm(**_batch()).backward()
+        opt.step()
+        moved = any(not torch.equal(v, before[k]) for k, v in pm.gather_params().items())
+        return errors, meta, moved
+    out = _after_one_step(gpt, tmp_path, f"read{policy}{zero}", plan, policy, check,
+                          use_zero=zero)
+    errors, meta, moved = out[0]
+    shape = tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
+    assert meta == (shape, torch.float32, True, 2, shape[0] * shape[1]) and moved
+    assert "cannot compute norm on the parameter 'h.0.mlp_fc.weight'" in errors[0], errors[0]
+    assert "cannot read .data of the parameter 'h.0.mlp_fc.weight'" in errors[1], errors[1]
+    for msg in errors:
+        assert "pm.gather_params()['h.0.mlp_fc.weight']" in msg, msg

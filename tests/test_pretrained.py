@@ -397,3 +397,42 @@ def test_bfloat16_is_kept(tmp_path):
     assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], exp[k]) for k in exp)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "bfloat16"     # 4.57: torch_dtype
+
+
+class _TwoModels(torch.nn.Module):
+    """DPO-style: a frozen reference registered first, then the trained policy."""
+
+    def __init__(self):
+        super().__init__()
+        self.reference = models.hf_llama().model
+        self.policy = models.hf_llama().model
+        self.reference.requires_grad_(False)
+
+    def forward(self, input_ids, labels):
+        with torch.no_grad():
+            ref = self.reference(input_ids=input_ids, labels=labels).loss
+        return self.policy(input_ids=input_ids, labels=labels).loss - ref
+
+
+def test_several_models_inside_need_a_prefix(tmp_path):
+    """save_pretrained without prefix= on a wrapper of two Hugging Face models is an error
+    naming both and which one trains; with prefix= it writes the one asked for."""
+    torch.manual_seed(0)
+    model = _TwoModels()
+    x = torch.randint(1, 64, (2, 8))
+    pm = nncompile.parallelize(model, {"input_ids": x, "labels": x}, ComputeConfig(1, 1),
+                               pas_policy="data", gen_savedir=str(tmp_path / "gen"))
+    with pytest.raises(CheckpointError, match=r"holds 2 Hugging Face models: 'reference' "
+                       r"\(LlamaForCausalLM, frozen\), 'policy' \(LlamaForCausalLM, trained\); "
+                       r"pass prefix= .* e\.g\. prefix='policy\.'"):
+        nncompile.save_pretrained(pm, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="2 Hugging Face models"):
+        nncompile.load_pretrained(pm, tmp_path / "out")
+    nncompile.save_pretrained(pm, tmp_path / "out", prefix="policy.")
+    policy = model.policy.state_dict()
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    weights = pm.gather_params()
+    assert saved and all(torch.equal(t, weights[f"policy.{k}"]) for k, t in saved.items())
+    assert not all(torch.equal(t, weights[f"reference.{k}"]) for k, t in saved.items())
+    assert set(saved) <= set(policy)

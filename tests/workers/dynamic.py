@@ -87,14 +87,16 @@ def check(name: str, policy: str, plan: int, savedir: str) -> dict:
                                 if ln.strip().startswith("SIZES =")), None)}
 
 
-def main() -> None:
+def main(check_all=lambda savedir: [check(name, policy, plan, savedir)
+                                     for name, policy, plan in CASES]) -> None:
+    """Run `check_all(savedir)` on every rank; rank 0 writes its results to --out."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--savedir", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    results = [check(name, policy, plan, args.savedir) for name, policy, plan in CASES]
+    results = check_all(args.savedir)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
