@@ -456,6 +456,9 @@ def release_original(pm, module, rows, shared: dict) -> None:
         if not getattr(owner, "_nnc_sd_guard", False):
             owner._nnc_sd_guard = True
             owner.register_state_dict_pre_hook(_released_state_dict)
+    if gone:        # where one DTensor describes pm's piece, the module holds that instead
+        from .module_views import view_released      # (imported here: it imports this file)
+        view_released(pm, module, rows)
 
 
 def _free(p: torch.nn.Parameter) -> None:
@@ -581,11 +584,12 @@ def _released_forward(example: str):
             p = module.get_parameter(example)
         except AttributeError:          # the parameter was taken out of the module since
             return None
-        if released(p):
+        if released(p) or getattr(p, "_nnc_handle", None) is not None:
             raise ConfigError(
                 f"{type(module).__name__} was parallelized: its parameters (e.g. {example!r}) "
-                f"now live in the ParallelModule returned by nncompile.parallelize, and its "
-                f"own storage was released; call that module (pm(...)) instead, or "
+                f"now live in the ParallelModule returned by nncompile.parallelize (the "
+                f"module holds released tensors or DTensor views of pm's pieces); call that "
+                f"module (pm(...)) instead, or "
                 f"parallelize a copy (copy.deepcopy(model)) to keep this one usable")
         return None
     return hook

@@ -1,6 +1,8 @@
 """The module given to parallelize, after it: where the plan keeps every parameter whole its
-state_dict() is pm's weights (the very tensors pm trains); where the plan shards (tp, ZeRO-3)
-its parameters are released, and its state_dict() (nanoGPT saves raw_model.state_dict()) is an
+state_dict() is pm's weights (the very tensors pm trains); where the plan shards by boxes (tp)
+it holds DTensor views of pm's pieces (runtime/module_views.py): reading, editing, freezing
+and state_dict() work as on one device; where a piece is no box (ZeRO-3's flat pieces) its
+parameters are released, and its state_dict() (nanoGPT saves raw_model.state_dict()) is an
 error naming what to save instead, not a dict of storage-less tensors. Two simulated ranks."""
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def _after_one_step(gpt, tmp_path, name, plan, policy, check, **cfg):
     return run_ranks(WORLD, rank_fn)
 
 
-@pytest.mark.parametrize("policy,plan,zero", [("tp", 2, 0), ("dp", 1, 3)])
+@pytest.mark.parametrize("policy,plan,zero", [("dp", 1, 3), ("tp", 2, 3)])
 def test_released_module_state_dict_is_an_error(gpt, tmp_path, policy, plan, zero):
     def check(module, pm):
         errors = []
@@ -84,19 +86,18 @@ def test_released_parameter_prints_and_refuses_copies(gpt, tmp_path):
                 what()
             errors.append(str(e.value))
         return shown, errors, isinstance(w, torch.nn.Parameter), tuple(w.shape)
-    shown, errors, is_param, shape = _after_one_step(gpt, tmp_path, "rel", 2, "tp", check)[0]
+    shown, errors, is_param, shape = _after_one_step(gpt, tmp_path, "rel", 1, "dp", check,
+                                                     use_zero=3)[0]
     assert shown.startswith("<released Parameter [") and "ParallelModule" in shown, shown
     assert is_param and shape == tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
     assert "cannot copy a parameter of a module that was parallelized" in errors[0], errors[0]
     assert "cannot pickle" in errors[1] and "copy.deepcopy(model)" in errors[1], errors[1]
 
 
-@pytest.mark.parametrize("policy,plan,zero", [("tp", 2, 0), ("dp", 1, 3)])
-def test_reading_a_released_parameter_is_an_error_not_a_crash(gpt, tmp_path, policy, plan,
-                                                              zero):
-    """DDP's `model.module` habit on the module given to parallelize: p.norm(),
-    p.data.clamp_(), p.clamp_() and torch functions of a released parameter read no freed
-    memory (that crashed the process): each is a ConfigError naming the parameter and
+def test_reading_a_released_parameter_is_an_error_not_a_crash(gpt, tmp_path):
+    """DDP's `model.module` habit where the module's parameters are released (ZeRO-3):
+    p.norm(), p.data.clamp_(), p.clamp_() and torch functions of a released parameter read no
+    freed memory (that crashed the process): each is a ConfigError naming the parameter and
     pm.gather_params(); its metadata still reads, and pm's training goes on."""
     def check(module, pm):
         w = module.get_parameter("h.0.mlp_fc.weight")
@@ -114,12 +115,46 @@ def test_reading_a_released_parameter_is_an_error_not_a_crash(gpt, tmp_path, pol
         opt.step()
         moved = any(not torch.equal(v, before[k]) for k, v in pm.gather_params().items())
         return errors, meta, moved
-    out = _after_one_step(gpt, tmp_path, f"read{policy}{zero}", plan, policy, check,
-                          use_zero=zero)
-    errors, meta, moved = out[0]
+    errors, meta, moved = _after_one_step(gpt, tmp_path, "read3", 1, "dp", check,
+                                          use_zero=3)[0]
     shape = tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
     assert meta == (shape, torch.float32, True, 2, shape[0] * shape[1]) and moved
     assert "cannot compute norm on the parameter 'h.0.mlp_fc.weight'" in errors[0], errors[0]
     assert "cannot read .data of the parameter 'h.0.mlp_fc.weight'" in errors[1], errors[1]
     for msg in errors:
         assert "pm.gather_params()['h.0.mlp_fc.weight']" in msg, msg
+
+
+def test_tp_module_holds_dtensor_views_of_pm(gpt, tmp_path):
+    """Under tp the module's split parameters are DTensors whose local tensors are pm's
+    pieces: full_tensor() and norms equal the gathered weights, an in-place edit of the module
+    (p.data.clamp_, p.mul_) changes what pm trains, state_dict() holds DTensors under the
+    original names, and calling the module itself is still an error naming pm."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def check(module, pm):
+        full = pm.gather_params()
+        w = module.get_parameter("h.0.mlp_fc.weight")
+        out = {"placements": w.placements, "is_param": isinstance(w, torch.nn.Parameter),
+               "full": all(torch.equal(p.full_tensor() if isinstance(p, DTensor) else p,
+                                       full[k]) for k, p in module.named_parameters()),
+               "norm": float(w.norm().full_tensor()), "want_norm": float(full[
+                   "h.0.mlp_fc.weight"].norm()),
+               "split": sum(isinstance(p, DTensor) for p in module.parameters())}
+        with torch.no_grad():
+            w.data.clamp_(-0.01, 0.01)
+            module.get_parameter("h.1.mlp_proj.weight").mul_(0)
+        after = pm.gather_params()
+        out["clamped"] = float(after["h.0.mlp_fc.weight"].abs().max())
+        out["zeroed"] = float(after["h.1.mlp_proj.weight"].abs().max())
+        sd = module.state_dict()
+        out["sd"] = (set(sd) == set(gpt.state_dict()),
+                     torch.equal(sd["h.0.mlp_fc.weight"].full_tensor(),
+                                 after["h.0.mlp_fc.weight"]))
+        with pytest.raises(nncompile.ConfigError, match="call that module"):
+            module(**_batch())
+        return out
+    out = _after_one_step(gpt, tmp_path, "views", 2, "tp", check)[0]
+    assert out["placements"][-1] == Shard(0) and out["is_param"] and out["full"]
+    assert out["split"] >= 8 and abs(out["norm"] - out["want_norm"]) < 1e-5, out
+    assert out["clamped"] <= 0.01 and out["zeroed"] == 0.0 and out["sd"] == (True, True), out

@@ -1,0 +1,97 @@
+"""What user code does to the parameters through the module given to parallelize (DDP's
+`model.module` habit), under tp where that module holds DTensor views of pm's pieces
+(runtime/module_views.py): freezing and unfreezing a block mid-training, a WGAN-style clamp,
+and torch's own checkpoint API (get/set_model_state_dict + torch.distributed.checkpoint) into
+another plan. Each against one device. Two simulated ranks."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+import models
+import nncompile
+from nncompile import ComputeConfig
+from nncompile.tools.simulate import run_ranks
+
+WORLD, STEPS, CLAMP = 2, 5, 0.05
+
+
+def _batch(step: int):
+    return models.batch("gpt", step, batch_size=2, seq=16)
+
+
+def _train(model, module, step_fn=None):
+    """SGD with momentum and weight decay; block h.0 frozen for steps 1-2, then unfrozen;
+    every weight clamped to [-CLAMP, CLAMP] after each step (through `module`)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        if step in (1, 3):
+            module.get_submodule("h.0").requires_grad_(step == 3)
+        opt.zero_grad()
+        loss = model(**_batch(step))
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.clamp_(-CLAMP, CLAMP)
+        losses.append(loss.item())
+    return losses
+
+
+def test_freeze_unfreeze_and_clamp_through_the_module_under_tp(tmp_path):
+    base = models.build("gpt")
+    ref = copy.deepcopy(base)
+    want_losses = _train(ref, ref)
+    frozen_moved = not torch.equal(ref.get_parameter("h.0.mlp_fc.weight"),
+                                   base.get_parameter("h.0.mlp_fc.weight"))
+
+    def rank_fn(rank):
+        module = copy.deepcopy(base)
+        pm = nncompile.parallelize(module, _batch(0), ComputeConfig(2, WORLD), pas_policy="tp",
+                                   gen_savedir=tmp_path, instance_name="habits")
+        return _train(pm, module), pm.gather_params()
+    for losses, got in run_ranks(WORLD, rank_fn):
+        assert max(abs(a - b) for a, b in zip(losses, want_losses)) < 1e-5, (losses,
+                                                                             want_losses)
+        for fqn, p in ref.named_parameters():
+            torch.testing.assert_close(got[fqn], p.detach(), rtol=1e-5, atol=1e-6)
+        assert max(float(v.abs().max()) for v in got.values()) <= float(torch.tensor(CLAMP))
+    assert frozen_moved          # h.0 trained in the steps it was not frozen
+
+
+def test_torch_checkpoint_api_on_the_module_into_another_plan(tmp_path):
+    """get_model_state_dict(pm.module) + dcp.save under tp; a fresh parallelize under dp
+    (and tp), dcp.load + set_model_state_dict: the weights and the next step's loss equal the
+    uninterrupted run's. nncompile's own checkpoint functions are not called."""
+    base = models.build("gpt")
+
+    def rank_fn(rank):
+        module = copy.deepcopy(base)
+        pm = nncompile.parallelize(module, _batch(0), ComputeConfig(2, WORLD), pas_policy="tp",
+                                   gen_savedir=tmp_path, instance_name="dcp_tp")
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        pm(**_batch(0)).backward()
+        opt.step()
+        dcp.save(get_model_state_dict(pm.module), checkpoint_id=tmp_path / "ckpt")
+        want, next_loss = pm.gather_params(), pm(**_batch(1)).item()
+        out = []
+        for policy, plan in (("dp", 1), ("tp", 2)):
+            fresh = models.build("gpt", seed=7) if rank == 0 else None
+            fresh = copy.deepcopy(base) if fresh is None else fresh
+            pm2 = nncompile.parallelize(fresh, _batch(0), ComputeConfig(plan, WORLD),
+                                        pas_policy=policy, gen_savedir=tmp_path,
+                                        instance_name=f"dcp_{policy}_in")
+            state = get_model_state_dict(pm2.module)
+            dcp.load(state, checkpoint_id=tmp_path / "ckpt")
+            set_model_state_dict(pm2.module, state)
+            got = pm2.gather_params()
+            out.append((max(float((got[k] - want[k]).abs().max()) for k in want),
+                        abs(pm2(**_batch(1)).item() - next_loss)))
+        return out
+    for errors in run_ranks(WORLD, rank_fn):
+        for weight_err, loss_err in errors:
+            assert weight_err == 0.0 and loss_err < 1e-6, errors
