@@ -95,14 +95,16 @@ def zero_stage(pm) -> str | None:
 
 # ---- ZeRO-3 handles and segments ----------------------------------------------------------
 def make_handles(pm) -> None:
-    """Register a storage-less handle per local parameter (ZeRO-3), by local name."""
+    """Register a storage-less handle per local parameter (ZeRO-3), by local name; its
+    element-wise in-place edits apply to its segment (runtime/zero3_handles.py)."""
     from nncompile.rows import param_rows
+    from .zero3_handles import ZeroHandle         # (imported here: it imports this file)
     rows = {row.name: row for row in param_rows(pm)}
     for unit in pm.zero.units:
         flat = pm.zero.flat(unit)
         for name in unit.layout.names:
-            h = torch.nn.Parameter(torch.empty(rows[name].local_shape, dtype=flat.dtype,
-                                               device="meta"), requires_grad=unit.trainable)
+            h = ZeroHandle(torch.empty(rows[name].local_shape, dtype=flat.dtype,
+                                       device="meta"), requires_grad=unit.trainable)
             h._nnc_handle = (weakref.ref(pm), name)
             pm.register_parameter(name, h)
 

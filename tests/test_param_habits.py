@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -95,3 +97,44 @@ def test_torch_checkpoint_api_on_the_module_into_another_plan(tmp_path):
     for errors in run_ranks(WORLD, rank_fn):
         for weight_err, loss_err in errors:
             assert weight_err == 0.0 and loss_err < 1e-6, errors
+
+
+@pytest.mark.parametrize("plan,world", [(1, 2), (2, 4)])
+def test_zero3_in_place_edits_equal_one_device(tmp_path, plan, world):
+    """WGAN-style clamping over pm.parameters() under ZeRO-3 (and tp x ZeRO-3): each rank
+    edits its run of every parameter, so the weights equal one device's after every step;
+    reading a ZeRO-3 parameter's values (an EMA's p.detach().clone(), p.norm()) is an error
+    naming pm.gather_params(), not a meta tensor."""
+    base = models.build("gpt")
+    ref = copy.deepcopy(base)
+
+    def train(model, step_fn):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(3):
+            opt.zero_grad()
+            step_fn(model, step).backward()
+            opt.step()
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    (p.data if i % 2 else p).clamp_(-CLAMP, CLAMP)
+                    p.mul_(torch.full(p.shape, 0.99))      # a tensor shaped like p
+    train(ref, lambda m, step: m(**_batch(step)))
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(base), _batch(0),
+                                   ComputeConfig(plan, world, use_zero=3),
+                                   pas_policy="tp" if plan > 1 else "dp",
+                                   gen_savedir=tmp_path, instance_name=f"zero3_{plan}")
+        train(pm, lambda m, step: m(**_batch(step)))
+        errors = []
+        p = next(iter(pm.parameters()))
+        for what in (lambda: p.detach().clone(), lambda: p.norm(), lambda: p + 1):
+            with pytest.raises(nncompile.ConfigError) as e:
+                what()
+            errors.append(str(e.value))
+        return pm.gather_params(), errors
+    for got, errors in run_ranks(world, rank_fn):
+        for fqn, p in ref.named_parameters():
+            torch.testing.assert_close(got[fqn], p.detach(), rtol=1e-5, atol=1e-6)
+        assert all("ZeRO-3 parameter" in m and "pm.gather_params()" in m for m in errors)
+        assert "cannot compute clone" in errors[0], errors[0]
