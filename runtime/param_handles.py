@@ -511,9 +511,7 @@ class ReleasedParameter(torch.nn.Parameter):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         p = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)), None)
-        name = getattr(func, "__name__", str(func))
-        if name == "__get__":                # a property: .data, .T, .mT, ...
-            name = getattr(getattr(func, "__self__", None), "__name__", "read")
+        name = function_name(func)
         origin = getattr(p, "_nnc_origin", None)
         fqn = getattr(p, "_nnc_fqn", None) or (origin[1] if origin else "?")
         shape = list(p.shape) if p is not None else "?"
@@ -526,6 +524,14 @@ class ReleasedParameter(torch.nn.Parameter):
             f"pm.gather_params()[{fqn!r}] (every rank calls it), or use pm's own parameters "
             f"(pm.named_parameters()); edits belong on those, or on the model before "
             f"parallelize")
+
+
+def function_name(func) -> str:
+    """The name a __torch_function__ override sees: a method's, or a property's (.data, .T)."""
+    name = getattr(func, "__name__", str(func))
+    if name in ("__get__", "__set__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
 
 
 _METADATA: frozenset | None = None

@@ -24,7 +24,7 @@ import torch
 
 from nncompile.errors import ConfigError
 
-from .param_handles import _metadata_functions, zero3_segments
+from .param_handles import _metadata_functions, function_name, zero3_segments
 
 # element-wise in-place methods: applied to this rank's run
 _INPLACE = frozenset({
@@ -44,11 +44,11 @@ class ZeroHandle(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _metadata_functions() or _name(func) in _PASS:
+        if func in _metadata_functions() or function_name(func) in _PASS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         handle = args[0] if args and isinstance(args[0], cls) else None
-        name = _name(func)
+        name = function_name(func)
         if handle is not None and name in ("data", "detach"):
             return _alias(handle)
         if handle is not None and name == "copy_" and len(args) > 1 and \
@@ -59,13 +59,6 @@ class ZeroHandle(torch.nn.Parameter):
             return handle
         _refuse(next((a for a in (*args, *kwargs.values()) if isinstance(a, cls)), handle),
                 name)
-
-
-def _name(func) -> str:
-    name = getattr(func, "__name__", str(func))
-    if name in ("__get__", "__set__"):            # a property: .data, .T, ...
-        name = getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
 
 
 def _alias(handle: ZeroHandle) -> ZeroHandle:
@@ -84,11 +77,12 @@ def _edit(handle: ZeroHandle, func, rest: tuple, kwargs: dict) -> None:
 
     def run(x):
         if isinstance(x, ZeroHandle):
-            _refuse(x, _name(func) + " (with another ZeRO-3 parameter as its argument)")
+            _refuse(x, function_name(func) + " (with another ZeRO-3 parameter as its argument)")
         if torch.is_tensor(x) and x.dim() > 0:
             if tuple(x.shape) != shape:
                 raise ConfigError(
-                    f"{_name(func)} on pm's ZeRO-3 parameter {name!r} {list(shape)} with a "
+                    f"{function_name(func)} on pm's ZeRO-3 parameter {name!r} {list(shape)} "
+                    f"with a "
                     f"tensor of shape {list(x.shape)}: under ZeRO-3 an edit takes scalars or "
                     f"tensors shaped like the parameter (each rank applies its run of them)")
             return x.detach().reshape(-1)[start:stop].to(seg.device)
