@@ -33,6 +33,7 @@ from .reducer import Reducer
 from .zero import ZeroRuntime, all_gather_along
 from .meta_buffers import with_real_buffers
 from .param_handles import make_handles, release_original, take_original
+from .module_views import link_grads
 from .parts import assemble_sources
 from .state import check_same_plan, gather_split_axes, plan_info, share_over_pipeline
 
@@ -540,6 +541,7 @@ class ParallelModule(torch.nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         if self.zero is None:
+            link_grads(self)          # pm.module's views show it
             return
         for flat in self.stored_parameters():
             if flat.grad is not None:

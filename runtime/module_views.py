@@ -25,6 +25,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
 from .dcp import _dtensor
 from .param_handles import ReleasedParameter
 
@@ -54,24 +56,54 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
                                       requires_grad=p.requires_grad)
             view._nnc_handle = (weakref.ref(pm), row.name)    # an optimizer steps pm's piece
             made[id(p)] = view
-            views.append([view, local, view.requires_grad])
+            views.append([view, local, view.requires_grad, None])
         owner, _, leaf = fqn.rpartition(".")
         module.get_submodule(owner)._parameters[leaf] = view
     if views:
         pm.__dict__["_nnc_views"] = views
-        pm.register_forward_pre_hook(sync_requires_grad)
+        pm.register_forward_pre_hook(sync_views)
+        for entry in views:           # after the reducer's hooks: the gradient has landed
+            entry[1].register_post_accumulate_grad_hook(
+                lambda local, entry=entry: link_grad(entry))
+        if pm._reducer is not None:   # reduction may hand .grad another tensor (or None)
+            pm._reducer.on_finish.append(lambda: link_grads(pm))
     return still
 
 
-def sync_requires_grad(pm, args) -> None:
-    """A view's requires_grad changed since the last forward (pm.module's
-    `requires_grad_(False)` to freeze, or True to unfreeze): pm's piece follows."""
+def link_grad(entry) -> None:
+    """The view's .grad: a DTensor (the view's placements) over pm's piece's gradient, the
+    same storage, so `p.grad.norm()`, `.isnan()` and in-place edits of it mean what they mean
+    on one device; None where the piece has none."""
+    view, local, _, linked = entry
+    g = local.grad
+    if g is linked and (g is None) == (view.grad is None):
+        return
+    with torch.no_grad():
+        view.grad = None if g is None else DTensor.from_local(
+            g, view.device_mesh, view.placements, run_check=False, shape=view.shape,
+            stride=view.stride())
+    entry[3] = g
+
+
+def link_grads(pm) -> None:
     for entry in pm.__dict__.get("_nnc_views", ()):
-        view, local, seen = entry
+        link_grad(entry)
+
+
+def sync_views(pm, args) -> None:
+    """Before pm's forward, pm's pieces follow what was done to the views since the last one:
+    a changed requires_grad (pm.module's `requires_grad_(False)` to freeze, or True to
+    unfreeze), and a gradient cleared through the view (`zero_grad()` of an optimizer over
+    pm.module's parameters, `p.grad = None`), which the next backward must not add to."""
+    for entry in pm.__dict__.get("_nnc_views", ()):
+        view, local, seen, linked = entry
         flag = view.requires_grad
         if flag != seen:
             local.requires_grad_(flag)
             entry[2] = flag
+        if linked is not None and view.grad is None and local.grad is linked:
+            local.grad = None
+            entry[3] = None
 
 
-__all__ = ["view_released", "sync_requires_grad"]
+__all__ = ["view_released", "sync_views", "link_grad", "link_grads"]

@@ -115,6 +115,7 @@ class Reducer:
         self._next = 0
         self._queued = False
         self.overlapped = 0        # buckets the last backward launched before it ended
+        self.on_finish: list = []  # called once a reduction ended (module_views relinks .grad)
         self.sink = None           # ZeRO-2: takes each reduced bucket (params, views); the
                                    # bucket's buffer and the .grad are then freed
         cap = bucket_cap_mb * 2 ** 20
@@ -292,6 +293,8 @@ class Reducer:
             b.work, b.launched = None, False
         self._next = 0
         self._queued = False
+        for fn in self.on_finish:
+            fn()
 
     def reduce_now(self) -> None:
         """Reduce every bucket from the current .grad now (after a pipeline schedule ran all

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 import models
 import nncompile
@@ -138,3 +139,69 @@ def test_zero3_in_place_edits_equal_one_device(tmp_path, plan, world):
             torch.testing.assert_close(got[fqn], p.detach(), rtol=1e-5, atol=1e-6)
         assert all("ZeRO-3 parameter" in m and "pm.gather_params()" in m for m in errors)
         assert "cannot compute clone" in errors[0], errors[0]
+
+
+def _loss(out):
+    return out if isinstance(out, torch.Tensor) else out["loss"]
+
+
+def _full(t):
+    """A DTensor's value as one device has it (torch's reductions of a sharded DTensor, such
+    as norm(), are partial until read with full_tensor(), as under FSDP2)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _grad_case(case: str):
+    """(model, batch of a step, config, policy) for the gradient test's cases."""
+    if case == "ep":
+        from test_moe import batch, moe
+        return moe("mixtral"), lambda step: batch(), ComputeConfig(
+            2, 2, pas_config={"expert_parallel": 2}), "data"
+    if case == "cp":
+        from test_context_parallel import batch, hf
+        return hf("llama"), lambda step: batch(32), ComputeConfig(
+            2, 2, pas_config={"context_parallel": 2}), "tp"
+    policy, world = case.split("_w")
+    return models.build("gpt"), _batch, ComputeConfig(2, int(world)), policy
+
+
+@pytest.mark.parametrize("case", ["tp_w2", "tp_w4", "tp_sp_w2", "ep", "cp"])
+def test_gradients_through_the_module_equal_one_device(tmp_path, case):
+    base, batch_of, cfg, policy = _grad_case(case)
+    ref = copy.deepcopy(base)
+    world = cfg.runtime_ngpus
+
+    def train(model, module):
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1)
+        seen = []
+        for step in range(3):
+            if step == 1:                          # cleared by hand through the module
+                for p in module.parameters():
+                    p.grad = None
+            else:
+                opt.zero_grad()
+            _loss(model(**batch_of(step))).backward()
+            grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+            full = {n: _full(g).clone() for n, g in grads.items()}
+            norms = {n: float(_full(g.norm())) for n, g in grads.items()}
+            nans = any(bool(g.isnan().any()) for g in grads.values())
+            seen.append((full, norms, nans))
+            opt.step()
+        return seen
+    want = train(ref, ref)
+
+    def rank_fn(rank):
+        module = copy.deepcopy(base)
+        pm = nncompile.parallelize(module, batch_of(0), cfg, pas_policy=policy,
+                                   gen_savedir=tmp_path, instance_name=f"grads_{case}")
+        seen = train(pm, module)
+        kinds = {isinstance(p, DTensor) == isinstance(p.grad, DTensor)
+                 for p in module.parameters()}
+        return seen, kinds
+    for seen, kinds in run_ranks(world, rank_fn):
+        assert kinds == {True}, "a DTensor parameter's .grad is a DTensor"
+        for (full, norms, nans), (want_full, want_norms, _) in zip(seen, want):
+            assert full.keys() == want_full.keys() and not nans
+            for n, g in want_full.items():
+                torch.testing.assert_close(full[n], g, rtol=1e-4, atol=1e-6)
+                assert abs(norms[n] - want_norms[n]) <= 1e-4 * max(1.0, want_norms[n]), n
