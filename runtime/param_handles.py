@@ -160,14 +160,22 @@ def zero3_segments(pm) -> dict[str, torch.nn.Parameter]:
 
 
 def refresh_grads(segs: Iterable) -> None:
-    """Point each ZeRO-3 segment's .grad at its run of the flat gradient (None without)."""
+    """Point each ZeRO-3 segment's .grad at its run of the flat gradient (None without). A
+    parameter frozen after parallelize (`p.requires_grad_(False)` on its handle) gets none, as
+    on one device: its run of the flat gradient is zeroed (a clipping norm does not count it)
+    and its segment's .grad is None (no optimizer steps or decays it)."""
     for seg in segs:
         info = getattr(seg, "_nnc_flat", None)
         if info is None:
             continue
         flat, a, b = info
         g = flat.grad
-        if g is None:
+        pm = seg._nnc_pm()
+        handle = pm._parameters.get(seg._nnc_span[0]) if pm is not None else None
+        if g is not None and handle is not None and not handle.requires_grad:
+            g.detach()[a:b].zero_()
+            seg.grad = None
+        elif g is None:
             seg.grad = None
         elif seg.grad is None or seg.grad.data_ptr() != g[a:b].data_ptr() or \
                 seg.grad.numel() != b - a:

@@ -12,11 +12,17 @@ a silent no-op on the meta device:
     after:  this rank's run of p is clamped: the weights equal one device's
 
     before: ema = p.detach().clone()                    -> a meta tensor, silently
+    after:  a copy of this rank's run (its own storage), which takes the same element-wise
+            edits: ema.lerp_(p, 0.01), ema.mul_(d).add_(p, alpha=1 - d),
+            torch._foreach_lerp_(emas, params, 0.01), and p.copy_(ema) to evaluate with it
+
+    before: p.norm(), p + 1                              -> meta tensors, silently
     after:  ConfigError: ... pm.gather_params() ...
 
 A tensor argument shaped like the parameter (`p.copy_(w)`, `p.lerp_(w, 0.1)`) is cut to the
-same run. `p.data` and `p.detach()` give the handle again (without requires_grad), so
-`p.data.clamp_(...)` works too.
+same run; a handle or copy of the same parameter (of pm or of a copy of pm) gives its run.
+`p.data` and `p.detach()` give the handle again (without requires_grad), so
+`p.data.clamp_(...)` works too; `clone()` and `copy.deepcopy` give copies.
 """
 from __future__ import annotations
 
@@ -51,8 +57,14 @@ class ZeroHandle(torch.nn.Parameter):
         name = function_name(func)
         if handle is not None and name in ("data", "detach"):
             return _alias(handle)
+        if handle is not None and name == "clone":
+            return _copy(handle)
+        if name.startswith("_foreach_") and name[len("_foreach_"):] in _INPLACE and args and \
+                isinstance(args[0], (list, tuple)):
+            return _foreach(name[len("_foreach_"):], args, kwargs)
         if handle is not None and name == "copy_" and len(args) > 1 and \
-                getattr(args[1], "_nnc_handle", None) == handle._nnc_handle:
+                getattr(args[1], "_nnc_handle", None) == handle._nnc_handle and \
+                "_nnc_run" not in args[1].__dict__ and "_nnc_run" not in handle.__dict__:
             return handle          # itself (load_state_dict after loading the flat pieces)
         if handle is not None and name in _INPLACE:
             _edit(handle, func, args[1:], kwargs)
@@ -61,23 +73,63 @@ class ZeroHandle(torch.nn.Parameter):
                 name)
 
 
+    def __deepcopy__(self, memo):
+        return _copy(self)
+
+
 def _alias(handle: ZeroHandle) -> ZeroHandle:
     with torch._C.DisableTorchFunctionSubclass():
         alias = torch.empty(handle.shape, dtype=handle.dtype, device="meta")
     alias = ZeroHandle(alias, requires_grad=False)
     alias._nnc_handle = handle._nnc_handle
+    run = handle.__dict__.get("_nnc_run")
+    if run is not None:
+        alias._nnc_run = run          # a copy's alias edits the copy
     return alias
 
 
+def _copy(handle: ZeroHandle) -> ZeroHandle:
+    """A detached copy of `handle`'s run on this rank: edited like a handle, never stepped."""
+    alias = _alias(handle)
+    alias._nnc_run = _run(handle).detach().clone()
+    return alias
+
+
+def _run(x: ZeroHandle) -> torch.Tensor:
+    """This rank's run of a handle (a view of its flat piece) or of a copy (its own)."""
+    run = x.__dict__.get("_nnc_run")
+    if run is not None:
+        return run
+    pm, name = x._nnc_handle[0](), x._nnc_handle[1]
+    return zero3_segments(pm)[name]
+
+
+def _span(x: ZeroHandle) -> tuple:
+    pm, name = x._nnc_handle[0](), x._nnc_handle[1]
+    return zero3_segments(pm)[name]._nnc_span
+
+
+def _foreach(op: str, args: tuple, kwargs: dict):
+    """torch._foreach_<op>_(tensors, others..., **kw) as one edit per tensor (EMA code)."""
+    tensors = list(args[0])
+    for i, t in enumerate(tensors):
+        rest = [a[i] if isinstance(a, (list, tuple)) else a for a in args[1:]]
+        getattr(torch.Tensor, op)(t, *rest, **kwargs)
+    return None
+
+
 def _edit(handle: ZeroHandle, func, rest: tuple, kwargs: dict) -> None:
-    pm, name = handle._nnc_handle[0](), handle._nnc_handle[1]
-    seg = zero3_segments(pm)[name]
-    _, start, stop, _ = seg._nnc_span
+    name = handle._nnc_handle[1]
+    span = _span(handle)
+    _, start, stop, _ = span
     shape = tuple(handle.shape)
 
     def run(x):
         if isinstance(x, ZeroHandle):
-            _refuse(x, function_name(func) + " (with another ZeRO-3 parameter as its argument)")
+            if _span(x) != span or tuple(x.shape) != shape:
+                _refuse(x, f"{function_name(func)} with pm's ZeRO-3 parameter {name!r} (its "
+                        f"argument is another parameter, whose run on this rank differs)")
+            return _run(x).detach()
         if torch.is_tensor(x) and x.dim() > 0:
             if tuple(x.shape) != shape:
                 raise ConfigError(
@@ -85,10 +137,11 @@ def _edit(handle: ZeroHandle, func, rest: tuple, kwargs: dict) -> None:
                     f"with a "
                     f"tensor of shape {list(x.shape)}: under ZeRO-3 an edit takes scalars or "
                     f"tensors shaped like the parameter (each rank applies its run of them)")
-            return x.detach().reshape(-1)[start:stop].to(seg.device)
+            return x.detach().reshape(-1)[start:stop].to(target.device)
         return x
+    target = _run(handle).detach()
     with torch.no_grad():
-        func(seg.detach(), *map(run, rest), **{k: run(v) for k, v in kwargs.items()})
+        func(target, *map(run, rest), **{k: run(v) for k, v in kwargs.items()})
 
 
 def _refuse(handle, what: str):
