@@ -23,7 +23,8 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError
 
 # per-instance caches that name the original's tensors by id(): rebuilt by the copy on use
-_NOT_COPIED = {"_reducer", "_nnc_names", "_nnc_orig_ids", "forward_impl", "forward_eval_impl"}
+_NOT_COPIED = {"_reducer", "_nnc_names", "_nnc_orig_ids", "forward_impl", "forward_eval_impl",
+               "_nnc_views"}          # the module's views show the original pm's pieces
 
 
 def _job_objects(obj: Any, found: dict[int, Any], seen: set[int]) -> None:

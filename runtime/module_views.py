@@ -14,9 +14,11 @@ local tensor is a view of pm's piece. Code that reads or edits `pm.module`'s wei
                                                           update from the next forward on
             pm.module.state_dict()                     -> DTensors under the original names
 
-A flag set on a view (`requires_grad_`) reaches pm's piece at pm's next forward. Kept released
-(computing with them is a clear error): ZeRO-3's (its pieces are flat runs of whole layers), a
-parameter held as parts of a fused one (q|k|v rows split by heads), and pipelined plans'.
+A flag set on a view (`requires_grad_`) reaches pm's piece at pm's next forward; after each
+backward a view's `.grad` is a DTensor over the piece's gradient. Kept released (computing
+with them is a clear error): ZeRO-3's (its pieces are flat runs of whole layers; freezing one
+still reaches its handle), a parameter held as parts of a fused one (q|k|v rows split by
+heads), and pipelined plans'.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
     DTensor describes the piece; returns the FQNs that stay released."""
     params = list(module.named_parameters(remove_duplicate=False))
     released = [fqn for fqn, p in params if isinstance(p, ReleasedParameter)]
+    if released and pm.zero is not None:
+        follow_flags(pm, params, rows)
     if not released or pm.zero is not None or pm.PIPELINE is not None or \
             not dist.is_initialized():
         return released
@@ -68,6 +72,21 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
         if pm._reducer is not None:   # reduction may hand .grad another tensor (or None)
             pm._reducer.on_finish.append(lambda: link_grads(pm))
     return still
+
+
+def follow_flags(pm, params, rows) -> None:
+    """Under ZeRO-3 the module's parameters stay released; freezing one of them
+    (`pm.module.h[0].requires_grad_(False)`) reaches its handle in pm at pm's next forward."""
+    by_fqn = {row.fqn: row for row in rows if row.part is None}
+    entries = []
+    for fqn, p in params:
+        row = by_fqn.get(fqn)
+        handle = pm._parameters.get(row.name) if row is not None else None
+        if isinstance(p, ReleasedParameter) and handle is not None:
+            entries.append([p, handle, p.requires_grad, None])
+    if entries:
+        pm.__dict__["_nnc_views"] = entries
+        pm.register_forward_pre_hook(sync_views)
 
 
 def link_grad(entry) -> None:
