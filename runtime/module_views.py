@@ -40,29 +40,45 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
     released = [fqn for fqn, p in params if isinstance(p, ReleasedParameter)]
     if released and pm.zero is not None:
         follow_flags(pm, params, rows)
-    if not released or pm.zero is not None or pm.PIPELINE is not None or \
+    if pm.zero is not None or pm.PIPELINE is not None or pm.INFERENCE_ONLY or \
             not dist.is_initialized():
         return released
-    by_fqn = {row.fqn: row for row in rows if row.part is None}
+    row_of: dict[int, object] = {}       # id(parameter) -> its row (a tied one: its first FQN's)
+    for fqn, p in params:
+        row = next((r for r in rows if r.fqn == fqn and r.part is None), None)
+        if row is not None:
+            row_of.setdefault(id(p), row)
+    local_of = {id(p): pm._parameters.get(row.name) for p in dict(params).values()
+                if (row := row_of.get(id(p))) is not None}
+    whole = pm.PLAN_NGPUS > 1 and all(
+        (local := local_of.get(id(p))) is not None and local.is_contiguous() and
+        local.device == p.device and (isinstance(p, ReleasedParameter) or p is local)
+        for _, p in params)
+    if not released and not whole:
+        return released
     made: dict[int, torch.nn.Parameter] = {}     # id(original) -> its view (ties share one)
     views, still = [], []
     for fqn, p in params:
-        if not isinstance(p, ReleasedParameter):
-            continue
-        row = by_fqn.get(fqn)
-        local = pm._parameters.get(row.name) if row is not None else None
+        if not isinstance(p, ReleasedParameter) and not whole:
+            continue                              # shared with pm as it is (replicated)
+        local = local_of.get(id(p))
         if local is None or not local.is_contiguous() or local.device != p.device:
             still.append(fqn)
             continue
         view = made.get(id(p))
         if view is None:
-            view = torch.nn.Parameter(_dtensor(pm, local.detach(), row),
+            view = torch.nn.Parameter(_dtensor(pm, local.detach(), row_of[id(p)]),
                                       requires_grad=p.requires_grad)
-            view._nnc_handle = (weakref.ref(pm), row.name)    # an optimizer steps pm's piece
+            view._nnc_handle = (weakref.ref(pm), row_of[id(p)].name)   # what it views
+            view._nnc_view = whole      # stepped as a DTensor (else: pm's piece is stepped)
             made[id(p)] = view
             views.append([view, local, view.requires_grad, None])
         owner, _, leaf = fqn.rpartition(".")
         module.get_submodule(owner)._parameters[leaf] = view
+    if whole and not getattr(module, "_nnc_guard", False):
+        from .param_handles import _released_forward
+        module._nnc_guard = True
+        module.register_forward_pre_hook(_released_forward(params[0][0]))
     if views:
         pm.__dict__["_nnc_views"] = views
         pm.register_forward_pre_hook(sync_views)

@@ -258,6 +258,8 @@ def _targets(p, opt_cls) -> list[tuple[str, torch.Tensor]] | None:
     if pm is None:
         raise ConfigError("the optimizer holds a parameter of a ParallelModule that no longer "
                           "exists; build the optimizer over the live module's parameters")
+    if getattr(p, "_nnc_view", False):
+        return None             # a DTensor over pm's piece: stepped as it is (global meaning)
     names = ref[1] if isinstance(ref[1], tuple) else (ref[1],)
     if pm.zero is not None:
         check_elementwise(opt_cls, "ZeRO-3")
@@ -265,9 +267,47 @@ def _targets(p, opt_cls) -> list[tuple[str, torch.Tensor]] | None:
     return [(n, getattr(pm, n)) for n in names]
 
 
+def check_pieces(opt, groups) -> None:
+    """An optimizer that is not element-wise (Adafactor's factored moments, per-tensor norms,
+    Muon-style orthogonalisation) would step this rank's piece of a split parameter as if it
+    were the whole tensor: refused, naming the DTensor parameters that give it the whole
+    tensor's meaning. Element-wise ones (and unsplit parameters) pass."""
+    if is_elementwise(type(opt)):
+        return
+    from nncompile.rows import param_rows
+    from .clip import _LIVE
+
+    def split(pm) -> set[str]:
+        return {row.name for row in param_rows(pm)
+                if row.sharded or row.part is not None or row.name in pm.PARAM_AXES}
+    owners = {id(q): n for pm in list(_LIVE) if pm.zero is None
+              for n, q in pm.named_parameters() if n in split(pm)}
+    for g in groups:
+        ps = g["params"]
+        for p in [ps] if isinstance(ps, torch.Tensor) else ps:
+            if getattr(p, "_nnc_view", False):
+                continue                    # a DTensor: the whole tensor's meaning
+            tag = getattr(p, "_nnc_handle", None) or getattr(p, "_nnc_origin", None)
+            name = owners.get(id(p))
+            if tag is not None and tag[0]() is not None and tag[0]().zero is None:
+                names = tag[1] if isinstance(tag[1], tuple) else (tag[1],)
+                name = next((n for n in names if n in split(tag[0]())), None)
+            if name is not None:
+                raise ConfigError(
+                    f"{type(opt).__name__} is not known to be element-wise, and it was given "
+                    f"this rank's piece of the split parameter {name!r}: it would compute over "
+                    f"the piece as if it were the whole tensor (factored moments, norms and "
+                    f"matrix products over a piece differ from one device). Build it over the "
+                    f"module given to parallelize, whose parameters are DTensors with the whole "
+                    f"tensor's meaning (torch.optim-style code over pm.module.parameters()), "
+                    f"or declare it element-wise if it is: "
+                    f"nncompile.declare_elementwise({type(opt).__name__})")
+
+
 def adopt(opt, groups: list[dict] | None = None) -> bool:
     """Swap handles and released originals in `opt`'s groups (or `groups`) for what pm steps,
     moving any state; returns whether any were swapped."""
+    check_pieces(opt, opt.param_groups if groups is None else groups)
     swapped = False
     for g in (opt.param_groups if groups is None else groups):
         params = g["params"]
@@ -390,10 +430,11 @@ def take_original(pm, module, state: dict, rows) -> dict[str, torch.nn.Parameter
         return out
     params = dict(module.named_parameters(remove_duplicate=False))
     for name, p in params.items():
-        if released(p):
+        if released(p) or hasattr(p, "_nnc_view"):      # freed, or a DTensor view of a pm's
             raise ConfigError(
                 f"{type(module).__name__} was already parallelized: its parameter {name!r} "
-                f"now lives in that ParallelModule (its storage was released), so it cannot "
+                f"now lives in that ParallelModule (its storage was released, or the module "
+                f"holds a DTensor view of pm's piece), so it cannot "
                 f"be compiled again; parallelize a copy made before (copy.deepcopy(model)) "
                 f"or a freshly built model")
     if pm.INFERENCE_ONLY or pm.zero is not None:
@@ -466,9 +507,9 @@ def release_original(pm, module, rows, shared: dict) -> None:
         if not getattr(owner, "_nnc_sd_guard", False):
             owner._nnc_sd_guard = True
             owner.register_state_dict_pre_hook(_released_state_dict)
-    if gone:        # where one DTensor describes pm's piece, the module holds that instead
-        from .module_views import view_released      # (imported here: it imports this file)
-        view_released(pm, module, rows)
+    # where one DTensor describes pm's piece, the module holds that instead
+    from .module_views import view_released      # (imported here: it imports this file)
+    view_released(pm, module, rows)
 
 
 def _free(p: torch.nn.Parameter) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
 from nncompile.errors import CheckpointError
@@ -303,14 +304,36 @@ def local_optimizer_state(pm, opt) -> dict[str, Any]:
                                                pm.zero.gather_state),
                 "param_groups": groups}
     names = {id(p): n for n, p in _trainable(pm)}
+    names.update({id(view): n for n, view in _stepped_views(opt).items()})
     state = {}
     for p, st in opt.state.items():
         if id(p) not in names:
             raise CheckpointError("the optimizer holds a tensor that is not a parameter of this "
                                   "ParallelModule; build it with nncompile.build_optimizer(pm, "
                                   "...) or over pm.parameters()")
-        state[names[id(p)]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+        state[names[id(p)]] = {k: _local(v).clone() if torch.is_tensor(v) else v
+                               for k, v in st.items()}
     return {"state": state, "param_groups": groups}
+
+
+def _stepped_views(opt) -> dict[str, torch.Tensor]:
+    """{local name: DTensor view} for the module's DTensor parameters `opt` steps as they are
+    (runtime/module_views.py); their state is saved as its local pieces, like pm's own."""
+    return {p._nnc_handle[1]: p for g in opt.param_groups for p in g["params"]
+            if getattr(p, "_nnc_view", False)}
+
+
+def _local(v: torch.Tensor) -> torch.Tensor:
+    return v.to_local() if isinstance(v, DTensor) else v
+
+
+def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A saved local state tensor as state of `p`: a DTensor like p when p is one."""
+    if isinstance(p, DTensor) and not isinstance(v, DTensor) and v.dim() and \
+            tuple(v.shape) == tuple(p.to_local().shape):
+        return DTensor.from_local(v.to(p.device), p.device_mesh, p.placements,
+                                  run_check=False, shape=p.shape, stride=p.stride())
+    return v
 
 
 def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
@@ -327,13 +350,13 @@ def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
     if pm.zero is not None:
         load_segment_state(opt.state, _zero3_shards(pm), local["state"])
         return
-    params = dict(_trainable(pm))
+    params = {**dict(_trainable(pm)), **_stepped_views(opt)}
     for name, st in local["state"].items():
         if name not in params:
             raise CheckpointError(f"the checkpoint has optimizer state for {name!r}, which this "
                                   f"module does not have")
         p = params[name]
-        opt.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
+        opt.state[p] = {k: _like(p, v.to(p.device)) if torch.is_tensor(v) and v.dim() else v
                         for k, v in st.items()}
 
 

@@ -272,3 +272,125 @@ def test_zero3_ema_and_freezing_equal_one_device(tmp_path, plan, world, build):
         for fqn, p in ref.named_parameters():
             torch.testing.assert_close(got[fqn], p.detach(), rtol=1e-5, atol=1e-6, msg=fqn)
     assert moved
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """Not element-wise: each tensor moves by lr * g / |g| (a per-tensor norm, as LARS/LAMB)."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-3), alpha=-g["lr"])
+
+
+class Orthogonalized(torch.optim.Optimizer):
+    """Not element-wise: Muon-style momentum orthogonalised by Newton-Schulz for 2-D weights
+    (matrix products over the whole tensor), plain momentum SGD for the rest."""
+
+    def __init__(self, params, lr=0.02, momentum=0.9):
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "buf" not in st:
+                    st["buf"] = torch.zeros_like(p)
+                buf = st["buf"].mul_(g["momentum"]).add_(p.grad)
+                update = buf
+                if p.dim() == 2:
+                    x = buf / (buf.norm() + 1e-7)
+                    for _ in range(3):
+                        x = 1.5 * x - 0.5 * (x @ x.T) @ x
+                    update = x
+                p.add_(update, alpha=-g["lr"])
+
+
+@pytest.mark.parametrize("opt_cls", [NormalizedSGD, Orthogonalized])
+def test_optimizers_that_look_across_elements_over_the_modules_dtensors(tmp_path, opt_cls):
+    """An optimizer that is not element-wise, over the module's DTensor parameters under tp
+    (and tp x dp), steps with the whole tensors' meaning: every loss and the weights equal one
+    device's. Over pm.parameters() (this rank's pieces) it is refused with a clear error."""
+    base = models.build("gpt")
+
+    def train(model, module):
+        opt = opt_cls(module.parameters())
+        losses = []
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(**_batch(step))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    ref = copy.deepcopy(base)
+    want = train(ref, ref)
+
+    def rank_fn(rank):
+        module = copy.deepcopy(base)
+        pm = nncompile.parallelize(module, _batch(0), ComputeConfig(2, 4), pas_policy="tp",
+                                   gen_savedir=tmp_path, instance_name="across")
+        with pytest.raises(nncompile.ConfigError) as e:
+            opt_cls(pm.parameters())
+        return train(pm, module), pm.gather_params(), str(e.value)
+    for losses, got, error in run_ranks(4, rank_fn):
+        assert max(abs(a - b) for a, b in zip(losses, want)) < 1e-5, (losses, want)
+        for fqn, p in ref.named_parameters():
+            torch.testing.assert_close(got[fqn], p.detach(), rtol=1e-4, atol=1e-5)
+        assert "not known to be element-wise" in error and "pm.module.parameters()" in error
+
+
+def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path):
+    """AdamW over the module's DTensor parameters under tp; torch's API only:
+    get_model_state_dict + get_optimizer_state_dict + dcp.save after step 1; a fresh
+    parallelize under dp and under tp, dcp.load + set_model_state_dict +
+    set_optimizer_state_dict: the next two steps equal the uninterrupted run's."""
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    base = models.build("gpt")
+
+    def run(pm, module, opt, steps):
+        out = []
+        for step in steps:
+            opt.zero_grad()
+            loss = pm(**_batch(step))
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    def rank_fn(rank):
+        module = copy.deepcopy(base)
+        pm = nncompile.parallelize(module, _batch(0), ComputeConfig(2, WORLD), pas_policy="tp",
+                                   gen_savedir=tmp_path, instance_name="api_tp")
+        opt = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.1)
+        run(pm, module, opt, [0, 1])
+        dcp.save({"model": get_model_state_dict(module),
+                  "optim": get_optimizer_state_dict(module, opt)},
+                 checkpoint_id=tmp_path / "api_ckpt")
+        want = run(pm, module, opt, [2, 3])
+        out = []
+        for policy, plan in (("dp", 1), ("tp", 2)):
+            fresh = models.build("gpt", seed=7)
+            pm2 = nncompile.parallelize(fresh, _batch(0), ComputeConfig(plan, WORLD),
+                                        pas_policy=policy, gen_savedir=tmp_path,
+                                        instance_name=f"api_{policy}_in")
+            opt2 = torch.optim.AdamW(fresh.parameters(), lr=3e-3, weight_decay=0.1)
+            state = {"model": get_model_state_dict(fresh),
+                     "optim": get_optimizer_state_dict(fresh, opt2)}
+            dcp.load(state, checkpoint_id=tmp_path / "api_ckpt")
+            set_model_state_dict(fresh, state["model"])
+            set_optimizer_state_dict(fresh, opt2, state["optim"])
+            out.append(run(pm2, fresh, opt2, [2, 3]))
+        return want, out
+    for want, outs in run_ranks(WORLD, rank_fn):
+        for got in outs:
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
