@@ -82,9 +82,8 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
     if views:
         pm.__dict__["_nnc_views"] = views
         pm.register_forward_pre_hook(sync_views)
-        for entry in views:           # after the reducer's hooks: the gradient has landed
-            entry[1].register_post_accumulate_grad_hook(
-                lambda local, entry=entry: link_grad(entry))
+        for entry in views:
+            watch_grad(entry)
         if pm._reducer is not None:   # reduction may hand .grad another tensor (or None)
             pm._reducer.on_finish.append(lambda: link_grads(pm))
     return still
@@ -103,6 +102,15 @@ def follow_flags(pm, params, rows) -> None:
     if entries:
         pm.__dict__["_nnc_views"] = entries
         pm.register_forward_pre_hook(sync_views)
+
+
+def watch_grad(entry) -> None:
+    """Link the view's .grad each time pm's piece accumulates one (registered after the
+    reducer's hooks: the gradient has landed); a frozen piece gets it when unfrozen."""
+    local = entry[1]
+    if local.requires_grad and not getattr(local, "_nnc_watched", False):
+        local._nnc_watched = True
+        local.register_post_accumulate_grad_hook(lambda _, entry=entry: link_grad(entry))
 
 
 def link_grad(entry) -> None:
@@ -136,6 +144,7 @@ def sync_views(pm, args) -> None:
         if flag != seen:
             local.requires_grad_(flag)
             entry[2] = flag
+            watch_grad(entry)
         if linked is not None and view.grad is None and local.grad is linked:
             local.grad = None
             entry[3] = None

@@ -100,7 +100,7 @@ def test_resumed_state_is_carried(trained, gen, policy, plan, zero, offload, how
 
 
 def test_state_not_shaped_like_its_parameter_refused_under_tp(trained, gen):
-    """Adafactor's factored moments cannot be cut into a tp shard: a clear error; under dp the
+    """Adafactor's factored moments over a tp shard are not one device's: a clear error; under dp the
     parameters stay whole and the state is carried as it is."""
     model, _ = trained
 
@@ -130,7 +130,7 @@ def test_state_not_shaped_like_its_parameter_refused_under_tp(trained, gen):
                 for n, st in want.items() for k, v in st.items())
         return out
     out = run_ranks(WORLD, rank_fn)
-    msg = out[0]["tp"]
-    assert isinstance(msg, str) and "after build_optimizer" in msg and \
-        "nncompile.load_checkpoint" in msg and "shape" in msg, msg
+    msg = out[0]["tp"]       # Adafactor over tp pieces is refused before its state is cut
+    assert isinstance(msg, str) and "not known to be element-wise" in msg and \
+        "pm.module.parameters()" in msg, msg
     assert out[0]["dp"] is True
