@@ -268,17 +268,6 @@ def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: st
               "differs, or another instance_name." + kept)
 
 
-def _check_not_parallelized(module: torch.nn.Module) -> None:
-    """A module whose parameters a ParallelModule released or views cannot be traced again."""
-    for name, p in module.named_parameters():
-        if getattr(p, "_nnc_origin", None) is not None or hasattr(p, "_nnc_view"):
-            raise ConfigError(
-                f"{type(module).__name__} was already parallelized: its parameter {name!r} now "
-                f"lives in that ParallelModule (the module holds a released tensor or a "
-                f"DTensor view of pm's piece), so it cannot be compiled again; parallelize a "
-                f"copy made before (copy.deepcopy(model)) or a freshly built model")
-
-
 def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig, *,
                 pas_policy: Any = "autodist", gen_savedir: str | os.PathLike = "./.nncompile",
                 reuse: str = "match", instance_name: str | None = None,
@@ -299,7 +288,8 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
     if reuse not in REUSE_MODES:
         raise ConfigError(f"reuse={reuse!r}; choose one of {REUSE_MODES}")
     get_policy(pas_policy)          # fail early, on every rank, for an unknown policy
-    _check_not_parallelized(module)
+    from nncompile.runtime.param_handles import check_not_parallelized
+    check_not_parallelized(module)     # before tracing: a clear error, not a TraceError
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0

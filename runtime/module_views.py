@@ -43,11 +43,11 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
     if pm.zero is not None or pm.PIPELINE is not None or pm.INFERENCE_ONLY or \
             not dist.is_initialized():
         return released
+    whole_rows = {r.fqn: r for r in rows if r.part is None}
     row_of: dict[int, object] = {}       # id(parameter) -> its row (a tied one: its first FQN's)
     for fqn, p in params:
-        row = next((r for r in rows if r.fqn == fqn and r.part is None), None)
-        if row is not None:
-            row_of.setdefault(id(p), row)
+        if fqn in whole_rows:
+            row_of.setdefault(id(p), whole_rows[fqn])
     local_of = {id(p): pm._parameters.get(row.name) for p in dict(params).values()
                 if (row := row_of.get(id(p))) is not None}
     whole = pm.PLAN_NGPUS > 1 and all(

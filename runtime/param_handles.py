@@ -277,11 +277,11 @@ def check_pieces(opt, groups) -> None:
     from nncompile.rows import param_rows
     from .clip import _LIVE
 
-    def split(pm) -> set[str]:
-        return {row.name for row in param_rows(pm)
-                if row.sharded or row.part is not None or row.name in pm.PARAM_AXES}
-    owners = {id(q): n for pm in list(_LIVE) if pm.zero is None
-              for n, q in pm.named_parameters() if n in split(pm)}
+    split = {pm: {row.name for row in param_rows(pm)          # pieces of split parameters
+                  if row.sharded or row.part is not None or row.name in pm.PARAM_AXES}
+             for pm in list(_LIVE) if pm.zero is None}
+    owners = {id(q): n for pm, names in split.items()
+              for n, q in pm.named_parameters() if n in names}
     for g in groups:
         ps = g["params"]
         for p in [ps] if isinstance(ps, torch.Tensor) else ps:
@@ -289,9 +289,9 @@ def check_pieces(opt, groups) -> None:
                 continue                    # a DTensor: the whole tensor's meaning
             tag = getattr(p, "_nnc_handle", None) or getattr(p, "_nnc_origin", None)
             name = owners.get(id(p))
-            if tag is not None and tag[0]() is not None and tag[0]().zero is None:
+            if tag is not None and tag[0]() in split:
                 names = tag[1] if isinstance(tag[1], tuple) else (tag[1],)
-                name = next((n for n in names if n in split(tag[0]())), None)
+                name = next((n for n in names if n in split[tag[0]()]), None)
             if name is not None:
                 raise ConfigError(
                     f"{type(opt).__name__} is not known to be element-wise, and it was given "
@@ -421,6 +421,19 @@ _CLAIMED_LOCK = threading.Lock()
 _SHARED = WeakIdKeyDictionary()
 
 
+def check_not_parallelized(module) -> None:
+    """A module whose parameters a ParallelModule released, or holds DTensor views of, cannot
+    be compiled again (parallelize calls this before tracing)."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if released(p) or hasattr(p, "_nnc_view"):
+            raise ConfigError(
+                f"{type(module).__name__} was already parallelized: its parameter {name!r} "
+                f"now lives in that ParallelModule (its storage was released, or the module "
+                f"holds a DTensor view of pm's piece), so it cannot be compiled again; "
+                f"parallelize a copy made before (copy.deepcopy(model)) or a freshly built "
+                f"model")
+
+
 def take_original(pm, module, state: dict, rows) -> dict[str, torch.nn.Parameter]:
     """{local name: the module's own Parameter} for parameters this rank keeps whole on its
     device (registered in pm as they are); a module already parallelized into a live pm is
@@ -429,14 +442,7 @@ def take_original(pm, module, state: dict, rows) -> dict[str, torch.nn.Parameter
     if module is None:
         return out
     params = dict(module.named_parameters(remove_duplicate=False))
-    for name, p in params.items():
-        if released(p) or hasattr(p, "_nnc_view"):      # freed, or a DTensor view of a pm's
-            raise ConfigError(
-                f"{type(module).__name__} was already parallelized: its parameter {name!r} "
-                f"now lives in that ParallelModule (its storage was released, or the module "
-                f"holds a DTensor view of pm's piece), so it cannot "
-                f"be compiled again; parallelize a copy made before (copy.deepcopy(model)) "
-                f"or a freshly built model")
+    check_not_parallelized(module)
     if pm.INFERENCE_ONLY or pm.zero is not None:
         return out
     with _CLAIMED_LOCK:
