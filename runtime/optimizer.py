@@ -27,7 +27,7 @@ so groups keep their own hyper-parameters at every stage:
                    {"params": [h0_ln_1_bias's run, ...], "weight_decay": 0.0}])
 
 Slicing elements is exact only for element-wise optimizers: the known ones and those declared
-with `declare_elementwise`; others are refused (param_handles.check_elementwise). A parameter
+with `declare_elementwise`; others are refused (elementwise.check_elementwise). A parameter
 whose gradient no rank computed has no segment gradient and is not stepped. The step reads
 `.grad` of the module's parameters, so gradient clipping and loading weights into `pm` between
 steps need no extra call.
@@ -50,7 +50,7 @@ from .param_handles import (check_elementwise, cut, declare_elementwise, groups_
 from .zero import FlatLayout, gather_piece
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam",
-               "ASGD", "Rprop", "Adadelta")        # declared in param_handles._ELEMENTWISE
+               "ASGD", "Rprop", "Adadelta")        # declared in elementwise._ELEMENTWISE
 
 
 def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None = None,

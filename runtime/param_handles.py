@@ -35,53 +35,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from nncompile.errors import CheckpointError, ConfigError
 
+from .elementwise import (check_elementwise, check_pieces,  # noqa: F401 (imported from here)
+                          declare_elementwise, is_elementwise)
 from .torch_patches import wrap_once
-
-# ---- element-wise optimizers --------------------------------------------------------------
-_ELEMENTWISE: set[type] = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
-                           torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
-                           torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD,
-                           torch.optim.Rprop, torch.optim.Adadelta}
-
-
-def declare_elementwise(cls: type) -> type:
-    """Declare that `cls` updates every element from that element's gradient and state alone
-    (plus per-tensor scalars such as a step count), so ZeRO may step it on pieces of
-    parameters. Usable as a class decorator."""
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"declare_elementwise needs a torch.optim.Optimizer class, got "
-                          f"{cls!r}")
-    _ELEMENTWISE.add(cls)
-    return cls
-
-
-def is_elementwise(cls: type) -> bool:
-    """A declared class, or a subclass that keeps a declared class's step."""
-    if cls in _ELEMENTWISE:
-        return True
-    return any(issubclass(cls, k) and cls.step is k.step for k in _ELEMENTWISE)
-
-
-def check_elementwise(cls: type, stage: str, declared: bool | None = None) -> None:
-    """Refuse an optimizer ZeRO would step on pieces of tensors unless it is element-wise."""
-    if cls is torch.optim.LBFGS or (cls.__name__ == "LBFGS"):
-        raise ConfigError(
-            f"{cls.__name__} cannot run under {stage}: it re-evaluates the closure several "
-            f"times per step and reads whole gradients (a line search over all parameters), "
-            f"but under {stage} each rank steps only its pieces; train with use_zero=0 "
-            f"(no optimizer sharding) for {cls.__name__}")
-    if declared or is_elementwise(cls):
-        return
-    known = ", ".join(sorted(k.__name__ for k in _ELEMENTWISE))
-    raise ConfigError(
-        f"{cls.__module__}.{cls.__name__} is not known to be element-wise, and {stage} steps "
-        f"each rank's contiguous piece of the flattened parameters (a 2-D weight becomes 1-D "
-        f"pieces), which gives another model for an optimizer that looks across elements "
-        f"(factored moments as in Adafactor, per-tensor norms as in LAMB, line searches as in "
-        f"LBFGS). If every element's update depends only on that element, declare it: "
-        f"nncompile.build_optimizer(pm, {cls.__name__}, ..., elementwise=True) or "
-        f"nncompile.declare_elementwise({cls.__name__}); otherwise train with use_zero=0. "
-        f"Known element-wise: {known}")
 
 
 def zero_stage(pm) -> str | None:
@@ -265,43 +221,6 @@ def _targets(p, opt_cls) -> list[tuple[str, torch.Tensor]] | None:
         check_elementwise(opt_cls, "ZeRO-3")
         return [(n, zero3_segments(pm)[n]) for n in names]
     return [(n, getattr(pm, n)) for n in names]
-
-
-def check_pieces(opt, groups) -> None:
-    """An optimizer that is not element-wise (Adafactor's factored moments, per-tensor norms,
-    Muon-style orthogonalisation) would step this rank's piece of a split parameter as if it
-    were the whole tensor: refused, naming the DTensor parameters that give it the whole
-    tensor's meaning. Element-wise ones (and unsplit parameters) pass."""
-    if is_elementwise(type(opt)):
-        return
-    from nncompile.rows import param_rows
-    from .clip import _LIVE
-
-    split = {pm: {row.name for row in param_rows(pm)          # pieces of split parameters
-                  if row.sharded or row.part is not None or row.name in pm.PARAM_AXES}
-             for pm in list(_LIVE) if pm.zero is None}
-    owners = {id(q): n for pm, names in split.items()
-              for n, q in pm.named_parameters() if n in names}
-    for g in groups:
-        ps = g["params"]
-        for p in [ps] if isinstance(ps, torch.Tensor) else ps:
-            if getattr(p, "_nnc_view", False):
-                continue                    # a DTensor: the whole tensor's meaning
-            tag = getattr(p, "_nnc_handle", None) or getattr(p, "_nnc_origin", None)
-            name = owners.get(id(p))
-            if tag is not None and tag[0]() in split:
-                names = tag[1] if isinstance(tag[1], tuple) else (tag[1],)
-                name = next((n for n in names if n in split[tag[0]()]), None)
-            if name is not None:
-                raise ConfigError(
-                    f"{type(opt).__name__} is not known to be element-wise, and it was given "
-                    f"this rank's piece of the split parameter {name!r}: it would compute over "
-                    f"the piece as if it were the whole tensor (factored moments, norms and "
-                    f"matrix products over a piece differ from one device). Build it over the "
-                    f"module given to parallelize, whose parameters are DTensors with the whole "
-                    f"tensor's meaning (torch.optim-style code over pm.module.parameters()), "
-                    f"or declare it element-wise if it is: "
-                    f"nncompile.declare_elementwise({type(opt).__name__})")
 
 
 def adopt(opt, groups: list[dict] | None = None) -> bool:
