@@ -36,14 +36,10 @@ from .torch_patches import wrap_once
 
 
 def _kept(piece: torch.Tensor, layout, skip: set[str]) -> torch.Tensor:
-    """A flat piece (elements [lo, hi) of `layout`) without the elements of tensors in
-    `skip` (a tied weight another stage counts)."""
-    cuts, offset = [], 0
-    for name, n in zip(layout.names, layout.numels):
-        a, b = max(layout.lo, offset), min(layout.hi, offset + n)
-        if name in skip and a < b:
-            cuts.append((a - layout.lo, b - layout.lo))
-        offset += n
+    """A flat piece cut by `layout` without the elements of tensors in `skip` (a tied weight
+    another stage counts)."""
+    cuts = sorted((at, at + e - s) for name, (at, s, e) in zip(layout.names, layout.runs())
+                  if name in skip and s < e)
     if not cuts:
         return piece
     kept, start = [], 0

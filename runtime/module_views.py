@@ -15,10 +15,10 @@ local tensor is a view of pm's piece. Code that reads or edits `pm.module`'s wei
             pm.module.state_dict()                     -> DTensors under the original names
 
 A flag set on a view (`requires_grad_`) reaches pm's piece at pm's next forward; after each
-backward a view's `.grad` is a DTensor over the piece's gradient. Kept released (computing
-with them is a clear error): ZeRO-3's (its pieces are flat runs of whole layers; freezing one
-still reaches its handle), a parameter held as parts of a fused one (q|k|v rows split by
-heads), and pipelined plans'.
+backward a view's `.grad` is a DTensor over the piece's gradient. ZeRO-3's views are Shard(0)
+DTensors over the flat pieces (runtime/zero3_views.py). Kept released (computing with them is
+a clear error): a parameter held as parts of a fused one (q|k|v rows split by heads), and
+pipelined plans'.
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
     params = list(module.named_parameters(remove_duplicate=False))
     released = [fqn for fqn, p in params if isinstance(p, ReleasedParameter)]
     if released and pm.zero is not None:
-        follow_flags(pm, params, rows)
+        from .zero3_views import view_zero3
+        released = view_zero3(pm, module, params, rows)
+        follow_flags(pm, list(module.named_parameters(remove_duplicate=False)), rows)
     if pm.zero is not None or pm.PIPELINE is not None or pm.INFERENCE_ONLY or \
             not dist.is_initialized():
         return released
@@ -72,7 +74,7 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
             view._nnc_handle = (weakref.ref(pm), row_of[id(p)].name)   # what it views
             view._nnc_view = whole      # stepped as a DTensor (else: pm's piece is stepped)
             made[id(p)] = view
-            views.append([view, local, view.requires_grad, None])
+            views.append([view, local, view.requires_grad, None, local])
         owner, _, leaf = fqn.rpartition(".")
         module.get_submodule(owner)._parameters[leaf] = view
     if whole and not getattr(module, "_nnc_guard", False):
@@ -80,8 +82,7 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
         module._nnc_guard = True
         module.register_forward_pre_hook(_released_forward(params[0][0]))
     if views:
-        pm.__dict__["_nnc_views"] = views
-        pm.register_forward_pre_hook(sync_views)
+        add_entries(pm, views)
         for entry in views:
             watch_grad(entry)
         if pm._reducer is not None:   # reduction may hand .grad another tensor (or None)
@@ -98,16 +99,26 @@ def follow_flags(pm, params, rows) -> None:
         row = by_fqn.get(fqn)
         handle = pm._parameters.get(row.name) if row is not None else None
         if isinstance(p, ReleasedParameter) and handle is not None:
-            entries.append([p, handle, p.requires_grad, None])
+            entries.append([p, handle, p.requires_grad, None, None])
     if entries:
-        pm.__dict__["_nnc_views"] = entries
+        add_entries(pm, entries)
+
+
+def add_entries(pm, entries: list) -> None:
+    """Entries [view, what its flag sets, the flag seen, the gradient linked, the tensor
+    whose .grad the view's shows (None: none)] that pm's forward syncs (sync_views)."""
+    if "_nnc_views" not in pm.__dict__:
+        pm.__dict__["_nnc_views"] = []
         pm.register_forward_pre_hook(sync_views)
+    pm.__dict__["_nnc_views"].extend(entries)
 
 
 def watch_grad(entry) -> None:
     """Link the view's .grad each time pm's piece accumulates one (registered after the
     reducer's hooks: the gradient has landed); a frozen piece gets it when unfrozen."""
     local = entry[1]
+    if entry[4] is not local:
+        return                      # ZeRO-3: linked when the unit's flat gradient lands
     if local.requires_grad and not getattr(local, "_nnc_watched", False):
         local._nnc_watched = True
         local.register_post_accumulate_grad_hook(lambda _, entry=entry: link_grad(entry))
@@ -117,14 +128,16 @@ def link_grad(entry) -> None:
     """The view's .grad: a DTensor (the view's placements) over pm's piece's gradient, the
     same storage, so `p.grad.norm()`, `.isnan()` and in-place edits of it mean what they mean
     on one device; None where the piece has none."""
-    view, local, _, linked = entry
-    g = local.grad
+    view, _, _, linked, source = entry
+    if source is None:
+        return
+    g = source.grad
     if g is linked and (g is None) == (view.grad is None):
         return
     with torch.no_grad():
         view.grad = None if g is None else DTensor.from_local(
-            g, view.device_mesh, view.placements, run_check=False, shape=view.shape,
-            stride=view.stride())
+            g.view(view._local_tensor.shape), view.device_mesh, view.placements,
+            run_check=False, shape=view.shape, stride=view.stride())
     entry[3] = g
 
 
@@ -139,14 +152,18 @@ def sync_views(pm, args) -> None:
     unfreeze), and a gradient cleared through the view (`zero_grad()` of an optimizer over
     pm.module's parameters, `p.grad = None`), which the next backward must not add to."""
     for entry in pm.__dict__.get("_nnc_views", ()):
-        view, local, seen, linked = entry
+        view, local, seen, linked, source = entry
         flag = view.requires_grad
         if flag != seen:
             local.requires_grad_(flag)
             entry[2] = flag
-            watch_grad(entry)
-        if linked is not None and view.grad is None and local.grad is linked:
-            local.grad = None
+            if source is local:
+                watch_grad(entry)
+        if linked is not None and view.grad is None and source.grad is linked:
+            if source is local:
+                local.grad = None
+            else:                   # a ZeRO-3 segment: its run of the unit's flat gradient
+                linked.zero_()
             entry[3] = None
 
 

@@ -343,7 +343,7 @@ def segment_state_by_name(opt_state: dict, shards: list, gather) -> dict[str, di
                 v = st.get(key)
                 parts.append(v.detach().to(piece.device, piece.dtype) if v is not None else
                              torch.zeros(seg.numel(), dtype=piece.dtype, device=piece.device))
-            flat = torch.cat(parts) if parts else piece.new_zeros(0)
+            flat = layout.place(parts) if parts else piece.new_zeros(0)
             full = gather(layout, flat)
             for name, st, t in zip(layout.names, states, layout.unflatten(full)):
                 if st:

@@ -65,23 +65,9 @@ def make_handles(pm) -> None:
             pm.register_parameter(name, h)
 
 
-def _span(layout, i: int) -> tuple[int, int]:
-    """The elements of tensor i that piece [lo, hi) owns: (start, stop) within the tensor."""
-    offset = sum(layout.numels[:i])
-    a = min(max(layout.lo, offset), offset + layout.numels[i])
-    b = max(min(layout.hi, offset + layout.numels[i]), a)
-    return a - offset, b - offset
-
-
 def cut(layout, piece: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """Per tensor of `layout`: (start, stop) in the piece, (start, stop) in the tensor."""
-    out = []
-    for i in range(len(layout.names)):
-        s, e = _span(layout, i)
-        at = sum(layout.numels[:i]) + s - layout.lo
-        at = min(max(at, 0), layout.hi - layout.lo)
-        out.append((at, at + e - s, s, e))
-    return out
+    return [(at, at + e - s, s, e) for at, s, e in layout.runs()]
 
 
 def segment_params(piece: torch.Tensor, layout, requires_grad: bool = True) -> list:

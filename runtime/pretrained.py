@@ -401,13 +401,13 @@ def load_pretrained(pm, path: str | os.PathLike, *, prefix: str | None = None) -
 
 def zero_pieces(pm) -> dict[str, list[tuple[torch.Tensor, int, int, int]]]:
     """Under ZeRO-3: {local name: [(flat piece, offset in it, start, stop)]}, the elements
-    [start, stop) of the flattened local tensor this rank's piece holds (FlatLayout.spans)."""
+    [start, stop) of the flattened local tensor this rank's piece holds (layout.runs)."""
     out: dict[str, list] = {}
     for unit in (pm.zero.units if pm.zero is not None else []):
-        flat, at = pm.zero.flat(unit), 0
-        for index, start, stop in unit.layout.spans():
-            out.setdefault(unit.layout.names[index], []).append((flat, at, start, stop))
-            at += stop - start
+        flat = pm.zero.flat(unit)
+        for name, (at, start, stop) in zip(unit.layout.names, unit.layout.runs()):
+            if start < stop:
+                out.setdefault(name, []).append((flat, at, start, stop))
     return out
 
 

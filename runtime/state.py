@@ -97,7 +97,7 @@ def zero3_layout(pm) -> dict[str, Any]:
     return {"zero_rank": z.rank, "zero_size": z.size,
             "ranks": list(z.ranks),
             "flats": [{"attr": u.attr, "names": u.layout.names, "numels": u.layout.numels,
-                       "lo": u.layout.lo, "hi": u.layout.hi, "trainable": u.trainable}
+                       "runs": [list(r) for r in u.layout.runs()], "trainable": u.trainable}
                       for u in z.units]}
 
 
@@ -106,7 +106,8 @@ def as_zero_state(info: dict, opt_sd: dict) -> dict:
     (the form ZeroOptimizer.state_dict() has); unchanged otherwise."""
     z = info.get("zero3") if isinstance(info, dict) else None
     by_name = any(isinstance(k, str) for k in opt_sd.get("state", {}))    # deduped: local form
-    if z is None or "nncompile_zero" in opt_sd or by_name:
+    if z is None or "nncompile_zero" in opt_sd or by_name or \
+            any("lo" not in f for f in z["flats"]):       # only pieces cut as one flat vector
         return opt_sd
     indexed = sum(len(g.get("params", [])) for g in opt_sd.get("param_groups", []))
     flats = z["flats"] if indexed == len(z["flats"]) else [f for f in z["flats"] if f["trainable"]]

@@ -3,11 +3,13 @@ ranks: nncompile.mesh.replica_dims), gathered per layer.
 
 The generated file lists ZERO_UNITS: one flat parameter per layer unit (a block of a
 ModuleList such as `transformer.h.3`, else a top-level module), holding that unit's local
-parameters (their plan-unit shards) flattened, padded to a multiple of the ZeRO group size Z,
-and cut into Z equal pieces. A rank stores only its piece:
+parameters (their plan-unit shards). Each tensor is cut by rows over the Z ranks of the ZeRO
+group, as a Shard(0) DTensor is (runtime/layouts.py, RowShardLayout), and a rank stores its
+rows of every tensor of the unit, one after the other:
 
-    before (ZeRO-1/2):  self.h_0_attn_w   [D, 3D]            every data-parallel rank: all of it
-    after  (ZeRO-3):    self.zero_h_0     [ceil(numel / Z)]  rank k: elements [k*c, (k+1)*c)
+    before (ZeRO-1/2):  self.h_0_attn_w   [D, 3D]                 every data-parallel rank: all
+    after  (ZeRO-3):    self.zero_h_0     [sum ceil(rows / Z) * width]   rank k: rows
+                                                                  [k*c, (k+1)*c) of each tensor
 
 and the forward gathers a unit right before its first use, issues the next unit's gather
 asynchronously (prefetch), and drops the full tensor after the unit's last use:
@@ -41,53 +43,7 @@ from nncompile.mesh import grad_reduction, replica_dims
 from .groups import get_zero_group, group_along
 from nncompile.rows import param_rows
 
-
-class FlatLayout:
-    """Tensors of `numels` elements flattened into one vector, cut into `size` equal pieces
-    of `chunk` elements; piece `rank` holds elements [lo, hi) (the end is padding)."""
-
-    def __init__(self, names: list[str], shapes: list[tuple], rank: int, size: int):
-        self.names, self.shapes = list(names), [tuple(s) for s in shapes]
-        self.numels = [int(torch.Size(s).numel()) for s in self.shapes]
-        self.total = sum(self.numels)
-        self.size = size
-        self.chunk = max(1, -(-self.total // size))
-        self.lo = min(rank * self.chunk, self.total)
-        self.hi = min(self.lo + self.chunk, self.total)
-
-    def owned(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Elements [lo, hi) of the flattened `tensors`, copying only the overlapping ones."""
-        pieces, offset = [], 0
-        for t, n in zip(tensors, self.numels):
-            a, b = max(self.lo, offset), min(self.hi, offset + n)
-            if a < b:
-                pieces.append(t.reshape(-1)[a - offset:b - offset])
-            offset += n
-        if not pieces:
-            return tensors[0].new_zeros(0)
-        return torch.cat(pieces)
-
-    def padded(self, local: torch.Tensor) -> torch.Tensor:
-        """A piece of hi - lo elements as `chunk` elements (zeros after)."""
-        if local.numel() == self.chunk:
-            return local
-        out = local.new_zeros(self.chunk)
-        out[:local.numel()] = local
-        return out
-
-    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of the full flat vector shaped like the tensors."""
-        return [t.view(s) for t, s in zip(flat[:self.total].split(self.numels), self.shapes)]
-
-    def spans(self) -> list[tuple[int, int, int]]:
-        """(index, start, stop) within each tensor of the elements this piece owns."""
-        out, offset = [], 0
-        for i, n in enumerate(self.numels):
-            a, b = max(self.lo, offset), min(self.hi, offset + n)
-            if a < b:
-                out.append((i, a - offset, b - offset))
-            offset += n
-        return out
+from .layouts import FlatLayout, RowShardLayout  # noqa: F401 (FlatLayout: imported from here)
 
 
 _ALL_GATHER = compat.all_gather_single()           # the spelling this torch prefers
@@ -99,7 +55,7 @@ def gather_piece(layout: "FlatLayout", piece: torch.Tensor, size: int, group,
     """The full flat vector of a piece cut by `layout` (a parameter, a gradient or an optimizer
     state piece; hi - lo or chunk elements), gathered on `device` (a collective)."""
     local = layout.padded(piece.detach().reshape(-1).to(device, non_blocking=True))
-    return all_gather_flat(local, size, group)[0]
+    return layout.to_full(all_gather_flat(local, size, group)[0])
 
 
 def all_gather_along(t: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
@@ -178,7 +134,8 @@ class ZeroRuntime:
         for attr, path, names in units:
             shapes = [rows[n].local_shape for n in names]
             trainable = not pm.INFERENCE_ONLY and names[0] not in pm.FROZEN
-            u = Unit(attr, path, FlatLayout(names, shapes, self.rank, self.size), trainable)
+            u = Unit(attr, path, RowShardLayout(names, shapes, self.rank, self.size),
+                     trainable)
             red = grad_reduction(mesh, names[0] in partial, trainable,
                                  tuple(a for a, ns in pm.PARTIAL_GRAD_AXES.items()
                                        if names[0] in ns)) \
@@ -233,16 +190,15 @@ class ZeroRuntime:
         unit = next(u for u in self.units if name in u.layout.names)
         lay = unit.layout
         i = lay.names.index(name)
-        a = sum(lay.numels[:i])
         out = torch.empty(lay.numels[i], dtype=self.flat(unit).dtype, device=self.device)
         for r in range(self.size):
-            s, e = max(r * lay.chunk, a), min((r + 1) * lay.chunk, a + lay.numels[i])
+            at, s, e = lay.run_of(i, r)
             if s >= e:
                 continue
             if r == self.rank:
-                out[s - a:e - a].copy_(self.flat(unit).detach()[s - lay.lo:e - lay.lo])
+                out[s:e].copy_(self.flat(unit).detach()[at:at + e - s])
             if self.group is not None:
-                dist.broadcast(out[s - a:e - a], src=self.ranks[r], group=self.group)
+                dist.broadcast(out[s:e], src=self.ranks[r], group=self.group)
         return out.view(lay.shapes[i])
 
     @torch.no_grad()
@@ -274,6 +230,7 @@ class ZeroRuntime:
         unit.pending = None
         if work is not None:
             work.wait()
+        full = unit.layout.to_full(full)         # copy-out into the tensors' own order
         ptr = full.untyped_storage().data_ptr()
         unit.live[ptr] = weakref.ref(full)
         self._by_storage[ptr] = unit
@@ -324,8 +281,9 @@ class ZeroRuntime:
     def reduce_grad(self, unit: Unit, g: torch.Tensor) -> torch.Tensor | None:
         if g is None or not unit.trainable:
             return None
-        g = g.contiguous()
         layout = unit.layout
+        g = layout.from_full(g.contiguous())      # copy-in: the pieces one after the other
+        mine = slice(self.rank * layout.chunk, (self.rank + 1) * layout.chunk)
         if unit.reduce_dims is not None:
             dims = unit.reduce_dims
             group = group_along(dims, self.pm.PLAN_NGPUS, self.pm.RUNTIME_NGPUS,
@@ -338,11 +296,11 @@ class ZeroRuntime:
                 if group is not None:
                     g = g.clone()
                     dist.all_reduce(g, group=group)
-                piece = g[self.rank * layout.chunk:(self.rank + 1) * layout.chunk]
+                piece = g[mine]
             if unit.scale != 1.0:
                 piece = piece * unit.scale
         else:
-            piece = g[self.rank * layout.chunk:(self.rank + 1) * layout.chunk]
+            piece = g[mine]
         return piece.to(self.host, copy=True) if self.offload else piece.clone()
 
     # ---- tied weights (pipeline stages sharing one) ------------------------------------------

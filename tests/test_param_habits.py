@@ -162,10 +162,15 @@ def _grad_case(case: str):
         return hf("llama"), lambda step: batch(32), ComputeConfig(
             2, 2, pas_config={"context_parallel": 2}), "tp"
     policy, world = case.split("_w")
+    if policy.endswith("zero3"):          # ZeRO-3: Shard(0) DTensors over the flat pieces
+        plan = 2 if policy.startswith("tp") else 1
+        return models.build("gpt"), _batch, ComputeConfig(plan, int(world), use_zero=3), \
+            "tp" if plan == 2 else "dp"
     return models.build("gpt"), _batch, ComputeConfig(2, int(world)), policy
 
 
-@pytest.mark.parametrize("case", ["tp_w2", "tp_w4", "tp_sp_w2", "ep", "cp"])
+@pytest.mark.parametrize("case", ["tp_w2", "tp_w4", "tp_sp_w2", "ep", "cp", "zero3_w2",
+                                  "tp_zero3_w4"])
 def test_gradients_through_the_module_equal_one_device(tmp_path, case):
     base, batch_of, cfg, policy = _grad_case(case)
     ref = copy.deepcopy(base)
@@ -194,12 +199,17 @@ def test_gradients_through_the_module_equal_one_device(tmp_path, case):
         module = copy.deepcopy(base)
         pm = nncompile.parallelize(module, batch_of(0), cfg, pas_policy=policy,
                                    gen_savedir=tmp_path, instance_name=f"grads_{case}")
+        weights = {n: _full(p).detach().clone() for n, p in module.named_parameters()}
+        gathered = pm.gather_params()
         seen = train(pm, module)
         kinds = {isinstance(p, DTensor) == isinstance(p.grad, DTensor)
                  for p in module.parameters()}
-        return seen, kinds
-    for seen, kinds in run_ranks(world, rank_fn):
+        every = all(isinstance(p, DTensor) for p in module.parameters())
+        return seen, kinds, every, max(float((weights[n] - gathered[n]).abs().max())
+                                       for n in gathered)
+    for seen, kinds, every, weight_err in run_ranks(world, rank_fn):
         assert kinds == {True}, "a DTensor parameter's .grad is a DTensor"
+        assert every and weight_err == 0.0, (every, weight_err)
         for (full, norms, nans), (want_full, want_norms, _) in zip(seen, want):
             assert full.keys() == want_full.keys() and not nans
             for n, g in want_full.items():
@@ -348,8 +358,9 @@ def test_optimizers_that_look_across_elements_over_the_modules_dtensors(tmp_path
         assert "not known to be element-wise" in error and "pm.module.parameters()" in error
 
 
-def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path):
-    """AdamW over the module's DTensor parameters under tp; torch's API only:
+@pytest.mark.parametrize("source", ["tp", "zero3"])
+def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path, source):
+    """AdamW over the module's DTensor parameters under tp or ZeRO-3; torch's API only:
     get_model_state_dict + get_optimizer_state_dict + dcp.save after step 1; a fresh
     parallelize under dp and under tp, dcp.load + set_model_state_dict +
     set_optimizer_state_dict: the next two steps equal the uninterrupted run's."""
@@ -369,8 +380,9 @@ def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path):
 
     def rank_fn(rank):
         module = copy.deepcopy(base)
-        pm = nncompile.parallelize(module, _batch(0), ComputeConfig(2, WORLD), pas_policy="tp",
-                                   gen_savedir=tmp_path, instance_name="api_tp")
+        cfg = ComputeConfig(2, WORLD) if source == "tp" else ComputeConfig(1, WORLD, use_zero=3)
+        pm = nncompile.parallelize(module, _batch(0), cfg, pas_policy="tp" if source == "tp"
+                                   else "dp", gen_savedir=tmp_path, instance_name=f"api_{source}")
         opt = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.1)
         run(pm, module, opt, [0, 1])
         dcp.save({"model": get_model_state_dict(module),
@@ -378,11 +390,14 @@ def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path):
                  checkpoint_id=tmp_path / "api_ckpt")
         want = run(pm, module, opt, [2, 3])
         out = []
-        for policy, plan in (("dp", 1), ("tp", 2)):
+        mine = ("tp", 2, 0) if source == "tp" else ("dp", 1, 3)
+        for policy, plan, zero in [t for t in (("dp", 1, 0), ("tp", 2, 0), ("dp", 1, 3))
+                                   if t != mine]:         # into the other plans
             fresh = models.build("gpt", seed=7)
-            pm2 = nncompile.parallelize(fresh, _batch(0), ComputeConfig(plan, WORLD),
+            pm2 = nncompile.parallelize(fresh, _batch(0), ComputeConfig(plan, WORLD,
+                                                                         use_zero=zero),
                                         pas_policy=policy, gen_savedir=tmp_path,
-                                        instance_name=f"api_{policy}_in")
+                                        instance_name=f"api_{policy}{zero}_in")
             opt2 = torch.optim.AdamW(fresh.parameters(), lr=3e-3, weight_decay=0.1)
             state = {"model": get_model_state_dict(fresh),
                      "optim": get_optimizer_state_dict(fresh, opt2)}

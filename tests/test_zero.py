@@ -108,3 +108,29 @@ def test_auto_needs_autodist_and_zero3_needs_its_code(tmp_path):
                                gen_savedir=tmp_path, instance_name="z1")
     with pytest.raises(nncompile.ConfigError, match="parallelize again|regenerate"):
         type(pm)(models.build("gpt"), compute_config=ComputeConfig(1, 1, use_zero=3))
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_row_shard_layout_cuts_rows_as_dtensor_shard0(size):
+    """A ZeRO-3 unit's pieces: each tensor's rows cut as torch.chunk (Shard(0)) cuts them,
+    padded per tensor; the gathered pieces copy out into the tensors' order and back."""
+    from nncompile.runtime.layouts import RowShardLayout
+    shapes = [(3, 2), (5,), (), (1, 4), (0, 3), (7, 3)]
+    tensors = [torch.randn(s) for s in shapes]
+    names = [f"t{i}" for i in range(len(shapes))]
+    layouts = [RowShardLayout(names, shapes, r, size) for r in range(size)]
+    pieces = [lay.owned(tensors) for lay in layouts]
+    assert {p.numel() for p in pieces} == {layouts[0].chunk}
+    gathered = torch.cat(pieces)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    assert torch.equal(layouts[0].to_full(gathered), flat)
+    assert torch.equal(layouts[0].from_full(flat), gathered)
+    for lay, piece in zip(layouts, pieces):
+        for i, t in enumerate(tensors):
+            at, s, e = lay.run_of(i, lay.rank)
+            assert torch.equal(piece[at:at + e - s], t.reshape(-1)[s:e])
+            if t.dim():
+                chunks = torch.chunk(t, size) if t.shape[0] else ()
+                mine = chunks[lay.rank] if lay.rank < len(chunks) else t[:0]
+                assert torch.equal(mine.reshape(-1), t.reshape(-1)[s:e])
+                assert lay.local_rows(i) == mine.shape[0]

@@ -1,0 +1,142 @@
+"""Under ZeRO-3 the module given to parallelize holds Shard(0) DTensors over pm's flat pieces.
+
+A ZeRO-3 unit stores each tensor cut by rows over the ZeRO group, torch.chunk's way
+(runtime/layouts.py, RowShardLayout), so this rank's run of a parameter in its flat piece is
+the local tensor of a DTensor sharded along dim 0 over the mesh dimensions the ZeRO group
+spans (data parallel, and context or expert parallel where the plan has them), as FSDP2's
+parameters are. The module's released parameters are replaced by such DTensors:
+
+    before: pm.module.h[0].mlp_fc.weight            a released tensor: reading it is an error
+    after:  DTensor [128, 32] (Shard(0),) over dp   its local tensor views pm's flat piece
+
+so `p.norm()`, `p.clamp_()`, `p.grad.norm()` (linked after each backward), `requires_grad_`,
+torch's `get_model_state_dict` / `set_model_state_dict` with DCP, and an optimizer over
+`pm.module.parameters()` mean what they mean on one device, and edit what pm trains.
+
+A parameter stays released where one DTensor cannot describe its run: a hierarchical ZeRO
+group (zero_ngroups > 1), a plan that also splits it along dim 0 on another mesh dimension
+in an order DTensor does not express, a part of a fused parameter.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
+from nncompile.mesh import PP, param_placements
+
+from .dcp import _mesh
+from .param_handles import ReleasedParameter, zero3_segments
+
+
+def _zero_dims(pm, mesh) -> list[int] | None:
+    """The mesh dimensions (indices) the ZeRO group spans, in mesh order, when the group is
+    exactly this rank's slice of the mesh along them (ranks in row-major order); else None."""
+    grid = mesh.mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    dims = []
+    for d in range(grid.dim()):
+        line = grid[tuple(slice(None) if i == d else c for i, c in enumerate(coord))]
+        if len(set(line.tolist()) & set(pm.zero.ranks)) > 1:
+            dims.append(d)
+    index = tuple(slice(None) if i in dims else c for i, c in enumerate(coord))
+    if grid[index].reshape(-1).tolist() != list(pm.zero.ranks):
+        return None
+    return dims
+
+
+def _placements(pm, row, mesh, dims: list[int]) -> list | None:
+    """The row's placements with Shard(0) along the ZeRO dimensions (None: not expressible)."""
+    per_dim = {PP: None, **param_placements(row.placement),
+               **{axis: parse_placement(text)
+                  for axis, text in pm.PARAM_AXES.get(row.name, {}).items()}}
+    out = []
+    for i, name in enumerate(pm.mesh.names):
+        own = per_dim.get(name)
+        if i in dims and isinstance(own, ShardPlacement):
+            return None                     # split along this dimension by the plan already
+        out.append(Shard(0) if i in dims else
+                   Shard(own.dim) if isinstance(own, ShardPlacement) else Replicate())
+    # DTensor applies splits in mesh order, but ZeRO cuts the rows of the plan's piece: a
+    # plan dimension after the ZeRO one splitting dim 0 too makes the ZeRO split a strided
+    # one (FSDP2's with tp), expressed where every piece has as many rows
+    later = [i for i, p in enumerate(out) if i > max(dims) and p == Shard(0)]
+    if later:
+        if len(dims) != 1 or len(later) != 1:
+            return None
+        factor = mesh.size(later[0])
+        if row.shape[0] % (factor * mesh.size(dims[0])):
+            return None
+        out[dims[0]] = _StridedShard(0, split_factor=factor)
+    return out
+
+
+def view_zero3(pm, module: torch.nn.Module, params: list, rows) -> list[str]:
+    """Replace `module`'s released parameters by Shard(0) DTensors over pm's ZeRO-3 runs;
+    returns the FQNs that stay released."""
+    released = [fqn for fqn, p in params if isinstance(p, ReleasedParameter)]
+    if not dist.is_initialized() or pm.INFERENCE_ONLY or pm.PIPELINE is not None:
+        return released
+    mesh = _mesh(pm)
+    dims = _zero_dims(pm, mesh)
+    if not dims:
+        return released
+    whole_rows = {r.fqn: r for r in rows if r.part is None}
+    segs = zero3_segments(pm)
+    made: dict[int, torch.nn.Parameter] = {}
+    entries, still, by_unit = [], [], {}
+    for fqn, p in params:
+        row = whole_rows.get(fqn)
+        seg = segs.get(row.name) if row is not None else None
+        if not isinstance(p, ReleasedParameter) and id(p) not in made:
+            continue
+        view = made.get(id(p))
+        if view is None:
+            placements = _placements(pm, row, mesh, dims) if seg is not None else None
+            if placements is None or seg.device != p.device:
+                still.append(fqn)
+                continue
+            shape = tuple(row.local_shape)
+            if not shape:
+                still.append(fqn)           # a 0-d tensor has no rows to shard
+                continue
+            unit = next(u for u in pm.zero.units if row.name in u.layout.names)
+            rows_here = unit.layout.local_rows(unit.layout.names.index(row.name))
+            local = seg.detach().view((rows_here,) + shape[1:])
+            full = torch.Size(row.shape)
+            view = torch.nn.Parameter(
+                DTensor.from_local(local, mesh, placements, run_check=False, shape=full,
+                                   stride=torch.empty(full, device="meta").stride()),
+                requires_grad=p.requires_grad)
+            view._nnc_handle = (weakref.ref(pm), row.name)
+            view._nnc_view = True            # stepped as a DTensor (its local run in place)
+            made[id(p)] = view
+            entry = [view, pm._parameters[row.name], view.requires_grad, None, seg]
+            entries.append(entry)
+            by_unit.setdefault(unit.attr, []).append(entry)
+        owner, _, leaf = fqn.rpartition(".")
+        module.get_submodule(owner)._parameters[leaf] = view
+    if entries:
+        from .module_views import add_entries, link_grad
+        add_entries(pm, entries)
+        def linker(unit_entries):
+            def hook(_):
+                for e in unit_entries:
+                    link_grad(e)
+            return hook
+        for attr, unit_entries in by_unit.items():       # after the segments' refresh
+            pm.zero.flat(pm.zero.by_attr[attr]).register_post_accumulate_grad_hook(
+                linker(unit_entries))
+        if pm._reducer is not None:
+            from .module_views import link_grads
+            pm._reducer.on_finish.append(lambda: link_grads(pm))
+    return [fqn for fqn in released if fqn in still]
+
+
+__all__ = ["view_zero3"]
