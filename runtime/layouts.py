@@ -88,6 +88,13 @@ class FlatLayout:
         out[:full.numel()] = full
         return out
 
+    def ranked(self, tensors) -> torch.Tensor:
+        """from_full of the tensors joined (None: zeros)."""
+        like = next(t for t in tensors if t is not None)
+        return self.from_full(torch.cat([
+            (t if t is not None else like.new_zeros(s)).reshape(-1)
+            for t, s in zip(tensors, self.shapes)]))
+
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of the full flat vector shaped like the tensors."""
         return [t.view(s) for t, s in zip(flat[:self.total].split(self.numels), self.shapes)]
@@ -138,23 +145,45 @@ class RowShardLayout(FlatLayout):
         """Copy-out: the gathered pieces [size * chunk] -> the tensors one after the other
         [total] (one copy)."""
         pieces = gathered.view(self.size, self.chunk)
-        parts = []
-        for at, slot, rows, w in zip(self.offsets, self.slots, self.rows, self.widths):
-            parts.append(pieces[:, at:at + slot].reshape(-1)[:rows * w])
-        return torch.cat(parts) if parts else gathered[:0]
+        out = gathered.new_empty(self.total)
+        for t, at, slot, c, w, rows in zip(self.unflatten(out), self.offsets, self.slots,
+                                           self.per_rank, self.widths, self.rows):
+            if not w:
+                continue
+            src = pieces[:, at:at + slot].view(self.size, c, w)      # [rank, its rows, w]
+            t = t.view(rows, w)
+            k, rest = divmod(rows, c) if c else (0, 0)
+            t[:k * c].view(k, c, w).copy_(src[:k])
+            if rest:
+                t[k * c:].copy_(src[k, :rest])
+        return out
 
     def from_full(self, full: torch.Tensor) -> torch.Tensor:
         """Copy-in: the tensors one after the other -> the pieces one after the other, each
         tensor's slots padded with zeros."""
-        out = full.new_zeros(self.size, self.chunk)
-        for t, at, slot, c, w in zip(self.unflatten(full), self.offsets, self.slots,
-                                     self.per_rank, self.widths):
-            rows = t.reshape(-1, w) if w else t.reshape(0, 0)
+        return self.ranked(self.unflatten(full))
+
+    def ranked(self, tensors) -> torch.Tensor:
+        """Copy-in of the tensors themselves (None: zeros), straight into the pieces' order."""
+        like = next(t for t in tensors if t is not None)
+        out = like.new_empty(self.size, self.chunk)
+        for t, at, slot, c, w, rows in zip(tensors, self.offsets, self.slots, self.per_rank,
+                                           self.widths, self.rows):
             if not w:
                 continue
-            padded = rows.new_zeros(self.size * c, w)
-            padded[:rows.shape[0]] = rows
-            out[:, at:at + slot].copy_(padded.view(self.size, c * w))
+            into = out[:, at:at + slot].view(self.size, c, w)     # [rank, its rows, w]
+            if t is None:
+                into.zero_()
+                continue
+            t = t.reshape(rows, w)
+            k, rest = divmod(rows, c) if c else (0, 0)
+            into[:k].copy_(t[:k * c].view(k, c, w))
+            if k < self.size:                             # a partial rank, then padding
+                into[k, :rest].copy_(t[k * c:])
+                into[k, rest:].zero_()
+                into[k + 1:].zero_()
+        if sum(self.slots) < self.chunk:
+            out[:, sum(self.slots):].zero_()
         return out.view(-1)
 
 

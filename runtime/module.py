@@ -551,6 +551,7 @@ class ParallelModule(torch.nn.Module):
                     flat.grad.zero_()
         for seg in self.__dict__.get("_nnc_segments", {}).values():
             seg.grad = None if set_to_none or seg.grad is None else seg.grad
+        link_grads(self)              # pm.module's views show it
 
     def _apply(self, fn, recurse: bool = True):
         """ZeRO-3's handles have no storage to move or convert; the flat pieces stay where

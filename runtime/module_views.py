@@ -141,6 +141,12 @@ def link_grad(entry) -> None:
     entry[3] = g
 
 
+def _cleared(source) -> bool:
+    """Whether pm's gradient behind a view is gone (a ZeRO-3 segment's: its unit's)."""
+    flat = getattr(source, "_nnc_flat", None)
+    return source.grad is None or (flat is not None and flat[0].grad is None)
+
+
 def link_grads(pm) -> None:
     for entry in pm.__dict__.get("_nnc_views", ()):
         link_grad(entry)
@@ -159,11 +165,16 @@ def sync_views(pm, args) -> None:
             entry[2] = flag
             if source is local:
                 watch_grad(entry)
-        if linked is not None and view.grad is None and source.grad is linked:
+        if linked is None:
+            continue
+        if view.grad is None and source.grad is linked:
             if source is local:
                 local.grad = None
             else:                   # a ZeRO-3 segment: its run of the unit's flat gradient
                 linked.zero_()
+            entry[3] = None
+        elif _cleared(source):      # pm's gradient cleared (zero_grad): so is the view's,
+            view.grad = None        # which must not keep the old one's memory alive
             entry[3] = None
 
 

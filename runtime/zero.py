@@ -100,16 +100,20 @@ class _Saved:
 
 
 class _Gather(torch.autograd.Function):
+    """The unit's tensors (views of its full vector); backward copies their gradients
+    straight into the pieces' order for the reduce-scatter (no joined gradient first)."""
+
     @staticmethod
     def forward(ctx, flat, zero, unit):
         ctx.zero, ctx.unit = zero, unit
-        return zero.full(unit)
+        ctx.set_materialize_grads(False)
+        return tuple(unit.layout.unflatten(zero.full(unit)))
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, *grads):
         unit = ctx.unit
         unit.again = None             # the unit's backward is done: drop its second gather
-        return ctx.zero.reduce_grad(unit, g), None, None
+        return ctx.zero.reduce_grad(unit, grads), None, None
 
 
 class ZeroRuntime:
@@ -278,11 +282,12 @@ class ZeroRuntime:
         self._backward_queued = False
 
     # ---- backward: the gradient's piece ----------------------------------------------------------
-    def reduce_grad(self, unit: Unit, g: torch.Tensor) -> torch.Tensor | None:
-        if g is None or not unit.trainable:
+    def reduce_grad(self, unit: Unit, grads: tuple) -> torch.Tensor | None:
+        """This rank's piece of the unit's gradient, reduced (`grads`: per tensor, or None)."""
+        if all(g is None for g in grads) or not unit.trainable:
             return None
         layout = unit.layout
-        g = layout.from_full(g.contiguous())      # copy-in: the pieces one after the other
+        g = layout.ranked(grads)        # copy-in: the pieces one after the other
         mine = slice(self.rank * layout.chunk, (self.rank + 1) * layout.chunk)
         if unit.reduce_dims is not None:
             dims = unit.reduce_dims
@@ -332,8 +337,7 @@ class ZeroRuntime:
 def gather(flat: torch.nn.Parameter, *, group: ZeroRuntime) -> tuple[torch.Tensor, ...]:
     """comm.zero_gather: the unit's local parameters, gathered (views of one full tensor)."""
     unit = group.by_attr[flat._zero_attr]
-    full = _Gather.apply(flat, group, unit)
-    return tuple(unit.layout.unflatten(full))
+    return tuple(_Gather.apply(flat, group, unit))
 
 
 def prefetch(flat: torch.nn.Parameter, *, group: ZeroRuntime) -> None:
