@@ -300,8 +300,12 @@ def local_optimizer_state(pm, opt) -> dict[str, Any]:
     if isinstance(opt, ZeroOptimizer):
         return {"state": opt.local_state(), "param_groups": groups}
     adopt(opt)                  # handles or released originals: what the next step steps
-    if pm.zero is not None:                     # a plain optimizer over the ZeRO-3 segments
-        return {"state": segment_state_by_name(opt.state, _zero3_shards(pm),
+    if pm.zero is not None:     # a plain optimizer over the ZeRO-3 segments (or DTensor views)
+        by_seg = dict(opt.state)
+        for seg, view in _viewed_segments(pm, opt).items():
+            by_seg[seg] = {k: _local(v).reshape(-1) if isinstance(v, DTensor) else v
+                           for k, v in opt.state.get(view, {}).items()}
+        return {"state": segment_state_by_name(by_seg, _zero3_shards(pm),
                                                pm.zero.gather_state),
                 "param_groups": groups}
     names = {id(p): n for n, p in _trainable(pm)}
@@ -322,6 +326,12 @@ def _stepped_views(opt) -> dict[str, torch.Tensor]:
     (runtime/module_views.py); their state is saved as its local pieces, like pm's own."""
     return {p._nnc_handle[1]: p for g in opt.param_groups for p in g["params"]
             if getattr(p, "_nnc_view", False)}
+
+
+def _viewed_segments(pm, opt) -> dict:
+    """{ZeRO-3 segment: the module's DTensor view of it} for the views `opt` steps."""
+    segs = zero3_segments(pm)
+    return {segs[name]: view for name, view in _stepped_views(opt).items() if name in segs}
 
 
 def _local(v: torch.Tensor) -> torch.Tensor:
@@ -349,7 +359,15 @@ def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
         return
     adopt(opt)
     if pm.zero is not None:
-        load_segment_state(opt.state, _zero3_shards(pm), local["state"])
+        loaded: dict = {}
+        load_segment_state(loaded, _zero3_shards(pm), local["state"])
+        views = _viewed_segments(pm, opt)
+        for seg, st in loaded.items():
+            view = views.get(seg)
+            opt.state[seg if view is None else view] = st if view is None else {
+                k: _like(view, v.view(view.to_local().shape))
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == seg.numel() else v
+                for k, v in st.items()}
         return
     params = {**dict(_trainable(pm)), **_stepped_views(opt)}
     for name, st in local["state"].items():
