@@ -128,6 +128,28 @@ def reduce_scatter_single():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's `_StridedShard(dim, split_factor=...)` placement: a dimension sharded after
+    another split of it (a column-parallel weight's rows cut again by ZeRO-3, as FSDP2 does
+    under tp). Private in every supported release (2.11-2.13, same constructor)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def alias_at_offset_zero(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over the same memory as contiguous `t` whose storage starts at t's first
+    element. A DTensor takes its local tensor's storage offset, and torch.save of a DTensor
+    with a nonzero one reads its (wrapper's) storage and fails ("invalid python storage",
+    torch 2.13); views into a flat buffer get this alias first. The sliced storage holds a
+    reference to t's, so the memory lives as long as either."""
+    if not t.storage_offset():
+        return t
+    st, size = t.untyped_storage(), t.element_size()
+    start = t.storage_offset() * size
+    piece = st[start:start + t.numel() * size]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(piece, 0, t.shape, t.stride())
+
+
 # ---- pipeline stages --------------------------------------------------------------------------
 
 def pipeline_stages_send_integers() -> bool:

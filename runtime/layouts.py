@@ -112,7 +112,7 @@ class RowShardLayout(FlatLayout):
         self.size, self.rank = size, rank
         self.rows = [s[0] if len(s) else 1 for s in self.shapes]
         self.widths = [n // r if r else 0 for n, r in zip(self.numels, self.rows)]
-        self.per_rank = [-(-r // size) for r in self.rows]
+        self.per_rank = [-(-rows // size) for rows in self.rows]
         slots = [c * w for c, w in zip(self.per_rank, self.widths)]
         self.offsets = [sum(slots[:i]) for i in range(len(slots))]
         self.slots = slots

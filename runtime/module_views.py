@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor
 
+from nncompile.mesh import CP
+
 from .dcp import _dtensor
 from .param_handles import ReleasedParameter
 
@@ -52,7 +54,8 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
             row_of.setdefault(id(p), whole_rows[fqn])
     local_of = {id(p): pm._parameters.get(row.name) for p in dict(params).values()
                 if (row := row_of.get(id(p))) is not None}
-    whole = pm.PLAN_NGPUS > 1 and all(
+    split_plan = pm.PLAN_NGPUS > 1 or dict(pm.mesh.dims).get(CP, 1) > 1
+    whole = split_plan and all(
         (local := local_of.get(id(p))) is not None and local.is_contiguous() and
         local.device == p.device and (isinstance(p, ReleasedParameter) or p is local)
         for _, p in params)

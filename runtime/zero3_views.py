@@ -24,8 +24,8 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from nncompile import compat
 from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
 from nncompile.mesh import PP, param_placements
 
@@ -66,14 +66,14 @@ def _placements(pm, row, mesh, dims: list[int]) -> list | None:
     # DTensor applies splits in mesh order, but ZeRO cuts the rows of the plan's piece: a
     # plan dimension after the ZeRO one splitting dim 0 too makes the ZeRO split a strided
     # one (FSDP2's with tp), expressed where every piece has as many rows
-    later = [i for i, p in enumerate(out) if i > max(dims) and p == Shard(0)]
+    later = [i for i, p in enumerate(out) if dims and i > max(dims) and p == Shard(0)]
     if later:
         if len(dims) != 1 or len(later) != 1:
             return None
         factor = mesh.size(later[0])
         if row.shape[0] % (factor * mesh.size(dims[0])):
             return None
-        out[dims[0]] = _StridedShard(0, split_factor=factor)
+        out[dims[0]] = compat.strided_shard(0, factor)
     return out
 
 
@@ -84,8 +84,8 @@ def view_zero3(pm, module: torch.nn.Module, params: list, rows) -> list[str]:
     if not dist.is_initialized() or pm.INFERENCE_ONLY or pm.PIPELINE is not None:
         return released
     mesh = _mesh(pm)
-    dims = _zero_dims(pm, mesh)
-    if not dims:
+    dims = _zero_dims(pm, mesh)              # [] where the ZeRO group is this rank alone
+    if dims is None:
         return released
     whole_rows = {r.fqn: r for r in rows if r.part is None}
     segs = zero3_segments(pm)
@@ -108,7 +108,7 @@ def view_zero3(pm, module: torch.nn.Module, params: list, rows) -> list[str]:
                 continue
             unit = next(u for u in pm.zero.units if row.name in u.layout.names)
             rows_here = unit.layout.local_rows(unit.layout.names.index(row.name))
-            local = seg.detach().view((rows_here,) + shape[1:])
+            local = compat.alias_at_offset_zero(seg.detach()).view((rows_here,) + shape[1:])
             full = torch.Size(row.shape)
             view = torch.nn.Parameter(
                 DTensor.from_local(local, mesh, placements, run_check=False, shape=full,

@@ -1,9 +1,10 @@
 """The module given to parallelize, after it: where the plan keeps every parameter whole its
 state_dict() is pm's weights (the very tensors pm trains); where the plan shards by boxes (tp)
-it holds DTensor views of pm's pieces (runtime/module_views.py): reading, editing, freezing
-and state_dict() work as on one device; where a piece is no box (ZeRO-3's flat pieces) its
+or by rows (ZeRO-3) it holds DTensor views of pm's pieces (runtime/module_views.py,
+zero3_views.py): reading, editing, freezing and state_dict() work as on one device; where no
+DTensor on the job's mesh describes a piece (ZeRO-3 over part of the data-parallel ranks) its
 parameters are released, and its state_dict() (nanoGPT saves raw_model.state_dict()) is an
-error naming what to save instead, not a dict of storage-less tensors. Two simulated ranks."""
+error naming what to save instead, not a dict of storage-less tensors. Simulated ranks."""
 from __future__ import annotations
 
 import copy
@@ -26,20 +27,48 @@ def _batch():
             "targets": torch.randint(0, 64, (2, 16), generator=g)}
 
 
-def _after_one_step(gpt, tmp_path, name, plan, policy, check, **cfg):
+def _after_one_step(gpt, tmp_path, name, plan, policy, check, world=WORLD, **cfg):
     def rank_fn(rank):
         module = copy.deepcopy(gpt)
-        pm = nncompile.parallelize(module, _batch(), ComputeConfig(plan, WORLD, **cfg),
+        pm = nncompile.parallelize(module, _batch(), ComputeConfig(plan, world, **cfg),
                                    pas_policy=policy, gen_savedir=tmp_path, instance_name=name)
         opt = torch.optim.SGD(pm.parameters(), lr=0.1)
         pm(**_batch()).backward()
         opt.step()
         return check(module, pm)
-    return run_ranks(WORLD, rank_fn)
+    return run_ranks(world, rank_fn)
 
 
-@pytest.mark.parametrize("policy,plan,zero", [("dp", 1, 3), ("tp", 2, 3)])
-def test_released_module_state_dict_is_an_error(gpt, tmp_path, policy, plan, zero):
+# ZeRO-3 over part of the data-parallel ranks (zero_ngroups > 1) is one case that keeps the
+# module's parameters released: no one DTensor on the job's mesh describes such a piece
+RELEASED = {"world": 4, "use_zero": 3, "zero_ngroups": 2}
+
+
+@pytest.mark.parametrize("policy,plan", [("dp", 1), ("tp", 2)])
+def test_zero3_module_state_dict_holds_dtensors(gpt, tmp_path, policy, plan):
+    """Under ZeRO-3 (and tp x ZeRO-3) the module's state_dict() (nanoGPT saves
+    raw_model.state_dict()) holds Shard(0) DTensors under the original names whose full
+    tensors are the weights pm trained; torch.save of it works."""
+    from torch.distributed.tensor import DTensor
+
+    def check(module, pm):
+        sd = module.state_dict()
+        torch.save(sd, io.BytesIO())
+        full = pm.gather_params()
+        return ({k: isinstance(v, DTensor) for k, v in sd.items()},
+                {k: float((v.full_tensor() - full[k]).abs().max()) for k, v in sd.items()
+                 if k in full},                # (a tied weight once, under its first name)
+                {k: not torch.equal(v, gpt.state_dict()[k]) for k, v in full.items()})
+    kinds, errs, changed = _after_one_step(gpt, tmp_path, f"sd3{policy}", plan, policy, check,
+                                           use_zero=3)[0]
+    assert set(kinds) == set(gpt.state_dict()) and all(kinds.values()), kinds
+    assert max(errs.values()) == 0.0 and any(changed.values()), errs
+
+
+@pytest.mark.parametrize("policy,plan", [("dp", 1), ("tp", 2)])
+def test_released_module_state_dict_is_an_error(gpt, tmp_path, policy, plan):
+    """Where the module's parameters stay released (groups of 2 of the data-parallel ranks)
+    its state_dict() is an error naming what to save instead."""
     def check(module, pm):
         errors = []
         for what in (module.state_dict,                         # raw_model.state_dict()
@@ -49,7 +78,8 @@ def test_released_module_state_dict_is_an_error(gpt, tmp_path, policy, plan, zer
                 what()
             errors.append(str(e.value))
         return errors, pm.gather_params()
-    out = _after_one_step(gpt, tmp_path, f"sd{policy}{zero}", plan, policy, check, use_zero=zero)
+    out = _after_one_step(gpt, tmp_path, f"sd{policy}", plan, policy, check,
+                          **{**RELEASED, "world": 4 * plan})
     errors, _ = out[0]
     for msg in errors:
         assert "state_dict() of the module given to nncompile.parallelize" in msg, msg
@@ -87,7 +117,7 @@ def test_released_parameter_prints_and_refuses_copies(gpt, tmp_path):
             errors.append(str(e.value))
         return shown, errors, isinstance(w, torch.nn.Parameter), tuple(w.shape)
     shown, errors, is_param, shape = _after_one_step(gpt, tmp_path, "rel", 1, "dp", check,
-                                                     use_zero=3)[0]
+                                                     **RELEASED)[0]
     assert shown.startswith("<released Parameter [") and "ParallelModule" in shown, shown
     assert is_param and shape == tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
     assert "cannot copy a parameter of a module that was parallelized" in errors[0], errors[0]
@@ -95,7 +125,8 @@ def test_released_parameter_prints_and_refuses_copies(gpt, tmp_path):
 
 
 def test_reading_a_released_parameter_is_an_error_not_a_crash(gpt, tmp_path):
-    """DDP's `model.module` habit where the module's parameters are released (ZeRO-3):
+    """DDP's `model.module` habit where the module's parameters are released (ZeRO-3 over part
+    of the data-parallel ranks):
     p.norm(), p.data.clamp_(), p.clamp_() and torch functions of a released parameter read no
     freed memory (that crashed the process): each is a ConfigError naming the parameter and
     pm.gather_params(); its metadata still reads, and pm's training goes on."""
@@ -116,7 +147,7 @@ def test_reading_a_released_parameter_is_an_error_not_a_crash(gpt, tmp_path):
         moved = any(not torch.equal(v, before[k]) for k, v in pm.gather_params().items())
         return errors, meta, moved
     errors, meta, moved = _after_one_step(gpt, tmp_path, "read3", 1, "dp", check,
-                                          use_zero=3)[0]
+                                          **RELEASED)[0]
     shape = tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
     assert meta == (shape, torch.float32, True, 2, shape[0] * shape[1]) and moved
     assert "cannot compute norm on the parameter 'h.0.mlp_fc.weight'" in errors[0], errors[0]
