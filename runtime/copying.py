@@ -8,13 +8,16 @@ the module it was built from, the generated program. It runs forward (and trains
     before: AveragedModel(pm)   -> TypeError: cannot pickle 'ProcessGroup' object
     after:  swa = AveragedModel(pm); swa.update_parameters(pm); swa(**batch)   # one device's
 
-Every rank copies (the copy's forward runs the plan's collectives). Not yet for ZeRO-3 (its
-parameters are handles over flat pieces) nor pipelines (their schedule holds the stages):
-there a ConfigError says what to do instead.
+Every rank copies (the copy's forward runs the plan's collectives). Under ZeRO-3 the copy gets
+its own flat pieces (this rank's rows, cloned) and its own handles over them, with pm's ZeRO
+group and layouts: `swa.update_parameters(pm)` edits the copy's runs with pm's. Not yet for
+pipelines (their schedule holds the stages): there a ConfigError says what to do instead.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -24,7 +27,8 @@ from nncompile.errors import ConfigError
 
 # per-instance caches that name the original's tensors by id(): rebuilt by the copy on use
 _NOT_COPIED = {"_reducer", "_nnc_names", "_nnc_orig_ids", "forward_impl", "forward_eval_impl",
-               "_nnc_views"}          # the module's views show the original pm's pieces
+               "_nnc_views",          # the module's views show the original pm's pieces
+               "_nnc_segments"}       # ZeRO-3: views of the original's flat pieces
 
 
 def _job_objects(obj: Any, found: dict[int, Any], seen: set[int]) -> None:
@@ -49,12 +53,6 @@ def _job_objects(obj: Any, found: dict[int, Any], seen: set[int]) -> None:
 
 def deepcopy_parallel_module(pm, memo: dict) -> Any:
     """What `copy.deepcopy(pm)` returns (ParallelModule.__deepcopy__)."""
-    if pm.zero is not None:
-        raise ConfigError(
-            "copy.deepcopy of a ZeRO-3 ParallelModule (AveragedModel, an EMA copy) is not "
-            "supported: its parameters are handles over flat pieces of layers; keep the "
-            "average of pm.named_parameters() in tensors of your own (p.detach().clone() of "
-            "pm.gather_params() values), or train with use_zero 0, 1 or 2")
     if pm.pipeline is not None:
         raise ConfigError(
             "copy.deepcopy of a pipelined ParallelModule is not supported: its schedule holds "
@@ -67,14 +65,51 @@ def deepcopy_parallel_module(pm, memo: dict) -> Any:
         memo[id(original)] = original          # the module it was built from: shared
     new = type(pm).__new__(type(pm))
     memo[id(pm)] = new
+    skip = set(_NOT_COPIED)
+    if pm.zero is not None:        # made below: the flat pieces, their handles, the runtime
+        skip |= {"zero", "_parameters"} | {unit.attr for unit in pm.zero.units}
     for key, value in pm.__dict__.items():
-        if key not in _NOT_COPIED:
+        if key not in skip:
             new.__dict__[key] = copy.deepcopy(value, memo)
+    if pm.zero is not None:
+        _copy_zero3(pm, new, memo)
     new._reducer = new._build_reducer()
+    if pm.zero is not None:
+        from .zero3_views import view_pm_params
+        view_pm_params(new)         # as pm's: DTensors over the copy's flat pieces
     options = pm.__dict__.get("compile_options")
     if options is not None:
         new.compile(**options)
     return new
+
+
+def _copy_zero3(pm, new, memo: dict) -> None:
+    """The copy's ZeRO-3 runtime: pm's group and layouts, its own units' state, flat pieces
+    (clones of this rank's) and handles over them (frozen where pm's are)."""
+    from .param_handles import make_handles
+    zero = copy.copy(pm.zero)
+    zero.pm = new
+    zero.units = [dataclasses.replace(u, pending=None, again=None, live={})
+                  for u in pm.zero.units]
+    zero.by_attr = {u.attr: u for u in zero.units}
+    zero._by_storage, zero._backward_queued = {}, False
+    new.__dict__["zero"] = zero
+    for unit in pm.zero.units:
+        old = pm.zero.flat(unit)
+        flat = torch.nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+        flat._zero_attr = unit.attr
+        new.__dict__[unit.attr] = flat
+    new.__dict__["_parameters"] = OrderedDict()
+    make_handles(new)
+    made = new._parameters
+    ordered = OrderedDict()
+    for name, p in pm._parameters.items():            # pm's order: zip(swa, pm) pairs them
+        if name in made:                              # a handle (or a view: made below)
+            made[name].requires_grad_(p.requires_grad)
+            ordered[name] = made[name]
+        else:
+            ordered[name] = copy.deepcopy(p, memo)
+    new.__dict__["_parameters"] = ordered
 
 
 __all__ = ["deepcopy_parallel_module"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nncompile.errors import CheckpointError
 
@@ -214,10 +215,20 @@ def _own(v: Any) -> Any:
     return v.detach().clone() if torch.is_tensor(v) else v
 
 
+def _runs(sd: dict) -> dict:
+    """ZeRO pieces held as DTensors (an optimizer over pm's ZeRO-3 DTensor parameters) as the
+    flat runs the layout describes (each local tensor is its parameter's run)."""
+    if "nncompile_zero" not in sd:
+        return sd
+    state = {k: {key: v.to_local().reshape(-1) if isinstance(v, DTensor) else v
+                 for key, v in st.items()} for k, st in sd.get("state", {}).items()}
+    return {**sd, "state": state}
+
+
 def _unzero(infos: list[dict], opt_sds: list[dict]) -> list[dict | None]:
     """ZeRO pieces -> each rank's local-name state (None for non-ZeRO state dicts): the pieces
     of ranks in one ZeRO group are concatenated back into the flat state."""
-    opt_sds = [as_zero_state(info, sd) for info, sd in zip(infos, opt_sds)]
+    opt_sds = [_runs(as_zero_state(info, sd)) for info, sd in zip(infos, opt_sds)]
     out: list[dict | None] = [None] * len(opt_sds)
     groups: dict[tuple, list[int]] = {}
     for i, sd in enumerate(opt_sds):

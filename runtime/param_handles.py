@@ -225,6 +225,10 @@ def adopt(opt, groups: list[dict] | None = None) -> bool:
             targets = _targets(p, type(opt)) if isinstance(p, torch.Tensor) else None
             if targets is None:
                 out.append(p)
+                if getattr(p, "_nnc_view", False) and groups is None:
+                    from .zero3_views import is_zero3_view, watch_view_optimizer
+                    if is_zero3_view(p):
+                        watch_view_optimizer(opt)
                 continue
             swapped = True
             st = opt.state.pop(p, None) if groups is None else None
@@ -519,6 +523,7 @@ def _metadata_functions() -> frozenset:
             "_is_view", "is_shared", "is_pinned", "register_hook",
             "register_post_accumulate_grad_hook", "retain_grad", "__setstate__",
             "_typed_storage", "storage") if hasattr(T, n)}
+        funcs |= {getattr(torch, n) for n in ("is_floating_point", "is_complex", "numel")}
         _METADATA = frozenset(funcs)
     return _METADATA
 

@@ -1,5 +1,7 @@
-"""ZeRO-3 parameters as pm.named_parameters() shows them: edits that mean what they mean on
-one device, reads that say where the values are.
+"""ZeRO-3 parameters where no one DTensor describes a rank's run (ZeRO-3 over part of the
+data-parallel ranks, pipelines, 0-d tensors; elsewhere pm.named_parameters() are the module's
+Shard(0) DTensors, runtime/zero3_views.py): edits that mean what they mean on one device,
+reads that say where the values are.
 
 Under ZeRO-3 a rank stores flat pieces of whole layers (runtime/zero.py); pm registers a
 storage-less handle per parameter (runtime/param_handles.py) with the shape of this rank's

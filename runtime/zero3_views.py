@@ -4,14 +4,16 @@ A ZeRO-3 unit stores each tensor cut by rows over the ZeRO group, torch.chunk's 
 (runtime/layouts.py, RowShardLayout), so this rank's run of a parameter in its flat piece is
 the local tensor of a DTensor sharded along dim 0 over the mesh dimensions the ZeRO group
 spans (data parallel, and context or expert parallel where the plan has them), as FSDP2's
-parameters are. The module's released parameters are replaced by such DTensors:
+parameters are. pm's storage-less handles and the module's released parameters are replaced
+by the same such DTensors:
 
     before: pm.module.h[0].mlp_fc.weight            a released tensor: reading it is an error
-    after:  DTensor [128, 32] (Shard(0),) over dp   its local tensor views pm's flat piece
+            pm.h0_mlp_fc_weight                     a handle on the meta device
+    after:  both DTensor [128, 32] (Shard(0),)      its local tensor views pm's flat piece
 
 so `p.norm()`, `p.clamp_()`, `p.grad.norm()` (linked after each backward), `requires_grad_`,
-torch's `get_model_state_dict` / `set_model_state_dict` with DCP, and an optimizer over
-`pm.module.parameters()` mean what they mean on one device, and edit what pm trains.
+torch's `get_model_state_dict` / `set_model_state_dict` with DCP, `AveragedModel(pm)` and an
+optimizer over `pm.parameters()` mean what they mean on one device, and edit what pm trains.
 
 A parameter stays released where one DTensor cannot describe its run: a hierarchical ZeRO
 group (zero_ngroups > 1), a plan that also splits it along dim 0 on another mesh dimension
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from nncompile import compat
 from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
 from nncompile.mesh import PP, param_placements
+from nncompile.rows import param_rows
 
 from .dcp import _mesh
 from .param_handles import ReleasedParameter, zero3_segments
@@ -77,66 +80,116 @@ def _placements(pm, row, mesh, dims: list[int]) -> list | None:
     return out
 
 
-def view_zero3(pm, module: torch.nn.Module, params: list, rows) -> list[str]:
-    """Replace `module`'s released parameters by Shard(0) DTensors over pm's ZeRO-3 runs;
-    returns the FQNs that stay released."""
-    released = [fqn for fqn, p in params if isinstance(p, ReleasedParameter)]
+def view_pm_params(pm) -> dict[str, torch.nn.Parameter]:
+    """Replace pm's ZeRO-3 handles by Shard(0) DTensor Parameters over its flat pieces where
+    one DTensor describes the run (pm.parameters() then are these); {local name: view}."""
     if not dist.is_initialized() or pm.INFERENCE_ONLY or pm.PIPELINE is not None:
-        return released
+        return {}
     mesh = _mesh(pm)
     dims = _zero_dims(pm, mesh)              # [] where the ZeRO group is this rank alone
     if dims is None:
-        return released
-    whole_rows = {r.fqn: r for r in rows if r.part is None}
+        return {}
+    rows = {r.name: r for r in param_rows(pm) if r.part is None}
     segs = zero3_segments(pm)
-    made: dict[int, torch.nn.Parameter] = {}
-    entries, still, by_unit = [], [], {}
-    for fqn, p in params:
-        row = whole_rows.get(fqn)
-        seg = segs.get(row.name) if row is not None else None
-        if not isinstance(p, ReleasedParameter) and id(p) not in made:
-            continue
-        view = made.get(id(p))
-        if view is None:
-            placements = _placements(pm, row, mesh, dims) if seg is not None else None
-            if placements is None or seg.device != p.device:
-                still.append(fqn)
+    views, by_unit = {}, {}
+    for unit in pm.zero.units:
+        for i, name in enumerate(unit.layout.names):
+            row, seg, handle = rows.get(name), segs.get(name), pm._parameters.get(name)
+            if row is None or seg is None or handle is None or not row.local_shape or \
+                    seg.device != pm.device:        # (a 0-d tensor has no rows to shard)
                 continue
-            shape = tuple(row.local_shape)
-            if not shape:
-                still.append(fqn)           # a 0-d tensor has no rows to shard
+            placements = _placements(pm, row, mesh, dims)
+            if placements is None:
                 continue
-            unit = next(u for u in pm.zero.units if row.name in u.layout.names)
-            rows_here = unit.layout.local_rows(unit.layout.names.index(row.name))
-            local = compat.alias_at_offset_zero(seg.detach()).view((rows_here,) + shape[1:])
+            shape = (unit.layout.local_rows(i),) + tuple(row.local_shape[1:])
+            local = compat.alias_at_offset_zero(seg.detach()).view(shape)
             full = torch.Size(row.shape)
             view = torch.nn.Parameter(
                 DTensor.from_local(local, mesh, placements, run_check=False, shape=full,
                                    stride=torch.empty(full, device="meta").stride()),
-                requires_grad=p.requires_grad)
-            view._nnc_handle = (weakref.ref(pm), row.name)
+                requires_grad=handle.requires_grad)
+            view._nnc_handle = (weakref.ref(pm), name)
             view._nnc_view = True            # stepped as a DTensor (its local run in place)
-            made[id(p)] = view
-            entry = [view, pm._parameters[row.name], view.requires_grad, None, seg]
-            entries.append(entry)
-            by_unit.setdefault(unit.attr, []).append(entry)
+            pm._parameters[name] = view
+            views[name] = view
+            by_unit.setdefault(unit.attr, []).append([view, view, view.requires_grad, None, seg])
+    _link_grads(pm, by_unit)
+    return views
+
+
+def _link_grads(pm, by_unit: dict) -> None:
+    """After each unit's gradient lands (and at the end of the reduction), each view's .grad
+    is a DTensor over its run of the flat gradient."""
+    from .module_views import add_entries, link_grad, link_grads
+    if not by_unit:
+        return
+    add_entries(pm, [e for entries in by_unit.values() for e in entries])
+
+    def linker(unit_entries):
+        def hook(_):
+            for e in unit_entries:
+                link_grad(e)
+        return hook
+    for attr, unit_entries in by_unit.items():       # after the segments' refresh
+        pm.zero.flat(pm.zero.by_attr[attr]).register_post_accumulate_grad_hook(
+            linker(unit_entries))
+    if pm._reducer is not None:
+        pm._reducer.on_finish.append(lambda: link_grads(pm))
+
+
+def view_zero3(pm, module: torch.nn.Module, params: list, rows) -> list[str]:
+    """pm's parameters become Shard(0) DTensors over its ZeRO-3 runs (view_pm_params) and
+    `module` holds the same objects in place of its released parameters; returns the FQNs
+    that stay released."""
+    released = [fqn for fqn, p in params if isinstance(p, ReleasedParameter)]
+    views = view_pm_params(pm)
+    whole_rows = {r.fqn: r for r in rows if r.part is None}
+    made: dict[int, torch.nn.Parameter] = {}       # id(original) -> its view (ties share one)
+    still = []
+    for fqn, p in params:
+        if not isinstance(p, ReleasedParameter):
+            continue
+        row = whole_rows.get(fqn)
+        view = made.get(id(p))
+        if view is None and row is not None:
+            view = views.get(row.name)
+        if view is None or view.device != p.device:
+            still.append(fqn)
+            continue
+        made[id(p)] = view
         owner, _, leaf = fqn.rpartition(".")
         module.get_submodule(owner)._parameters[leaf] = view
-    if entries:
-        from .module_views import add_entries, link_grad
-        add_entries(pm, entries)
-        def linker(unit_entries):
-            def hook(_):
-                for e in unit_entries:
-                    link_grad(e)
-            return hook
-        for attr, unit_entries in by_unit.items():       # after the segments' refresh
-            pm.zero.flat(pm.zero.by_attr[attr]).register_post_accumulate_grad_hook(
-                linker(unit_entries))
-        if pm._reducer is not None:
-            from .module_views import link_grads
-            pm._reducer.on_finish.append(lambda: link_grads(pm))
     return [fqn for fqn in released if fqn in still]
 
 
-__all__ = ["view_zero3"]
+def is_zero3_view(p) -> bool:
+    tag = getattr(p, "_nnc_handle", None)
+    if tag is None or not getattr(p, "_nnc_view", False):
+        return False
+    pm = tag[0]()
+    return pm is not None and pm.zero is not None
+
+
+def watch_view_optimizer(opt) -> None:
+    """An optimizer over ZeRO-3 views keeps torch's state_dict() (DTensor state, what
+    get_optimizer_state_dict and DCP read) and adds the "nncompile_zero" layout of the runs
+    its state cuts, as an optimizer over segments has it, so merge_state_dicts reads it."""
+    if opt.__dict__.get("_nnc_view_watched"):
+        return
+    opt.__dict__["_nnc_view_watched"] = True
+    opt.register_state_dict_post_hook(_view_layout)
+
+
+def _view_layout(opt, sd: dict) -> dict:
+    from .param_handles import segment_layout
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params or not all(is_zero3_view(p) for p in params):
+        return sd
+    pm = params[0]._nnc_handle[0]()
+    segs = zero3_segments(pm)
+    sd["nncompile_zero"] = segment_layout([segs[p._nnc_handle[1]] for p in params],
+                                          pm.zero.ranks, pm.zero.rank, 3)
+    return sd
+
+
+__all__ = ["view_zero3", "view_pm_params", "is_zero3_view", "watch_view_optimizer"]

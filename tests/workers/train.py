@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import models  # noqa: E402
@@ -221,6 +222,9 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
 
 
 def _nbytes(t) -> int:
+    """Bytes this rank holds for `t` (a DTensor: its local tensor's)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     return t.numel() * t.element_size() if torch.is_tensor(t) else 0
 
 
