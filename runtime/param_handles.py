@@ -225,10 +225,8 @@ def adopt(opt, groups: list[dict] | None = None) -> bool:
             targets = _targets(p, type(opt)) if isinstance(p, torch.Tensor) else None
             if targets is None:
                 out.append(p)
-                if getattr(p, "_nnc_view", False) and groups is None:
-                    from .zero3_views import is_zero3_view, watch_view_optimizer
-                    if is_zero3_view(p):
-                        watch_view_optimizer(opt)
+                if groups is None and _zero3_view(p):
+                    _watch(opt)          # its state_dict() records the runs' layout
                 continue
             swapped = True
             st = opt.state.pop(p, None) if groups is None else None
@@ -276,14 +274,30 @@ def segment_layout(params: list, ranks: list[int], zero_rank: int, stage: int) -
             "stage": stage, "shards": shards}
 
 
+def _zero3_view(p) -> bool:
+    """Whether `p` is one of pm's ZeRO-3 DTensor parameters (runtime/zero3_views.py)."""
+    tag = getattr(p, "_nnc_handle", None)
+    pm = tag[0]() if tag is not None and getattr(p, "_nnc_view", False) else None
+    return pm is not None and pm.zero is not None
+
+
 def _layout_hook(opt, sd: dict) -> dict:
+    """An optimizer over ZeRO-3 segments or DTensor parameters (whose local tensors are the
+    same runs; their state stays torch's DTensors): the layout merge.py reads."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    if not params or not all(getattr(p, "_nnc_flat", None) is not None for p in params):
+    if not params:
         return sd
-    pm = getattr(params[0], "_nnc_pm", lambda: None)()
+    first = params[0]
+    pm = first._nnc_pm() if getattr(first, "_nnc_flat", None) is not None else \
+        first._nnc_handle[0]() if _zero3_view(first) else None
     if pm is None:
         return sd
-    sd["nncompile_zero"] = segment_layout(params, pm.zero.ranks, pm.zero.rank, 3)
+    segs = zero3_segments(pm)
+    runs = [p if getattr(p, "_nnc_flat", None) is not None else
+            segs.get(p._nnc_handle[1]) if _zero3_view(p) else None for p in params]
+    if any(r is None for r in runs):
+        return sd
+    sd["nncompile_zero"] = segment_layout(runs, pm.zero.ranks, pm.zero.rank, 3)
     return sd
 
 

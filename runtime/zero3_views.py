@@ -162,34 +162,4 @@ def view_zero3(pm, module: torch.nn.Module, params: list, rows) -> list[str]:
     return [fqn for fqn in released if fqn in still]
 
 
-def is_zero3_view(p) -> bool:
-    tag = getattr(p, "_nnc_handle", None)
-    if tag is None or not getattr(p, "_nnc_view", False):
-        return False
-    pm = tag[0]()
-    return pm is not None and pm.zero is not None
-
-
-def watch_view_optimizer(opt) -> None:
-    """An optimizer over ZeRO-3 views keeps torch's state_dict() (DTensor state, what
-    get_optimizer_state_dict and DCP read) and adds the "nncompile_zero" layout of the runs
-    its state cuts, as an optimizer over segments has it, so merge_state_dicts reads it."""
-    if opt.__dict__.get("_nnc_view_watched"):
-        return
-    opt.__dict__["_nnc_view_watched"] = True
-    opt.register_state_dict_post_hook(_view_layout)
-
-
-def _view_layout(opt, sd: dict) -> dict:
-    from .param_handles import segment_layout
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if not params or not all(is_zero3_view(p) for p in params):
-        return sd
-    pm = params[0]._nnc_handle[0]()
-    segs = zero3_segments(pm)
-    sd["nncompile_zero"] = segment_layout([segs[p._nnc_handle[1]] for p in params],
-                                          pm.zero.ranks, pm.zero.rank, 3)
-    return sd
-
-
-__all__ = ["view_zero3", "view_pm_params", "is_zero3_view", "watch_view_optimizer"]
+__all__ = ["view_zero3", "view_pm_params"]
