@@ -182,21 +182,36 @@ def state_tensors(module, opt):
 
 
 def state_bytes(module, opt) -> dict[str, int]:
-    """{"<kind> <device type>": bytes}, each storage counted once."""
-    seen: set[tuple] = set()
+    """{"<kind> <device type>": bytes}, each byte of memory counted once (a storage that is a
+    slice of another's memory, as a ZeRO-3 DTensor parameter's local tensor is of its flat
+    piece, adds only what the earlier ones do not cover)."""
+    covered: dict[tuple, list[tuple[int, int]]] = {}
     out: dict[str, int] = {}
     for kind, t in state_tensors(module, opt):
         if not isinstance(t, torch.Tensor):
             continue
         t = _local(t)
         s = t.untyped_storage()
-        key = (t.device.type, t.device.index, s.data_ptr())
-        if s.nbytes() == 0 or key in seen:
+        if s.nbytes() == 0:
             continue
-        seen.add(key)
-        name = f"{kind} {t.device.type}"
-        out[name] = out.get(name, 0) + s.nbytes()
+        spans = covered.setdefault((t.device.type, t.device.index), [])
+        new = _uncovered(spans, s.data_ptr(), s.data_ptr() + s.nbytes())
+        spans.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+        if new:
+            name = f"{kind} {t.device.type}"
+            out[name] = out.get(name, 0) + new
     return out
+
+
+def _uncovered(spans: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """Bytes of [lo, hi) outside every span."""
+    cuts = sorted((max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo)
+    total, at = 0, lo
+    for a, b in cuts:
+        if a > at:
+            total += a - at
+        at = max(at, b)
+    return total + max(0, hi - at)
 
 
 def total(d: dict[str, int], device_type: str | None = None) -> int:
