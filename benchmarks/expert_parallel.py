@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,9 +69,11 @@ def run(args, ep: int, mode: str, outdir: Path) -> dict:
     def rank_fn(rank: int) -> dict:
         pm = nncompile.parallelize(copy.deepcopy(model), batch, config, pas_policy=policy,
                                    gen_savedir=str(outdir), instance_name=f"{mode}{ep}")
-        experts = sum(p.numel() * p.element_size() for n, p in pm.named_parameters()
+        local = {n: p.to_local() if isinstance(p, DTensor) else p      # this rank's bytes
+                 for n, p in pm.named_parameters()}
+        experts = sum(p.numel() * p.element_size() for n, p in local.items()
                       if n.endswith(EXPERT_NAMES))
-        total = sum(p.numel() * p.element_size() for p in pm.parameters())
+        total = sum(p.numel() * p.element_size() for p in local.values())
         times, acts, loss = timed_steps(pm, batch, args.steps)
         return {"experts": experts, "params": total, "activations": acts,
                 "ms": statistics.median(times), "loss": float(loss)}

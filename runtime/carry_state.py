@@ -20,6 +20,7 @@ import torch
 from nncompile.errors import ConfigError
 
 from .param_handles import local_names
+from .pieces import local_parameters
 from nncompile.rows import param_rows, take
 
 
@@ -80,7 +81,7 @@ def carry(pm, inst: torch.optim.Optimizer, opt: torch.optim.Optimizer) -> None:
     if hasattr(opt, "load_local_state"):             # a ZeroOptimizer: each rank's runs
         opt.load_local_state(carried_state(pm, inst, pieces=True))
         return
-    by_name = dict(pm.named_parameters())
+    by_name = dict(local_parameters(pm))
     for name, st in carried_state(pm, inst, pieces=False).items():
         p = by_name[name]
         opt.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v

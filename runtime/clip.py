@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError
 
 from .groups import pipe_group
+from .pieces import pieces_of
 from nncompile.rows import param_rows
 from .state import first_holder, split_axes
 from .torch_patches import wrap_once
@@ -174,7 +175,7 @@ def _owned_by(params: list) -> tuple[dict, list]:
     owner_of = {}
     for pm in list(_LIVE):
         if _needs_global(pm):
-            for p in pm.parameters():
+            for p in [*pm.parameters(), *pieces_of(pm).values()]:
                 owner_of[id(p)] = pm
     owned: dict = {}
     rest = []

@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from nncompile.errors import ConfigError
 
+from .pieces import pieces_of
+
 # per-instance caches that name the original's tensors by id(): rebuilt by the copy on use
 _NOT_COPIED = {"_reducer", "_nnc_names", "_nnc_orig_ids", "forward_impl", "forward_eval_impl",
                "_nnc_views",          # the module's views show the original pm's pieces
@@ -68,15 +70,27 @@ def deepcopy_parallel_module(pm, memo: dict) -> Any:
     skip = set(_NOT_COPIED)
     if pm.zero is not None:        # made below: the flat pieces, their handles, the runtime
         skip |= {"zero", "_parameters"} | {unit.attr for unit in pm.zero.units}
+    pieces = pieces_of(pm)
+    if pieces:                     # made below: DTensor views over the copy's own pieces
+        skip |= {"_parameters", "_nnc_pieces"}
     for key, value in pm.__dict__.items():
         if key not in skip:
             new.__dict__[key] = copy.deepcopy(value, memo)
     if pm.zero is not None:
         _copy_zero3(pm, new, memo)
+    if pieces:
+        new.__dict__["_parameters"] = OrderedDict(
+            (n, new.__dict__.pop(n) if n in pieces else copy.deepcopy(p, memo))
+            for n, p in pm._parameters.items())
+        for n, p in new._parameters.items():
+            p.requires_grad_(pm._parameters[n].requires_grad)    # the flag the user set
     new._reducer = new._build_reducer()
     if pm.zero is not None:
         from .zero3_views import view_pm_params
         view_pm_params(new)         # as pm's: DTensors over the copy's flat pieces
+    if pieces:
+        from .module_views import view_pieces
+        view_pieces(new, {n: n for n in pieces})
     options = pm.__dict__.get("compile_options")
     if options is not None:
         new.compile(**options)

@@ -7,9 +7,10 @@ Muon-style orthogonalisation, LBFGS's line search) does not: under ZeRO it is re
 (check_elementwise), and over a split parameter's plain piece too (check_pieces), where the
 module's DTensor parameters give it the whole tensors' meaning instead:
 
-    before: NormalizedSGD(pm.parameters())   under tp: norms of pieces, silently another model
-    after:  ConfigError naming pm.module.parameters(); NormalizedSGD(pm.module.parameters())
-            steps DTensors and equals one device
+    before: build_optimizer(pm, NormalizedSGD)   under tp: norms of this rank's pieces,
+                                                 silently another model
+    after:  ConfigError naming pm.parameters(); NormalizedSGD(pm.parameters()) steps
+            DTensors and equals one device
 """
 from __future__ import annotations
 
@@ -72,12 +73,13 @@ def check_pieces(opt, groups) -> None:
         return
     from nncompile.rows import param_rows
     from .clip import _LIVE
+    from .pieces import local_parameters
 
     split = {pm: {row.name for row in param_rows(pm)          # pieces of split parameters
                   if row.sharded or row.part is not None or row.name in pm.PARAM_AXES}
              for pm in list(_LIVE) if pm.zero is None}
     owners = {id(q): n for pm, names in split.items()
-              for n, q in pm.named_parameters() if n in names}
+              for n, q in local_parameters(pm) if n in names}
     for g in groups:
         ps = g["params"]
         for p in [ps] if isinstance(ps, torch.Tensor) else ps:
@@ -93,10 +95,10 @@ def check_pieces(opt, groups) -> None:
                     f"{type(opt).__name__} is not known to be element-wise, and it was given "
                     f"this rank's piece of the split parameter {name!r}: it would compute over "
                     f"the piece as if it were the whole tensor (factored moments, norms and "
-                    f"matrix products over a piece differ from one device). Build it over the "
-                    f"module given to parallelize, whose parameters are DTensors with the whole "
-                    f"tensor's meaning (torch.optim-style code over pm.module.parameters()), "
-                    f"or declare it element-wise if it is: "
+                    f"matrix products over a piece differ from one device). Build it over "
+                    f"pm.parameters(), which are DTensors with the whole tensor's meaning (the "
+                    f"module's parameters are the same objects), or declare it element-wise "
+                    f"if it is: "
                     f"nncompile.declare_elementwise({type(opt).__name__})")
 
 

@@ -27,6 +27,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from .pieces import pieces_of
 from .torch_patches import wrap_once
 
 _TORCH_UNSCALE = None                             # torch's own GradScaler._unscale_grads_
@@ -50,7 +51,8 @@ def _parallel_modules(optimizer) -> list:
         from .param_handles import _pre_step          # swap handles, point segments at grads
         _pre_step(optimizer, (), {})
         params = [p for g in optimizer.param_groups for p in g["params"]]
-    owner_of = {id(p): pm for pm in list(_LIVE) for p in pm.parameters()}
+    owner_of = {id(p): pm for pm in list(_LIVE)
+                for p in [*pm.parameters(), *pieces_of(pm).values()]}
     found = []
     for p in params:
         pm = owner_of.get(id(p)) or _tagged_owner(p)

@@ -33,7 +33,8 @@ from .reducer import Reducer
 from .zero import ZeroRuntime, all_gather_along
 from .meta_buffers import with_real_buffers
 from .param_handles import make_handles, release_original, take_original
-from .module_views import link_grads
+from .module_views import link_grads, pieces_registered
+from .pieces import local_parameters, pieces_of
 from .parts import assemble_sources
 from .state import check_same_plan, gather_split_axes, plan_info, share_over_pipeline
 
@@ -386,7 +387,7 @@ class ParallelModule(torch.nn.Module):
             return None         # ZeRO-3 reduces each unit's gradient in the gather's backward
         mesh = self.mesh
         params = []
-        for name, param in self.named_parameters():
+        for name, param in local_parameters(self):
             reduction = grad_reduction(mesh, name in self._partial_grad, param.requires_grad,
                                        tuple(a for a, names in self.PARTIAL_GRAD_AXES.items()
                                              if name in names))
@@ -512,6 +513,8 @@ class ParallelModule(torch.nn.Module):
         """Under ZeRO-3 the state dict still holds each parameter's shard by local name
         (gathered from the flat pieces), so every checkpoint format reads it unchanged."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, piece in pieces_of(self).items():     # this rank's piece, not its DTensor
+            destination[prefix + name] = piece if keep_vars else piece.detach()
         if self.zero is None:
             return
         for name, t in self.zero.local_tensors().items():    # in place of the handles
@@ -526,8 +529,9 @@ class ParallelModule(torch.nn.Module):
                 self.zero.load_local_tensors(given)
             for n in given:                   # loaded: the handles stand in (meta, no copy)
                 state_dict[prefix + n] = self._parameters[n]
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        with pieces_registered(self):     # loaded into this rank's pieces
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
 
     # ---- parameters as stored -------------------------------------------------------------
     def stored_parameters(self):
@@ -535,12 +539,15 @@ class ParallelModule(torch.nn.Module):
         parameters() are storage-less handles (runtime/param_handles.py) and these are the
         flat pieces."""
         if self.zero is None:
-            return iter(list(self.parameters()))
+            return iter([p for _, p in local_parameters(self)])
         return iter([self.zero.flat(u) for u in self.zero.units])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         if self.zero is None:
+            for piece in pieces_of(self).values():
+                if piece.grad is not None:
+                    piece.grad = None if set_to_none else piece.grad.zero_()
             link_grads(self)          # pm.module's views show it
             return
         for flat in self.stored_parameters():
@@ -557,7 +564,8 @@ class ParallelModule(torch.nn.Module):
         """ZeRO-3's handles have no storage to move or convert; the flat pieces stay where
         offload_params put them."""
         if self.zero is None:
-            return super()._apply(fn, recurse)
+            with pieces_registered(self):
+                return super()._apply(fn, recurse)
         handles = dict(self._parameters)
         self._parameters.clear()
         try:

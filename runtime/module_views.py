@@ -4,7 +4,9 @@ Under a plan that shards parameters (tp, tp_sp, autodist's splits, context and e
 parallelism) pm keeps one rank's piece of each weight, and the module's own copy is released
 (runtime/param_handles.py). Each released parameter is then replaced, in the module, by a
 DTensor Parameter on the plan's device mesh (the one DCP checkpoints use, runtime/dcp.py) whose
-local tensor is a view of pm's piece. Code that reads or edits `pm.module`'s weights (DDP's
+local tensor is a view of pm's piece; where every parameter has one, pm's own parameters
+become the same DTensors (view_pieces; the pieces stay under them for the generated code,
+runtime/pieces.py). Code that reads or edits `pm.module`'s weights (DDP's
 `model.module` habit) works as on one device and acts on what pm trains:
 
     before: pm.module.h[0].mlp_fc.weight.norm()        -> the process crashed (no storage)
@@ -22,6 +24,7 @@ pipelined plans'.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -30,9 +33,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from nncompile.mesh import CP
+from nncompile.rows import param_rows
 
 from .dcp import _dtensor
 from .param_handles import ReleasedParameter
+from .pieces import local_parameters, pieces_of  # noqa: F401 (imported from here too)
 
 
 def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
@@ -61,10 +66,20 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
         for _, p in params)
     if not released and not whole:
         return released
+    if whole:                 # every parameter: pm's own become these views too
+        views = view_pieces(pm, {id(p): row_of[id(p)].name for _, p in params})
+        for fqn, p in params:
+            owner, _, leaf = fqn.rpartition(".")
+            module.get_submodule(owner)._parameters[leaf] = views[row_of[id(p)].name]
+        if not getattr(module, "_nnc_guard", False):
+            from .param_handles import _released_forward
+            module._nnc_guard = True
+            module.register_forward_pre_hook(_released_forward(params[0][0]))
+        return []
     made: dict[int, torch.nn.Parameter] = {}     # id(original) -> its view (ties share one)
     views, still = [], []
     for fqn, p in params:
-        if not isinstance(p, ReleasedParameter) and not whole:
+        if not isinstance(p, ReleasedParameter):
             continue                              # shared with pm as it is (replicated)
         local = local_of.get(id(p))
         if local is None or not local.is_contiguous() or local.device != p.device:
@@ -72,25 +87,103 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
             continue
         view = made.get(id(p))
         if view is None:
-            view = torch.nn.Parameter(_dtensor(pm, local.detach(), row_of[id(p)]),
-                                      requires_grad=p.requires_grad)
-            view._nnc_handle = (weakref.ref(pm), row_of[id(p)].name)   # what it views
-            view._nnc_view = whole      # stepped as a DTensor (else: pm's piece is stepped)
+            view = _view(pm, local, row_of[id(p)], p.requires_grad, stepped=False)
             made[id(p)] = view
             views.append([view, local, view.requires_grad, None, local])
         owner, _, leaf = fqn.rpartition(".")
         module.get_submodule(owner)._parameters[leaf] = view
-    if whole and not getattr(module, "_nnc_guard", False):
-        from .param_handles import _released_forward
-        module._nnc_guard = True
-        module.register_forward_pre_hook(_released_forward(params[0][0]))
-    if views:
-        add_entries(pm, views)
-        for entry in views:
-            watch_grad(entry)
-        if pm._reducer is not None:   # reduction may hand .grad another tensor (or None)
-            pm._reducer.on_finish.append(lambda: link_grads(pm))
+    _watch_entries(pm, views)
     return still
+
+
+def _view(pm, local: torch.Tensor, row, requires_grad: bool, stepped: bool):
+    """A DTensor Parameter over pm's piece `local` (row's placements on pm's mesh)."""
+    view = torch.nn.Parameter(_dtensor(pm, local.detach(), row), requires_grad=requires_grad)
+    view._nnc_handle = (weakref.ref(pm), row.name)    # what it views
+    view._nnc_view = stepped    # stepped as a DTensor (else: pm's piece is stepped)
+    return view
+
+
+def _watch_entries(pm, entries: list) -> None:
+    if not entries:
+        return
+    add_entries(pm, entries)
+    for entry in entries:
+        watch_grad(entry)
+    if pm._reducer is not None:   # reduction may hand .grad another tensor (or None)
+        pm._reducer.on_finish.append(lambda: link_grads(pm))
+
+
+def view_pieces(pm, names=None) -> dict[str, torch.nn.Parameter]:
+    """pm's parameters become DTensor Parameters over its pieces: pm.parameters() (and the
+    module's, where view_released puts them) are these, while the generated code computes
+    with the pieces, kept in pm.__dict__ (`self.<name>` finds them first):
+
+        before: pm._parameters["h0_mlp_fc_weight"]   this rank's piece  [64, 32]
+        after:  pm._parameters["h0_mlp_fc_weight"]   DTensor [128, 32] (Shard(0),) over it
+                pm.__dict__["h0_mlp_fc_weight"]      the piece (what forward_impl reads)
+
+    `names`: the local names to view (default: every parameter); {local name: view}."""
+    rows = {row.name: row for row in param_rows(pm) if row.part is None}
+    wanted = list(pm._parameters) if names is None else list(dict.fromkeys(names.values()))
+    views, entries = {}, []
+    for name in wanted:
+        piece = pieces_of(pm).get(name, pm._parameters[name])
+        view = _view(pm, piece, rows[name], piece.requires_grad, stepped=True)
+        view._nnc_piece = piece
+        pm.__dict__[name] = piece
+        pm._parameters[name] = view
+        views[name] = view
+        entries.append([view, piece, view.requires_grad, None, piece])
+    pm.__dict__["_nnc_pieces"] = {n: pm.__dict__[n] for n in pm._parameters
+                                  if n in pm.__dict__}
+    _watch_entries(pm, entries)
+    return views
+
+
+@contextlib.contextmanager
+def pieces_registered(pm):
+    """Inside: pm._parameters holds the pieces (state_dict by local name, load_state_dict,
+    .to()/.half() act on them); after: the views again, rebuilt over any piece whose storage
+    moved (a .to() across devices or dtypes)."""
+    pieces = pieces_of(pm)
+    if not pieces:
+        yield
+        return
+    views = {n: pm._parameters[n] for n in pieces}
+    for n, piece in pieces.items():
+        pm._parameters[n] = piece
+    try:
+        yield
+    finally:
+        stale = [n for n, v in views.items()
+                 if pm._parameters[n] is not pieces[n] or
+                 v._local_tensor.dtype != pieces[n].dtype or
+                 v._local_tensor.device != pieces[n].device or
+                 v._local_tensor.data_ptr() != pieces[n].data_ptr()]
+        for n in pieces:
+            pm._parameters[n] = views[n]
+        if stale:
+            _rebuild(pm, stale)
+
+
+def _rebuild(pm, names: list[str]) -> None:
+    """New views over pieces whose storage moved; the module holds them in the old ones'
+    places."""
+    old = {n: pm._parameters[n] for n in names}
+    pm.__dict__["_nnc_views"] = [
+        e for e in pm.__dict__.get("_nnc_views", ())
+        if e[0] is not old.get(getattr(e[0], "_nnc_handle", (None, None))[1])]
+    for n in names:
+        pm._parameters[n] = pm.__dict__[n]
+    new = view_pieces(pm, {n: n for n in names})
+    module = pm.__dict__.get("_original_module")
+    if module is not None:
+        swap = {id(old[n]): new[n] for n in names}
+        for sub in module.modules():
+            for leaf, p in list(sub._parameters.items()):
+                if id(p) in swap:
+                    sub._parameters[leaf] = swap[id(p)]
 
 
 def follow_flags(pm, params, rows) -> None:
@@ -122,8 +215,9 @@ def watch_grad(entry) -> None:
     local = entry[1]
     if entry[4] is not local:
         return                      # ZeRO-3: linked when the unit's flat gradient lands
-    if local.requires_grad and not getattr(local, "_nnc_watched", False):
-        local._nnc_watched = True
+    key = (id(local), id(entry))    # a copy of the piece (deepcopy) or a new view: again
+    if local.requires_grad and getattr(local, "_nnc_watched", None) != key:
+        local._nnc_watched = key
         local.register_post_accumulate_grad_hook(lambda _, entry=entry: link_grad(entry))
 
 
@@ -183,4 +277,5 @@ def sync_views(pm, args) -> None:
             entry[3] = None
 
 
-__all__ = ["view_released", "sync_views", "link_grad", "link_grads"]
+__all__ = ["view_released", "view_pieces", "pieces_of", "local_parameters", "pieces_registered",
+           "sync_views", "link_grad", "link_grads"]

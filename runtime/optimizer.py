@@ -44,6 +44,7 @@ from nncompile.errors import CheckpointError, ConfigError
 
 from .carry_state import carry
 from .groups import get_zero_group
+from .pieces import local_parameters
 from nncompile.rows import param_rows
 from .param_handles import (check_elementwise, cut, declare_elementwise, groups_by_name,
                             segment_layout, segment_params, zero3_segments, zero_stage)
@@ -83,7 +84,7 @@ def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None 
     groups = _named_groups(pm, params)
     stage = zero_stage(pm)
     if stage is None:
-        by_name = dict(pm.named_parameters())
+        by_name = dict(local_parameters(pm))
         opt = optimizer_cls([{**g, "params": [by_name[n] for n in g["params"]]}
                              for g in groups], **kwargs)
     else:

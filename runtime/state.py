@@ -25,6 +25,7 @@ from nncompile.ir.placement import Shard, parse_placement
 from nncompile.pipeline_config import PipelineConfig
 
 from .groups import pipe_group
+from .pieces import local_parameters
 from .optimizer import ZeroOptimizer, load_segment_state, segment_state_by_name
 from .param_handles import adopt, local_names, zero3_segments
 from .zero import all_gather_along
@@ -260,7 +261,7 @@ def _zero3_shards(pm) -> list[tuple]:
 
 
 def _trainable(pm) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
+    return [(n, p) for n, p in local_parameters(pm) if p.requires_grad]
 
 
 # each saved parameter group's members by original FQN (merged checkpoints rebuild the groups

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import models
 import nncompile
@@ -67,7 +68,8 @@ EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 def expert_elements(pm) -> int:
     """This rank's expert parameter elements (local names: dots become underscores)."""
     local = tuple(e.replace(".", "_") for e in EXPERTS)
-    return sum(p.numel() for n, p in pm.named_parameters() if n.endswith(local))
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+               for n, p in pm.named_parameters() if n.endswith(local))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])

@@ -210,12 +210,14 @@ def test_gradients_through_the_module_equal_one_device(tmp_path, case):
         seen = train(pm, module)
         kinds = {isinstance(p, DTensor) == isinstance(p.grad, DTensor)
                  for p in module.parameters()}
-        every = all(isinstance(p, DTensor) for p in module.parameters())
+        every = all(isinstance(p, DTensor) for p in module.parameters()) and \
+            all(isinstance(p, DTensor) for p in pm.parameters()) and \
+            {id(p) for p in pm.parameters()} == {id(p) for p in module.parameters()}
         return seen, kinds, every, max(float((weights[n] - gathered[n]).abs().max())
                                        for n in gathered)
     for seen, kinds, every, weight_err in run_ranks(world, rank_fn):
         assert kinds == {True}, "a DTensor parameter's .grad is a DTensor"
-        assert every and weight_err == 0.0, (every, weight_err)
+        assert every and weight_err == 0.0, (every, weight_err)   # pm's are the module's
         for (full, norms, nans), (want_full, want_norms, _) in zip(seen, want):
             assert full.keys() == want_full.keys() and not nans
             for n, g in want_full.items():
@@ -334,10 +336,9 @@ class Orthogonalized(torch.optim.Optimizer):
 @pytest.mark.parametrize("opt_cls", [NormalizedSGD, Orthogonalized])
 def test_optimizers_that_look_across_elements_over_the_modules_dtensors(tmp_path, opt_cls,
                                                                          plan):
-    """An optimizer that is not element-wise, over the module's DTensor parameters under tp
-    (and tp x dp) or ZeRO-3, steps with the whole tensors' meaning: every loss and the
-    weights equal one device's. Under tp, over pm.parameters() (this rank's pieces) it is
-    refused with a clear error; under ZeRO-3 pm.parameters() are the module's DTensors."""
+    """An optimizer that is not element-wise, over pm.parameters() (the module's DTensor
+    parameters, the same objects) under tp x dp or ZeRO-3, steps with the whole tensors'
+    meaning: every loss and the weights equal one device's."""
     base = models.build("gpt")
 
     def train(model, module):
@@ -359,17 +360,14 @@ def test_optimizers_that_look_across_elements_over_the_modules_dtensors(tmp_path
         module = copy.deepcopy(base)
         pm = nncompile.parallelize(module, _batch(0), cfg, pas_policy=policy,
                                    gen_savedir=tmp_path, instance_name=f"across_{plan}")
-        if plan == "tp":
-            with pytest.raises(nncompile.ConfigError) as e:
-                opt_cls(pm.parameters())
-            return train(pm, module), pm.gather_params(), str(e.value)
-        return train(pm, pm), pm.gather_params(), None
-    for losses, got, error in run_ranks(4, rank_fn):
+        same = {id(p) for p in pm.parameters()} == {id(p) for p in module.parameters()}
+        dtensors = all(isinstance(p, DTensor) for p in pm.parameters())
+        return train(pm, pm), pm.gather_params(), same and dtensors
+    for losses, got, same in run_ranks(4, rank_fn):
+        assert same
         assert max(abs(a - b) for a, b in zip(losses, want)) < 1e-5, (losses, want)
         for fqn, p in ref.named_parameters():
             torch.testing.assert_close(got[fqn], p.detach(), rtol=1e-4, atol=1e-5)
-        if plan == "tp":
-            assert "not known to be element-wise" in error and "pm.module.parameters()" in error
 
 
 @pytest.mark.parametrize("source", ["tp", "zero3"])

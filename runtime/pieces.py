@@ -1,0 +1,29 @@
+"""The tensors pm computes with, where its parameters are DTensor views of them.
+
+Under a plan that splits parameters (tp, tp_sp, autodist's splits, context and expert
+parallelism), pm.parameters() are DTensor Parameters (runtime/module_views.py, view_pieces)
+and this rank's pieces sit under them, in pm.__dict__, where the generated code's
+`self.<name>` finds them. The reducer, build_optimizer's fast path, clipping and checkpoints
+work on the pieces:
+
+    pm.named_parameters()  -> ("h0_mlp_fc_weight", DTensor [128, 32] (Shard(0),))
+    local_parameters(pm)   -> ("h0_mlp_fc_weight", tensor [64, 32])    its local tensor's base
+"""
+from __future__ import annotations
+
+import torch
+
+
+def pieces_of(pm) -> dict[str, torch.Tensor]:
+    """{local name: the piece the generated code computes with} for parameters that are
+    DTensor views (empty elsewhere: there pm's parameters are the pieces)."""
+    return pm.__dict__.get("_nnc_pieces", {})
+
+
+def local_parameters(pm) -> list[tuple[str, torch.Tensor]]:
+    """pm.named_parameters() with each DTensor view replaced by the piece under it."""
+    pieces = pieces_of(pm)
+    return [(n, pieces.get(n, p)) for n, p in pm.named_parameters()]
+
+
+__all__ = ["pieces_of", "local_parameters"]
