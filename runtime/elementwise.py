@@ -71,6 +71,7 @@ def check_pieces(opt, groups) -> None:
     tensor's meaning. Element-wise ones (and unsplit parameters) pass."""
     if is_elementwise(type(opt)):
         return
+    _check_dtensor_safe(opt, groups)
     from nncompile.rows import param_rows
     from .clip import _LIVE
     from .pieces import local_parameters
@@ -100,6 +101,29 @@ def check_pieces(opt, groups) -> None:
                     f"module's parameters are the same objects), or declare it element-wise "
                     f"if it is: "
                     f"nncompile.declare_elementwise({type(opt).__name__})")
+
+
+# torch optimizers whose step DTensor refuses (Adafactor: an in-place pow_ of a partial norm)
+_NOT_DTENSOR_SAFE = (torch.optim.Adafactor,) if hasattr(torch.optim, "Adafactor") else ()
+
+
+def _check_dtensor_safe(opt, groups) -> None:
+    """A clear error, at its first step, for an optimizer DTensor cannot run over pm's DTensor
+    parameters (instead of DTensor's sharding-propagation error)."""
+    if not isinstance(opt, _NOT_DTENSOR_SAFE):
+        return
+    for g in groups:
+        ps = g["params"]
+        if any(getattr(p, "_nnc_view", False) for p in ([ps] if isinstance(ps, torch.Tensor)
+                                                        else ps)):
+            name = type(opt).__name__
+            raise ConfigError(
+                f"torch.optim.{name} cannot step DTensor parameters (its step takes an "
+                f"in-place power of a norm that DTensor keeps partial, which DTensor refuses), "
+                f"and under this plan pm.parameters() are DTensors split across ranks, where "
+                f"{name}'s factored moments must see the whole tensors. Use {name} with a plan "
+                f"that keeps parameters whole (dp, ZeRO-1/2), or an element-wise optimizer "
+                f"such as torch.optim.AdamW")
 
 
 __all__ = ["declare_elementwise", "is_elementwise", "check_elementwise", "check_pieces"]

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 import torch.nn as nn
 
 import models
@@ -85,7 +86,9 @@ def _train(model, policy, plan, world, use_zero, savedir):
         state = opt.state_dict()
         return {"losses": losses, "params": pm.gather_params(), "frozen_grads": frozen_grads,
                 "trainable": sorted(n for n, p in pm.named_parameters() if p.requires_grad),
-                "trainable_numel": sum(p.numel() for p in pm.parameters() if p.requires_grad),
+                "trainable_numel": sum(   # this rank's elements (a DTensor's local ones)
+                    (p.to_local() if isinstance(p, DTensor) else p).numel()
+                    for p in pm.parameters() if p.requires_grad),
                 "opt_numel": sum(t.numel() for st in state["state"].values()
                                  for t in st.values() if torch.is_tensor(t) and t.dim()),
                 "model_sd": pm.state_dict(), "opt_sd": state}

@@ -192,11 +192,19 @@ def test_not_elementwise_under_zero3(gpt, gen):
             with pytest.raises(ConfigError) as e:
                 make()
             errors[what] = str(e.value)
+        plain = torch.optim.Adafactor(pm.parameters())        # DTensor refuses its step
+        pm(**_unit_batch()).backward()
+        with pytest.raises(ConfigError) as e:
+            plain.step()
+        errors["plain Adafactor"] = str(e.value)
+        pm.zero_grad()
         return errors, train(pm)
     errors, losses = run_ranks(WORLD, rank_fn)[0]
     msg = errors["build Adafactor"]
     assert "Adafactor is not known to be element-wise" in msg and "ZeRO-3" in msg, msg
     assert "elementwise=True" in msg and "declare_elementwise" in msg and "use_zero=0" in msg
+    msg = errors["plain Adafactor"]
+    assert "cannot step DTensor parameters" in msg and "AdamW" in msg, msg
     assert "LBFGS cannot run under ZeRO-3" in errors["build LBFGS"]
     assert "use_zero=0" in errors["build LBFGS"]
     assert max(abs(a - b) for a, b in zip(losses, want)) < 1e-5, (losses, want)
