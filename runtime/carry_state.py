@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nncompile.errors import ConfigError
 
@@ -48,7 +49,12 @@ def carried_state(pm, inst: torch.optim.Optimizer, pieces: bool) -> dict[str, di
                     continue                 # a parameter this rank does not hold
                 if getattr(p, "_nnc_span", None) is not None:
                     raise _refuse(f"the state of {name!r} was kept for a ZeRO-3 piece")
-                out[name] = _cut(rows[name], tuple(p.shape), st, pieces)
+                shape = tuple(p.shape)
+                if isinstance(p, DTensor) and pm.zero is None:   # pm's DTensor view: its
+                    shape = tuple(p.to_local().shape)           # state as this rank's piece's
+                    st = {k: v.to_local() if isinstance(v, DTensor) else v
+                          for k, v in st.items()}
+                out[name] = _cut(rows[name], shape, st, pieces)
     return out
 
 

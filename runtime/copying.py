@@ -10,8 +10,9 @@ the module it was built from, the generated program. It runs forward (and trains
 
 Every rank copies (the copy's forward runs the plan's collectives). Under ZeRO-3 the copy gets
 its own flat pieces (this rank's rows, cloned) and its own handles over them, with pm's ZeRO
-group and layouts: `swa.update_parameters(pm)` edits the copy's runs with pm's. Not yet for
-pipelines (their schedule holds the stages): there a ConfigError says what to do instead.
+group and layouts: `swa.update_parameters(pm)` edits the copy's runs with pm's. Where pm's
+parameters are DTensor views, the copy's are views of its own pieces; a pipelined pm's copy
+gets its own schedule over its own stages, on pm's pipeline groups.
 """
 from __future__ import annotations
 
@@ -55,10 +56,6 @@ def _job_objects(obj: Any, found: dict[int, Any], seen: set[int]) -> None:
 
 def deepcopy_parallel_module(pm, memo: dict) -> Any:
     """What `copy.deepcopy(pm)` returns (ParallelModule.__deepcopy__)."""
-    if pm.pipeline is not None:
-        raise ConfigError(
-            "copy.deepcopy of a pipelined ParallelModule is not supported: its schedule holds "
-            "this rank's stages; build a second pm with nncompile.parallelize for the copy")
     found: dict[int, Any] = {}
     _job_objects(pm.__dict__, found, set())
     memo.update(found)                          # shared, never pickled
@@ -67,7 +64,7 @@ def deepcopy_parallel_module(pm, memo: dict) -> Any:
         memo[id(original)] = original          # the module it was built from: shared
     new = type(pm).__new__(type(pm))
     memo[id(pm)] = new
-    skip = set(_NOT_COPIED)
+    skip = set(_NOT_COPIED) | {"pipeline"}     # the copy's schedule runs its own stages
     if pm.zero is not None:        # made below: the flat pieces, their handles, the runtime
         skip |= {"zero", "_parameters"} | {unit.attr for unit in pm.zero.units}
     pieces = pieces_of(pm)
@@ -91,6 +88,10 @@ def deepcopy_parallel_module(pm, memo: dict) -> Any:
     if pieces:
         from .module_views import view_pieces
         view_pieces(new, {n: n for n in pieces})
+    new.pipeline = None
+    if pm.pipeline is not None:
+        from .pipeline import PipelineRuntime
+        new.pipeline = PipelineRuntime(new)
     options = pm.__dict__.get("compile_options")
     if options is not None:
         new.compile(**options)

@@ -138,6 +138,8 @@ def _merge_optimizer(infos: list[dict], opt_sds: list[dict]) -> dict:
         for name, st in local["state"].items():
             row = rows[name]
             for key, v in st.items():
+                if isinstance(v, DTensor):     # an optimizer over pm's DTensor parameters
+                    v = v.to_local()           # (saved as they are): this rank's piece
                 if torch.is_tensor(v) and tuple(v.shape) != () and \
                         tuple(v.shape) == row.local_shape:
                     tensors.put(f"{row.source}\0{key}", row, v)

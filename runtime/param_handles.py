@@ -441,6 +441,8 @@ def release_original(pm, module, rows, shared: dict) -> None:
     # where one DTensor describes pm's piece, the module holds that instead
     from .module_views import view_released      # (imported here: it imports this file)
     view_released(pm, module, rows)
+    from .stage_params import release_other_stages
+    release_other_stages(pm, module, rows)
 
 
 def _free(p: torch.nn.Parameter) -> None:

@@ -134,3 +134,38 @@ def test_state_not_shaped_like_its_parameter_refused_under_tp(trained, gen):
     assert isinstance(msg, str) and "not known to be element-wise" in msg and \
         "pm.parameters()" in msg, msg
     assert out[0]["dp"] is True
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_state_of_an_optimizer_over_the_dtensor_parameters_is_carried(gen, zero):
+    """Under tp, an AdamW over pm.parameters() (DTensors, state DTensors) trains BEFORE steps;
+    build_optimizer(pm, it) (plain pieces, or ZeRO-1 shards) carries its state: the next
+    steps equal one device's continuing with its own AdamW."""
+    base = models.build("gpt")
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(_groups(ref), **ADAMW)
+    want = []
+    for b in _batches(BEFORE + AFTER, 5):
+        loss = ref(**b)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(loss.detach())
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(base), _batches(1, 5)[0],
+                                   ComputeConfig(2, WORLD, use_zero=zero), pas_policy="tp",
+                                   gen_savedir=gen, instance_name=f"carryview{zero}")
+        opt = torch.optim.AdamW(_groups(pm), **ADAMW)
+        losses = []
+        for i, b in enumerate(_batches(BEFORE + AFTER, 5)):
+            if i == BEFORE:
+                opt = nncompile.build_optimizer(pm, opt)
+            loss = pm(**b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+        return losses
+    for losses in run_ranks(WORLD, rank_fn):
+        torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-5, atol=1e-5)

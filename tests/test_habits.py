@@ -19,12 +19,15 @@ tests/test_habits.py -s` prints):
 
 The optimizer is SGD with momentum and weight decay over pm.parameters() (a frozen parameter
 keeps its momentum and is not decayed). What a plan does not support yet is listed in GAPS
-with what happens instead; the test fails if that changes, so the list stays true. Pipelined
-plans need a real process group (torchrun) and are not in this group yet.
+with what happens instead; the test fails if that changes, so the list stays true. The
+pipeline's row (2 stages, 2 micro-batches, pm.train_step; one device accumulates over the same
+micro-batches) runs under torchrun (tests/workers/habits_pipeline.py): each of its ranks reads
+its own stage's gradients, merged over the ranks before the comparison.
 """
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -35,6 +38,7 @@ from torch.optim.swa_utils import AveragedModel
 
 import models
 import nncompile
+from conftest import torchrun
 from nncompile import ComputeConfig
 from nncompile.errors import NNCompileError
 from nncompile.runtime.module import ParallelModule
@@ -90,8 +94,37 @@ def _attempt(fn):
         return type(e).__name__
 
 
-def habits_loop(model, module, batch_of, block: str, savedir=None) -> dict:
-    """Every habit on `model` (pm, or the one-device model) and the module it was built from."""
+def _pipelined(model) -> bool:
+    """A pipelined pm (or an AveragedModel over one's copy)."""
+    model = model.module if isinstance(model, AveragedModel) else model
+    return isinstance(model, ParallelModule) and model.PIPELINE is not None
+
+
+def _evaluate(model, batch, micro: int) -> float:
+    """The loss of `batch` (a pipelined pm's: the mean over its micro-batches, as one device
+    computes it with `micro` > 1)."""
+    if micro == 1 or _pipelined(model):
+        return _loss(model(**batch)).item()
+    chunks = zip(*(v.chunk(micro) for v in batch.values()))
+    return sum(_loss(model(**dict(zip(batch, mb)))).item() for mb in chunks) / micro
+
+
+def _backward(model, batch, micro: int) -> float:
+    """One step's forward and backward: pm.train_step for a pipelined pm (its micro-batches on
+    the schedule); one device accumulates `loss_m / micro` over the same micro-batches."""
+    if _pipelined(model):
+        return model.train_step(**batch).item()
+    total = 0.0
+    for mb in zip(*(v.chunk(micro) for v in batch.values())):
+        loss = _loss(model(**dict(zip(batch, mb)))) / micro
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def habits_loop(model, module, batch_of, block: str, savedir=None, micro: int = 1) -> dict:
+    """Every habit on `model` (pm, or the one-device model) and the module it was built from
+    (`micro`: micro-batches per step, a pipeline's)."""
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.2, momentum=0.9, weight_decay=0.1)
     ema = [p.detach().clone() for p in params]
@@ -101,9 +134,7 @@ def habits_loop(model, module, batch_of, block: str, savedir=None) -> dict:
         if step in (1, 3):
             module.get_submodule(block).requires_grad_(step == 3)
         opt.zero_grad()
-        loss = _loss(model(**batch_of(step)))
-        loss.backward()
-        out["freeze"].append(loss.item())
+        out["freeze"].append(_backward(model, batch_of(step), micro))
         out["grad_norms"].append({n: float(_full(p.grad.norm()))
                                   for n, p in module.named_parameters() if p.grad is not None})
         opt.step()
@@ -122,10 +153,10 @@ def habits_loop(model, module, batch_of, block: str, savedir=None) -> dict:
         backup = [p.detach().clone() for p in params]
         for p, e in zip(params, ema):
             p.copy_(e)
-        out["ema"] = _loss(model(**batch_of(9))).item()
+        out["ema"] = _evaluate(model, batch_of(9), micro)
         for p, b in zip(params, backup):
             p.copy_(b)
-        out["averaged"] = swa if isinstance(swa, str) else _loss(swa(**batch_of(9))).item()
+        out["averaged"] = swa if isinstance(swa, str) else _evaluate(swa, batch_of(9), micro)
     out["clamp"] = _weights(model)
     return out
 
@@ -187,9 +218,17 @@ def format_table(rows: dict[str, dict]) -> str:
 _ROWS: dict[str, dict] = {}
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
+def run_pipeline(workdir) -> dict[str, float | str]:
+    """The pipeline's row: tests/workers/habits_pipeline.py (2 stages, 2 micro-batches) under
+    torchrun, whose ranks are processes (a pipeline's P2P needs a real process group)."""
+    out = torchrun("tests/workers/habits_pipeline.py", 2, "--savedir", str(workdir))
+    line = next(ln for ln in out.splitlines() if ln.startswith("HABITS "))
+    return json.loads(line[len("HABITS "):])
+
+
+@pytest.mark.parametrize("plan", [*PLANS, "pp"])
 def test_habits_equal_one_device(plan, tmp_path):
-    row = run_plan(plan, tmp_path)
+    row = run_pipeline(tmp_path) if plan == "pp" else run_plan(plan, tmp_path)
     _ROWS[plan] = row
     print("\n" + format_table({plan: row}))
     for habit in HABITS:

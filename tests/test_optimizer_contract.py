@@ -192,12 +192,9 @@ def test_not_elementwise_under_zero3(gpt, gen):
             with pytest.raises(ConfigError) as e:
                 make()
             errors[what] = str(e.value)
-        plain = torch.optim.Adafactor(pm.parameters())        # DTensor refuses its step
-        pm(**_unit_batch()).backward()
-        with pytest.raises(ConfigError) as e:
-            plain.step()
+        with pytest.raises(ConfigError) as e:       # DTensor refuses its step
+            torch.optim.Adafactor(pm.parameters())
         errors["plain Adafactor"] = str(e.value)
-        pm.zero_grad()
         return errors, train(pm)
     errors, losses = run_ranks(WORLD, rank_fn)[0]
     msg = errors["build Adafactor"]

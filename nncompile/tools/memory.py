@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
 
@@ -155,12 +156,18 @@ def load(path: str | os.PathLike) -> MemoryProfile:
 
 
 # ---- predictions ------------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor: a DTensor's local one (pm's DTensor parameters, their state)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
 def _ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    return _local(t).untyped_storage().data_ptr()
 
 
 # optimizer class name -> (per-element state tensors, scalar state tensors), given its defaults
@@ -209,7 +216,7 @@ def predicted_persistent(pm: torch.nn.Module, optimizer: Any = None) -> dict[str
         for p in group["params"]:
             if _ptr(p) not in seen:                    # a copy the optimizer owns (whole:
                 seen.add(_ptr(p))                      # ZeRO steps segments viewing it)
-                state += p.untyped_storage().nbytes()
+                state += _local(p).untyped_storage().nbytes()
             if slots is not None:
                 state += slots[0] * _tensor_bytes(p) + slots[1] * 4
     if all(_slots(opt, g) is None for g in opt.param_groups):
@@ -416,7 +423,8 @@ def _count_tensors(pm, optimizer, grad_max: dict[int, int]) -> dict[str, int | N
         opt = getattr(optimizer, "inner", optimizer)
         copies = {_ptr(p): p for g in opt.param_groups for p in g["params"]
                   if _ptr(p) not in params}
-        out["optimizer_state"] = sum(p.untyped_storage().nbytes() for p in copies.values()) + \
+        out["optimizer_state"] = sum(_local(p).untyped_storage().nbytes()
+                                     for p in copies.values()) + \
             _state_bytes(opt, set(params) | set(copies))
     return out
 
