@@ -20,7 +20,6 @@ from torch.utils import _pytree as pytree
 from nncompile.config import ComputeConfig
 from nncompile.errors import ConfigError, InputMismatchError
 from nncompile.symbolic import check_sizes
-from nncompile.ir import MemoryChoice
 from nncompile.ir.placement import Shard
 from nncompile.mesh import Mesh, grad_reduction
 from nncompile.rows import buffer_rows, const_rows, param_rows, take
@@ -30,7 +29,7 @@ from . import consistency
 from .copying import deepcopy_parallel_module
 from .groups import axis_groups, get_groups, group_along
 from .reducer import Reducer
-from .zero import ZeroRuntime, all_gather_along
+from .zero import ZeroRuntime, all_gather_along, memory_settings
 from .meta_buffers import with_real_buffers
 from .param_handles import make_handles, release_original, take_original
 from .module_views import link_grads, pieces_registered
@@ -584,28 +583,6 @@ def _dtype(name: str) -> torch.dtype | None:
     """torch.float32 for "torch.float32" (None if torch has no such dtype)."""
     dt = getattr(torch, name.removeprefix("torch."), None)
     return dt if isinstance(dt, torch.dtype) else None
-
-
-def memory_settings(pm) -> MemoryChoice:
-    """The ZeRO stage and offload this module runs with: ComputeConfig's values, with "auto"
-    taken from the choice the code was generated with (MEMORY)."""
-    cfg, saved = pm.compute_config, pm.MEMORY
-    zero, offload = cfg.zero_stage, cfg.offload_optimizer
-    if saved is None:
-        if zero == 3 or "auto" in (zero, offload):
-            raise ConfigError(
-                f"use_zero={cfg.use_zero!r}, offload_optimizer={offload!r} shape the generated "
-                f"code, but {type(pm).__module__} was generated without them; call "
-                f"nncompile.parallelize with this ComputeConfig to regenerate it")
-        return MemoryChoice(zero=zero, offload_optimizer=offload)
-    zero = saved["zero"] if zero == "auto" else zero
-    if (zero == 3) != (saved["zero"] == 3):
-        raise ConfigError(f"use_zero={cfg.use_zero!r} but the generated code was made for ZeRO "
-                          f"stage {saved['zero']}; parallelize again with this ComputeConfig")
-    return MemoryChoice(zero=zero,
-                        offload_optimizer=saved["offload_optimizer"] if offload == "auto"
-                        else offload,
-                        offload_params=saved["offload_params"])
 
 
 def _full_state(module: torch.nn.Module | None) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from nncompile import compat
 from nncompile.errors import ConfigError
+from nncompile.ir import MemoryChoice
 from nncompile.mesh import grad_reduction, replica_dims
 
 from .groups import get_zero_group, group_along
@@ -344,3 +345,24 @@ def prefetch(flat: torch.nn.Parameter, *, group: ZeroRuntime) -> None:
     """comm.zero_prefetch: start the unit's gather now; zero_gather waits for it."""
     group.start(group.by_attr[flat._zero_attr])
 
+
+def memory_settings(pm) -> MemoryChoice:
+    """The ZeRO stage and offload this module runs with: ComputeConfig's values, with "auto"
+    taken from the choice the code was generated with (MEMORY)."""
+    cfg, saved = pm.compute_config, pm.MEMORY
+    zero, offload = cfg.zero_stage, cfg.offload_optimizer
+    if saved is None:
+        if zero == 3 or "auto" in (zero, offload):
+            raise ConfigError(
+                f"use_zero={cfg.use_zero!r}, offload_optimizer={offload!r} shape the generated "
+                f"code, but {type(pm).__module__} was generated without them; call "
+                f"nncompile.parallelize with this ComputeConfig to regenerate it")
+        return MemoryChoice(zero=zero, offload_optimizer=offload)
+    zero = saved["zero"] if zero == "auto" else zero
+    if (zero == 3) != (saved["zero"] == 3):
+        raise ConfigError(f"use_zero={cfg.use_zero!r} but the generated code was made for ZeRO "
+                          f"stage {saved['zero']}; parallelize again with this ComputeConfig")
+    return MemoryChoice(zero=zero,
+                        offload_optimizer=saved["offload_optimizer"] if offload == "auto"
+                        else offload,
+                        offload_params=saved["offload_params"])
