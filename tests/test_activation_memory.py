@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import models
 import nncompile
@@ -55,7 +56,8 @@ def saved_bytes(fn, held) -> tuple[int, object]:
 
 
 def _held(m, batch):
-    return list(m.parameters()) + list(m.buffers()) + list(batch.values())
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in m.parameters()]
+    return params + list(m.buffers()) + list(batch.values())
 
 
 def _compile(model, batch, tmp_path, inst, n=1, recompute=None, **kw):
