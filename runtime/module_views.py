@@ -218,6 +218,7 @@ def watch_grad(entry) -> None:
     key = (id(local), id(entry))    # a copy of the piece (deepcopy) or a new view: again
     if local.requires_grad and getattr(local, "_nnc_watched", None) != key:
         local._nnc_watched = key
+        local.register_hook(lambda g, entry=entry: follow_cleared(entry))
         local.register_post_accumulate_grad_hook(lambda _, entry=entry: link_grad(entry))
 
 
@@ -230,6 +231,9 @@ def link_grad(entry) -> None:
         return
     g = source.grad
     if g is linked and (g is None) == (view.grad is None):
+        return
+    if g is not None and g is linked:      # cleared through the view since (zero_grad after
+        follow_cleared(entry)              # forward) and no gradient came: it stays cleared
         return
     with torch.no_grad():
         # the view's own spec (mesh, placements, global shape and stride): a gradient has
@@ -264,18 +268,27 @@ def sync_views(pm, args) -> None:
             entry[2] = flag
             if source is local:
                 watch_grad(entry)
-        if linked is None:
-            continue
-        if view.grad is None and source.grad is linked:
-            if source is local:
-                local.grad = None
-            else:                   # a ZeRO-3 segment: its run of the unit's flat gradient
-                linked.zero_()
-            entry[3] = None
-        elif _cleared(source):      # pm's gradient cleared (zero_grad): so is the view's,
-            view.grad = None        # which must not keep the old one's memory alive
-            entry[3] = None
+        follow_cleared(entry)
+
+
+def follow_cleared(entry) -> None:
+    """A gradient cleared through the view clears pm's (a piece's, or a ZeRO-3 segment's run
+    of its unit's flat gradient), and one cleared in pm clears the view's. Called before pm's
+    forward and, where `zero_grad()` comes after forward (Lightning's closure), from a hook
+    on pm's tensor before a gradient accumulates into it."""
+    view, local, _, linked, source = entry
+    if linked is None:
+        return
+    if view.grad is None and source.grad is linked:
+        if source is local:
+            local.grad = None
+        else:                       # a ZeRO-3 segment: its run of the unit's flat gradient
+            linked.zero_()
+        entry[3] = None
+    elif _cleared(source):          # pm's gradient cleared (zero_grad): so is the view's,
+        view.grad = None            # which must not keep the old one's memory alive
+        entry[3] = None
 
 
 __all__ = ["view_released", "view_pieces", "pieces_of", "local_parameters", "pieces_registered",
-           "sync_views", "link_grad", "link_grads"]
+           "sync_views", "follow_cleared", "link_grad", "link_grads"]

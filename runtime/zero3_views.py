@@ -120,7 +120,7 @@ def view_pm_params(pm) -> dict[str, torch.nn.Parameter]:
 def _link_grads(pm, by_unit: dict) -> None:
     """After each unit's gradient lands (and at the end of the reduction), each view's .grad
     is a DTensor over its run of the flat gradient."""
-    from .module_views import add_entries, link_grad, link_grads
+    from .module_views import add_entries, follow_cleared, link_grad, link_grads
     if not by_unit:
         return
     add_entries(pm, [e for entries in by_unit.values() for e in entries])
@@ -130,9 +130,15 @@ def _link_grads(pm, by_unit: dict) -> None:
             for e in unit_entries:
                 link_grad(e)
         return hook
+    def follower(unit_entries):
+        def hook(_):
+            for e in unit_entries:
+                follow_cleared(e)
+        return hook
     for attr, unit_entries in by_unit.items():       # after the segments' refresh
-        pm.zero.flat(pm.zero.by_attr[attr]).register_post_accumulate_grad_hook(
-            linker(unit_entries))
+        flat = pm.zero.flat(pm.zero.by_attr[attr])
+        flat.register_hook(follower(unit_entries))     # zero_grad() between forward, backward
+        flat.register_post_accumulate_grad_hook(linker(unit_entries))
     if pm._reducer is not None:
         pm._reducer.on_finish.append(lambda: link_grads(pm))
 

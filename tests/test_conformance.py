@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import conformance as c
 import conformance_run as run
@@ -113,7 +114,8 @@ def _schedule_misses_a_group(monkeypatch):
 def _clip_by_local_norm(monkeypatch):
     """Clipping by the norm of this rank's shards only (not summed over the plan unit)."""
     def local_clip(pm, max_norm):
-        grads = [p.grad for p in pm.parameters() if p.grad is not None]
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in pm.parameters() if p.grad is not None]    # this rank's pieces
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g)
                                                      for g in grads]))
         if norm > max_norm:
