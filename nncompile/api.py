@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from . import codegen, layer_replay, symbolic
+from .arguments import scalars_as_inputs
 from .batched import batched_inputs
 from .config import ComputeConfig
 from .edits import edited_files, file_sha256, keep_edited
@@ -271,15 +272,18 @@ def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: st
 def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig, *,
                 pas_policy: Any = "autodist", gen_savedir: str | os.PathLike = "./.nncompile",
                 reuse: str = "match", instance_name: str | None = None,
-                load_module: bool = True, device: Any = None, dynamic_dims: Any = None):
+                load_module: bool = True, device: Any = None, dynamic_dims: Any = None,
+                scalar_inputs: Any = None):
     """Compile `module` for `compute_config` and return this rank's ParallelModule.
 
     dummy_args: a dict of forward's keyword arguments or a tuple of its positional ones, shaped
     like one plan unit's batch. dynamic_dims: sizes that may vary between calls, e.g.
     {"idx": {0: "batch", 1: "seq"}} (a name, {"name", "min", "max", "multiple_of"} or a
     torch.export.Dim per dim; see nncompile/symbolic.py); the plan is made at the dummy args'
-    sizes. With load_module=False it only compiles (no process group
-    needed) and returns the directory of generated files.
+    sizes. scalar_inputs: names of int or float arguments that change per call (a token count
+    such as `num_items_in_batch`, a loss scale, a step number), traced as run-time inputs
+    instead of constants (nncompile/arguments.py). With load_module=False it only compiles (no
+    process group needed) and returns the directory of generated files.
     """
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"parallelize needs an nn.Module, got {type(module).__name__}")
@@ -288,6 +292,7 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
     if reuse not in REUSE_MODES:
         raise ConfigError(f"reuse={reuse!r}; choose one of {REUSE_MODES}")
     get_policy(pas_policy)          # fail early, on every rank, for an unknown policy
+    dummy_args = scalars_as_inputs(module, dummy_args, scalar_inputs)
     from nncompile.runtime.param_handles import check_not_parallelized
     check_not_parallelized(module)     # before tracing: a clear error, not a TraceError
     distributed = dist.is_available() and dist.is_initialized()

@@ -13,7 +13,9 @@ module records each argument as it was traced:
 so `pm(batch, use_cache=False)` is called like the original module: arguments bind to forward's
 signature by position or name, each is flattened the same way and its tensors are checked and
 passed in the traced order. A constant must be given its traced value (the code was compiled
-for it); an argument the trace left at its default may be passed with that default only.
+for it); an argument the trace left at its default may be passed with that default only. An
+int or float that changes per call is named in parallelize's `scalar_inputs` and traced as a
+0-d tensor input (scalars_as_inputs); a call may pass it as a Python number or a 0-d tensor.
 """
 from __future__ import annotations
 
@@ -56,6 +58,53 @@ def flatten(value: Any) -> tuple[list[Any], str]:
     """(leaves, structure text): tensors and constants are leaves, containers are not."""
     leaves, spec = pytree.tree_flatten(value, is_leaf=_is_leaf)
     return leaves, "*" if spec.is_leaf() else " ".join(str(spec).split())
+
+
+def scalars_as_inputs(module: torch.nn.Module, dummy_args: Any, names) -> Any:
+    """dummy_args with the arguments named in `names` (Python ints or floats that change per
+    call: a token count, a loss scale, a step number) as 0-d tensors, so they are traced as
+    run-time inputs of the one program instead of constants compiled into it:
+
+        before: pm(x, num_items_in_batch=412) -> InputMismatchError at the next count
+        after:  parallelize(..., scalar_inputs=["num_items_in_batch"]); any int is passed
+    """
+    if not names:
+        return dummy_args
+    if isinstance(names, str):
+        names = [names]
+    positional, _ = literal_defaults(module.forward)
+    if isinstance(dummy_args, dict):
+        given = dict(dummy_args)
+    elif isinstance(dummy_args, (tuple, list)):
+        given = dict(zip(positional, dummy_args))
+    else:
+        given = {positional[0] if positional else "arg0": dummy_args}
+    for name in names:
+        if name not in given:
+            raise ConfigError(f"scalar_inputs names {name!r}, but dummy_args has no argument "
+                              f"{name!r} (it has {list(given)}); give it a value to trace with")
+        value = given[name]
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"scalar_inputs: dummy_args[{name!r}] is {_show(value)}; a "
+                              "scalar input is a Python int or float (or a 0-d tensor)")
+        dtype = torch.int64 if isinstance(value, int) else torch.get_default_dtype()
+        device = next((leaf.device for leaf in pytree.tree_leaves(dummy_args)
+                       if isinstance(leaf, torch.Tensor)), None)
+        given[name] = torch.tensor(value, dtype=dtype, device=device)
+    if isinstance(dummy_args, dict):
+        return given
+    if isinstance(dummy_args, (tuple, list)):
+        return type(dummy_args)(given[n] for n in positional[:len(dummy_args)])
+    return next(iter(given.values()))
+
+
+def as_scalar_tensor(value: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    """A Python int or float passed for a 0-d tensor input (scalar_inputs): that tensor."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(value, dtype=dtype, device=device)
+    return value
 
 
 def entries(positional: list[str], args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
@@ -164,10 +213,15 @@ def bind(pm, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
                 out.append((ref, leaf))
             elif not _same(leaf, ref):
                 where = name if structure == "*" else f"a value inside {name!r}"
+                changing = isinstance(leaf, (int, float)) and not isinstance(leaf, bool) \
+                    and structure == "*"
+                fix = (f"if it changes from call to call, parallelize with scalar_inputs="
+                       f"[{name!r}] to make it a run-time input; else call parallelize again "
+                       f"with this value") if changing else "call parallelize again with this value"
                 raise InputMismatchError(
                     f"argument {where} is {_show(leaf)}, but the module was traced with "
-                    f"{ref!r}, a constant compiled into the code; call parallelize again with "
-                    f"this value in dummy_args (another instance_name) to get code for it")
+                    f"{ref!r}, a constant compiled into the code; {fix} in dummy_args "
+                    f"(another instance_name) to get code for it")
     for name, value in given.items():
         default = pm.DEFAULTS.get(name, inspect.Parameter.empty)
         if _same(value, default):

@@ -311,6 +311,10 @@ class ParallelModule(torch.nn.Module):
     def _check_input(self, name: str, x: Any, shape, dtype: str) -> torch.Tensor:
         """The traced input `name` must come as a tensor of its traced shape, dtype, device."""
         traced = f"a {dtype}{list(shape)} tensor"
+        if not tuple(shape):        # a scalar input (scalar_inputs): a number or 0-d tensor
+            x = arguments.as_scalar_tensor(x, _dtype(dtype), self.device)
+            if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device != self.device:
+                x = x.to(self.device)
         if not isinstance(x, torch.Tensor):
             kind = f"a {type(x).__module__}.{type(x).__name__}".replace("builtins.", "")
             hint = " (convert it with torch.as_tensor)" if hasattr(x, "__array__") or \
