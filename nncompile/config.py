@@ -20,7 +20,7 @@ PAS_CONFIG_KEYS = frozenset({
     "overlap_grad_sync", "batched_inputs", "context_parallel", "context_parallel_attention",
     "context_parallel_order", "expert_parallel"})
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
-               "offload_params", "check", "compile", "init_sync")
+               "offload_params", "check", "compile", "init_sync", "check_lockstep")
 ZERO_STAGES = (0, 1, 2, 3)
 AUTO = "auto"
 
@@ -73,6 +73,9 @@ class ComputeConfig:
                                          # and buffers, as DDP does (runtime/consistency.py)
     check_inputs: int = 3                # the first N calls compare inputs (and random
                                          # generators) across each plan unit; 0 turns it off
+    check_lockstep: bool = True          # before each forward whose collectives span ranks
+                                         # (tp, ZeRO-3), they agree on the forward's count and
+                                         # mode, or all raise (runtime/lockstep.py)
 
     def __post_init__(self):
         if not _is_int(self.plan_ngpus) or self.plan_ngpus < 1:
@@ -274,7 +277,7 @@ class ComputeConfig:
 
 RUNTIME_FIELDS = ("use_async_reducer", "reducer_bucket_cap_mb", "reduce_in_fp32", "use_zero",
                   "zero_ngroups", "offload_optimizer", "offload_params", "check", "compile",
-                  "init_sync", "check_inputs")
+                  "init_sync", "check_inputs", "check_lockstep")
 
 
 def _plan_view(saved: dict[str, Any]) -> dict[str, Any]:
