@@ -26,7 +26,7 @@ from nncompile.rows import buffer_rows, const_rows, param_rows, take
 from nncompile import arguments
 
 from . import consistency
-from .lockstep import check_lockstep, lockstep_group
+from .lockstep import agree, lockstep_group
 from .copying import deepcopy_parallel_module
 from .groups import axis_groups, get_groups, group_along
 from .reducer import Reducer
@@ -243,7 +243,7 @@ class ParallelModule(torch.nn.Module):
         grad = torch.is_grad_enabled()
         if grad and self.PLAN_NGPUS > 1 and any(x.requires_grad for x in inputs):
             self._check_grad_inputs(inputs)
-        check_lockstep(self, self.training)   # the unit's ranks run this forward together
+        agree(self, inputs)      # the unit's ranks run this forward together (lockstep.py)
         if self._calls_to_check:          # first calls: the unit's ranks got the same inputs
             consistency.check_call(self, inputs)     # (a collective: after the local checks)
         reducer = self._reducer if grad else None

@@ -1,7 +1,7 @@
 """Rank 0 alone evaluates (nanoGPT's `if master_process: estimate_loss()`) between training
-steps of a GPT, under each plan (dp, zero1, zero3, tp), and once more under dp without it:
-each rank writes, to OUT.rank{r}.json, per run its training losses and the error it raised
-(type and message), or none.
+steps of a GPT, under each plan (dp, zero1, zero3, tp), and under dp and tp with every rank
+evaluating ("dp_all", "tp_all"): each rank writes, to OUT.rank{r}.json, per run its training
+losses, its evaluation losses and the error it raised (type and message), or none.
 
     torchrun --nproc_per_node=2 tests/workers/rank0_eval.py --out OUT --savedir D
 """
@@ -24,7 +24,7 @@ CONFIGS = {"dp": ((1, 2), {}, "dp"), "zero1": ((1, 2), {"use_zero": 1}, "dp"),
            "zero3": ((1, 2), {"use_zero": 3}, "dp"), "tp": ((2, 2), {}, "tp")}
 
 
-def run(name: str, rank0_eval: bool, savedir: str) -> dict:
+def run(name: str, every_rank: bool, savedir: str) -> dict:
     rank = dist.get_rank()
     (plan, world), kw, policy = CONFIGS[name]
     torch.manual_seed(0)
@@ -36,7 +36,7 @@ def run(name: str, rank0_eval: bool, savedir: str) -> dict:
     losses, evals, error = [], [], None
     try:
         for step in range(4):
-            if rank0_eval and rank == 0 and step % 2 == 0:
+            if (every_rank or rank == 0) and step % 2 == 0:
                 pm.eval()
                 with torch.no_grad():
                     evals.append(pm(**models.batch("gpt", 100)).item())
@@ -57,9 +57,9 @@ def main() -> None:
     ap.add_argument("--savedir", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    out = {"dp_alone": run("dp", False, args.savedir)}
+    out = {"dp_all": run("dp", True, args.savedir), "tp_all": run("tp", True, args.savedir)}
     for name in CONFIGS:
-        out[name] = run(name, True, args.savedir)
+        out[name] = run(name, False, args.savedir)
     with open(f"{args.out}.rank{dist.get_rank()}.json", "w") as f:
         json.dump(out, f)
 
