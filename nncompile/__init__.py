@@ -30,12 +30,14 @@ from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  #
 from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # noqa: E402
                                           save_checkpoint)
 from nncompile.runtime.pretrained import load_pretrained, save_pretrained  # noqa: E402
+from nncompile.runtime.full_state import (full_optimizer_state_dict,  # noqa: E402
+                                          full_state_dict)
 from .tools import memory  # noqa: E402,F401  (nncompile.memory.profile: measured vs predicted)
 
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
            "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint",
-           "save_pretrained", "load_pretrained",
+           "save_pretrained", "load_pretrained", "full_state_dict", "full_optimizer_state_dict",
            "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",
            "load_merged_state_dict", "CheckpointError", "EditedCodeWarning",
            "NNCompileError", "ConfigError", "TraceError", "PolicyError", "ReuseError",

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from nncompile.errors import ConfigError
-from nncompile.mesh import DP, PP
+from nncompile.mesh import DP, PP, replica_dims
 
 from .groups import _CACHE, default_timeout, group_along
 
@@ -42,8 +42,8 @@ def lockstep_group(pm):
         return None
     mesh = pm.mesh
     dims = tuple(n for n in mesh.names if n not in (DP, PP) and mesh.size(n) > 1)
-    if pm.zero is not None and pm.memory.zero == 3 and len(pm.zero.ranks) > 1:
-        dims += (DP,)
+    if pm.memory.zero:       # ZeRO shards state over the replicas: they gather it together
+        dims += tuple(d for d in replica_dims(mesh) if mesh.size(d) > 1 and d not in dims)
     if not dims:
         return None
     group = group_along(dims, pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS, pm.mesh_axes)
@@ -67,9 +67,39 @@ def _mode(training: bool, grad: bool) -> str:
     return f"{'training' if training else 'eval'} mode {'with' if grad else 'without'} gradients"
 
 
-def _leader(rows: list[tuple[int, int, int]]) -> int | None:
-    """The index of the one rank running a forward the others are not (no gradients while
-    they have them, or eval mode while they train); None when there is no such single rank."""
+FORWARD, SERVICE = 0, 1        # what a rank is about to do: its forward, or a service call
+SERVICES: dict = {}             # name -> fn(pm, *args, leader): collective operations on pm
+
+
+def service(name: str):
+    """Register fn(pm, *args, leader) as an operation one rank may run alone (run_together)."""
+    def register(fn):
+        SERVICES[name] = fn
+        return fn
+    return register
+
+
+def _group(pm):
+    group = pm.__dict__.get("_lockstep_group", False)
+    if group is False:
+        group = pm.__dict__["_lockstep_group"] = lockstep_group(pm)
+    return group
+
+
+def _exchange(group, row: list[int]) -> list[tuple[int, ...]]:
+    mine = torch.tensor(row, dtype=torch.int64)
+    seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(seen, mine, group=group)
+    return [tuple(t.tolist()) for t in seen]
+
+
+def _leader(rows: list[tuple[int, ...]]) -> int | None:
+    """The index of the one rank running something the others are not: a service call while
+    they wait at a forward, or a forward without gradients while they have them (or in eval
+    mode while they train); None when there is no such single rank."""
+    asking = [i for i, row in enumerate(rows) if row[3] == SERVICE]
+    if asking:
+        return asking[0] if len(asking) == 1 else None
     for field in (2, 1):                     # grad mode first, then training mode
         values = {row[field] for row in rows}
         if len(values) == 2:
@@ -81,56 +111,105 @@ def _leader(rows: list[tuple[int, int, int]]) -> int | None:
 
 def agree(pm, inputs: list[torch.Tensor]) -> None:
     """Before each forward: returns when this rank's forward may run. A rank waiting here while
-    one other rank of its group runs a forward alone runs that forward with it (its inputs
-    received from it), then waits again; anything else is one ConfigError on every rank."""
-    group = pm.__dict__.get("_lockstep_group", False)
-    if group is False:
-        group = pm.__dict__["_lockstep_group"] = lockstep_group(pm)
+    one other rank of its group runs a forward or a service call alone runs it with it (the
+    forward's inputs, or the call's arguments, received from it), then waits again; anything
+    else is one ConfigError on every rank."""
+    group = _group(pm)
     if group is None or pm.__dict__.get("_serving"):
         return
     count = pm.__dict__.get("_forward_count", 0) + 1
     pm.__dict__["_forward_count"] = count
-    mine = torch.tensor([count, int(pm.training), int(torch.is_grad_enabled())],
-                        dtype=torch.int64)
+    row = [count, int(pm.training), int(torch.is_grad_enabled()), FORWARD]
     ranks = dist.get_process_group_ranks(group)
     me = ranks.index(dist.get_rank())
     while True:
-        seen = [torch.empty_like(mine) for _ in ranks]
-        dist.all_gather(seen, mine, group=group)
-        rows = [tuple(t.tolist()) for t in seen]
-        if len({row[1:] for row in rows}) == 1:
+        rows = _exchange(group, row)
+        if len({r[1:] for r in rows}) == 1:
+            last = pm.__dict__.pop("_last_leader", None)
+            if last is not None:
+                _follow_generators(pm, group, last)
             return
         leader = _leader(rows)
         if leader is None:
             _refuse(ranks, rows)
         box = [[x.detach().cpu() for x in inputs] if leader == me else None]
         dist.broadcast_object_list(box, src=ranks[leader], group=group)
+        if rows[leader][3] != SERVICE:
+            pm.__dict__["_last_leader"] = ranks[leader]
         if leader == me:
             return
-        _serve(pm, box[0], rows[leader])
+        if rows[leader][3] == SERVICE:
+            name, args = box[0]
+            _serving(pm, lambda: SERVICES[name](pm, *args, leader=ranks[leader]))
+        else:
+            _serve_forward(pm, box[0], rows[leader])
 
 
-def _serve(pm, inputs: list[torch.Tensor], row: tuple[int, int, int]) -> None:
-    """Run another rank's forward with it: its inputs, its modes; the output is dropped."""
-    training, grad = bool(row[1]), bool(row[2])
-    was = pm.training
+def _follow_generators(pm, group, leader: int) -> None:
+    """After one rank ran forwards alone, the ranks of its plan unit take its random
+    generators (torch's CPU one and this device's): the unit's ranks draw one stream, and the
+    leader's drew for the batches it evaluated, as every rank of the unit would have on one
+    device. Other units keep theirs (a data-parallel replica seeds its own)."""
+    box = [(torch.get_rng_state(), torch.cuda.get_rng_state(pm.device)
+            if pm.device.type == "cuda" else None) if dist.get_rank() == leader else None]
+    dist.broadcast_object_list(box, src=leader, group=group)
+    if dist.get_rank() != leader and dist.get_rank() // pm.PLAN_NGPUS == leader // pm.PLAN_NGPUS:
+        cpu, device = box[0]
+        torch.set_rng_state(cpu)
+        if device is not None:
+            torch.cuda.set_rng_state(device, pm.device)
+
+
+def run_together(pm, name: str, *args):
+    """Run service `name` on this rank, with the other ranks of its group: called by all of
+    them, or by this one alone while the others wait at their next forward (rank 0 saving a
+    checkpoint in a DDP script). `args` must pickle; the result is the service's."""
+    group = _group(pm)
+    if group is None or pm.__dict__.get("_serving"):
+        return SERVICES[name](pm, *args, leader=None)
+    count = pm.__dict__.get("_forward_count", 0)
+    rows = _exchange(group, [count, int(pm.training), int(torch.is_grad_enabled()), SERVICE])
+    ranks = dist.get_process_group_ranks(group)
+    if all(r[3] == SERVICE for r in rows):
+        return SERVICES[name](pm, *args, leader=None)
+    if _leader(rows) != ranks.index(dist.get_rank()):
+        _refuse(ranks, rows)
+    dist.broadcast_object_list([(name, args)], src=dist.get_rank(), group=group)
+    return _serving(pm, lambda: SERVICES[name](pm, *args, leader=dist.get_rank()))
+
+
+def _serving(pm, fn):
     pm.__dict__["_serving"] = True
     try:
-        pm.training = training
-        with torch.set_grad_enabled(grad):
-            pm._run([x.to(pm.device) for x in inputs])
+        return fn()
     finally:
-        pm.training = was
         pm.__dict__["_serving"] = False
 
 
-def _refuse(ranks: list[int], rows: list[tuple[int, int, int]]) -> None:
-    lines = [f"rank {r}: forward #{c} in {_mode(bool(t), bool(g))}"
-             for r, (c, t, g) in zip(ranks, rows)]
+def _serve_forward(pm, inputs: list[torch.Tensor], row: tuple[int, ...]) -> None:
+    """Run another rank's forward with it: its inputs, its modes; the output is dropped."""
+    training, grad = bool(row[1]), bool(row[2])
+    was = pm.training
+    try:
+        pm.training = training
+        with torch.set_grad_enabled(grad):
+            _serving(pm, lambda: pm._run([x.to(pm.device) for x in inputs]))
+    finally:
+        pm.training = was
+
+
+def _refuse(ranks: list[int], rows: list[tuple[int, ...]]) -> None:
+    lines = [f"rank {r}: " + (f"a call of {SERVICE_WORDS}" if q == SERVICE else
+                              f"forward #{c} in {_mode(bool(t), bool(g))}")
+             for r, (c, t, g, q) in zip(ranks, rows)]
     raise ConfigError(
-        "the ranks of a plan unit (or of a ZeRO-3 group) ran different forwards: "
+        "the ranks of a plan unit (or of a ZeRO group) ran different forwards: "
         + "; ".join(lines) + ". Under this plan each forward is computed by all of them "
         "together (its collectives split the model or gather its weights). One rank may "
         "evaluate alone (without gradients, or in eval mode, while the others wait at their "
-        "training forward), but not several, nor forwards in the same modes on some ranks "
-        "only. Evaluate on every rank and print or log on rank 0, or on one rank only.")
+        "training forward), or gather the full state alone, but not several, nor forwards "
+        "in the same modes on some ranks only. Evaluate on every rank and print or log on "
+        "rank 0, or on one rank only.")
+
+
+SERVICE_WORDS = "nncompile.full_state_dict / full_optimizer_state_dict"

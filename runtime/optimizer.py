@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from nncompile.errors import CheckpointError, ConfigError
 
+from .full_state import register_optimizer
 from .carry_state import carry
 from .groups import get_zero_group
 from .pieces import local_parameters
@@ -92,6 +93,7 @@ def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None 
         opt = ZeroOptimizer(pm, optimizer_cls, params=groups, **kwargs)
     if inst is not None:                  # its state (a resumed run's) comes along
         carry(pm, inst, opt)
+    register_optimizer(pm, opt)           # full_optimizer_state_dict finds it on every rank
     return opt
 
 

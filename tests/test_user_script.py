@@ -1,43 +1,44 @@
-"""A user's own training loop as the client: examples/nanogpt/train_loop.py, written the way
-nanoGPT's train.py is (configure_optimizers' two AdamW groups, estimate_loss() under
-model.eval(), gradient accumulation, GradScaler, clip_grad_norm_, lr warmup + cosine,
-checkpoints and init_from='resume'), prints the same losses with nncompile in place of DDP.
+"""A user's own DDP script as the client: examples/nanogpt/train_loop.py, shaped like nanoGPT's
+train.py (configure_optimizers' two AdamW groups, estimate_loss() under model.eval() on rank 0
+alone, gradient accumulation with require_backward_grad_sync, GradScaler, clip_grad_norm_, lr
+warmup + cosine, checkpoints written by rank 0 and init_from='resume'), changed by the diffs
+docs/your_training_script.md shows (examples/nanogpt/nncompile_dp.patch, then
+nncompile_tp.patch), applied with `patch` as a user would, prints the same losses.
 
 Which runs are compared, and why they are exact:
-- DDP vs nncompile `dp` and `dp` + ZeRO-3, 2 ranks, float16 autocast with a GradScaler
-  (each rank computes what its DDP rank computes; only the gradient average is shared, in
-  float32). nanoGPT seeds rank r with 1337 + r (seed_offset = ddp_rank // plan_ngpus = r),
-  so each rank draws its own batches and dropout masks from its own generator in both runs;
-  DDP and parallelize both start every rank from rank 0's weights.
-  gradient_accumulation_steps=4 is divided by the 2 data-parallel ranks: 2 micro-steps per
-  rank, a global batch of 4 micro-batches per iteration in both.
-- One process (no torchrun) vs nncompile `tp` over 2 ranks (one plan unit), float32 (a
+- DDP vs the dp patch under dp and ZeRO-3, 2 ranks, float16 autocast with a GradScaler (each
+  rank computes what its DDP rank computes; only the gradient average is shared, in float32).
+  nanoGPT seeds rank r with 1337 + r, so each rank draws its own batches and dropout masks from
+  its own generator in both runs; rank 0 alone evaluates, drawing its evaluation batches as
+  under DDP (under ZeRO-3 rank 1 joins rank 0's eval forwards while it waits: the ZeRO-3
+  gathers need it). gradient_accumulation_steps=4 is divided by the 2 ranks in both.
+- One process (no torchrun) vs the tp patch over 2 ranks (one copy of the model), float32 (a
   split matmul sums its partial products in another order). Both ranks seed 1337
-  (seed_offset = ddp_rank // 2 = 0), as the one process does: the same initial weights,
-  batches and dropout masks (a dropout on a shard draws the full tensor's mask). With one
-  data-parallel unit the 4 accumulation micro-steps are not divided: the same global batch.
-- Resume: both of those runs continue from their last checkpoint with init_from='resume'.
-  nanoGPT reseeds on resume (its checkpoint holds no generator state), so a resumed run is
-  compared with the other resumed run, not with an uninterrupted one: their losses are equal
-  only if weights, both optimizer groups' state and the step count came back.
+  (seed_offset = ddp_rank // plan_ngpus = 0), as the one process does; with one data-parallel
+  copy the 4 accumulation micro-steps are not divided: the same global batch.
+- Resume: each run continues from the checkpoint its rank 0 wrote (torch.save of the full
+  model and optimizer state dicts) with init_from='resume'. nanoGPT reseeds on resume (its
+  checkpoint holds no generator state), so a resumed run is compared with the other resumed
+  run: their losses are equal only if weights, both optimizer groups' state and the step count
+  came back.
 
 Iterations are few on purpose: at this learning rate two runs whose weights differ in the
-last bits (another summation order) drift apart visibly after about 10 iterations (to 1.6e-4
-at iteration 12, tp vs one process, uninterrupted).
+last bits (another summation order) drift apart visibly after about 10 iterations.
 
 Losses print with 4 decimals (nanoGPT's format); two runs that differ only in summation order
-(DDP reduces the summed micro-batch gradients once, nncompile under ZeRO-3 each micro-batch's)
 may round a last digit apart, so values are compared to 1e-4. Wrong grouping, unsynchronized
-replicas, dropout left on in eval or a local gradient norm move them by far more within 8 iterations
-(weight decay 0.5 applied to the norms' weights as well moves them by up to 1.2e-3).
+replicas, dropout left on in eval or a local gradient norm move them by far more within 8
+iterations (weight decay 0.5 applied to the norms' weights as well moves them by up to 1.2e-3).
 """
 from __future__ import annotations
 
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,6 +46,7 @@ import pytest
 from conftest import ROOT, torchrun
 
 SCRIPT = "examples/nanogpt/train_loop.py"
+PATCHES = ("examples/nanogpt/nncompile_dp.patch", "examples/nanogpt/nncompile_tp.patch")
 VOCAB = 32
 ARGS = ["--max_iters=8", "--eval_interval=4", "--log_interval=1", "--eval_iters=2",
         "--learning_rate=0.01", "--warmup_iters=2", "--weight_decay=0.5",
@@ -76,17 +78,44 @@ def data(tmp_path_factory):
     return d
 
 
-def run(data, out_dir, nproc: int, *args: str) -> list[tuple]:
+def changed_lines(patch: str) -> int:
+    return sum(1 for ln in patch.splitlines()
+               if ln[:1] in "+-" and not ln.startswith(("+++ ", "--- ")))
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """{"ddp": the script, "dp": with the dp patch, "tp": with both}, each in a folder of its
+    own beside model.py; the patches are the docs page's diffs, applied with `patch -p1`."""
+    page = (Path(ROOT) / "docs/your_training_script.md").read_text()
+    blocks = re.findall(r"```diff\n(.*?)```", page, re.S)
+    patches = [(Path(ROOT) / p).read_text() for p in PATCHES]
+    assert blocks[:2] == patches, "the page's diffs are not examples/nanogpt/*.patch"
+    assert changed_lines(patches[0]) <= 12 and changed_lines(patches[1]) <= 8, patches
+    out = {}
+    for name, applied in (("ddp", []), ("dp", patches[:1]), ("tp", patches)):
+        root = tmp_path_factory.mktemp(name)
+        (root / "examples/nanogpt").mkdir(parents=True)
+        for f in ("train_loop.py", "model.py"):
+            shutil.copy(Path(ROOT) / "examples/nanogpt" / f, root / "examples/nanogpt" / f)
+        for patch in applied:
+            subprocess.run(["patch", "-p1", "--forward"], input=patch, text=True, cwd=root,
+                           check=True, capture_output=True)
+        out[name] = str(root / SCRIPT)
+    return out
+
+
+def run(data, out_dir, nproc: int, script: str, *args: str) -> list[tuple]:
     """The script's printed losses in order: ("step", n, train, val) and ("iter", n, loss)."""
     args = (*ARGS, f"--dataset={data}", f"--out_dir={out_dir}", *args)
     if nproc == 1:          # one process, no torchrun: nanoGPT's single-device path
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPT), *args],
+        proc = subprocess.run([sys.executable, script, *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-4000:]
     else:
-        out = torchrun(SCRIPT, nproc, *args, timeout=300)
+        out = torchrun(script, nproc, *args, timeout=300)
     rows = []
     for line in out.splitlines():
         if m := re.fullmatch(r"step (\d+): train loss ([0-9.]+), val loss ([0-9.]+)", line):
@@ -104,32 +133,37 @@ def assert_same(got: list[tuple], want: list[tuple], what: str) -> None:
         f"  {g}   vs   {w}" for g, w in zip(got, want) if g != w)
 
 
-@pytest.fixture(scope="module")
-def ddp(data, tmp_path_factory):
-    return run(data, tmp_path_factory.mktemp("ddp"), 2, FP16)
+RESUME = ("--init_from=resume", "--max_iters=10", "--eval_interval=2")
 
 
 @pytest.fixture(scope="module")
-def one_device(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one")
-    return out, run(data, out, 1)
+def ddp(data, scripts, tmp_path_factory):
+    """DDP's printed losses, uninterrupted and resumed from its own checkpoint at 8."""
+    out = tmp_path_factory.mktemp("ddp_out")
+    return run(data, out, 2, scripts["ddp"], FP16), run(data, out, 2, scripts["ddp"], FP16,
+                                                        *RESUME)
 
 
 @pytest.mark.parametrize("zero", [0, 3])
-def test_dp_prints_what_ddp_prints(data, ddp, tmp_path, zero):
-    got = run(data, tmp_path, 2, FP16, "--nncompile_policy=dp", f"--use_zero={zero}")
-    assert [r[:2] for r in ddp].count(("step", 8)) == 1 and len(ddp) == 12
-    assert_same(got, ddp, f"nncompile dp, ZeRO-{zero} vs DDP")
+def test_dp_patch_prints_what_ddp_prints_and_resumes(data, scripts, ddp, tmp_path, zero):
+    want, want_resumed = ddp
+    got = run(data, tmp_path, 2, scripts["dp"], FP16, f"--use_zero={zero}")
+    assert [r[:2] for r in want].count(("step", 8)) == 1 and len(want) == 12
+    assert_same(got, want, f"nncompile dp, ZeRO-{zero} vs DDP")
+    got = run(data, tmp_path, 2, scripts["dp"], FP16, f"--use_zero={zero}", *RESUME)
+    assert [r[:2] for r in want_resumed] == [("step", 8), ("iter", 8), ("iter", 9),
+                                             ("step", 10), ("iter", 10)], want_resumed
+    assert_same(got, want_resumed, f"resumed nncompile dp, ZeRO-{zero} vs resumed DDP")
 
 
-def test_tp_prints_what_one_device_prints_and_resumes(data, one_device, tmp_path):
-    one_dir, want = one_device
-    got = run(data, tmp_path, 2, "--nncompile_policy=tp", "--plan_ngpus=2")
+def test_tp_patch_prints_what_one_device_prints_and_resumes(data, scripts, tmp_path):
+    one_dir = tmp_path / "one"
+    want = run(data, one_dir, 1, scripts["ddp"])
+    got = run(data, tmp_path, 2, scripts["tp"])
     assert_same(got, want, "nncompile tp on 2 ranks vs one process")
     # both continue from the checkpoint each wrote at iteration 8, evaluating at 8 and 10
-    resume = ("--init_from=resume", "--max_iters=10", "--eval_interval=2")
-    want = run(data, one_dir, 1, *resume)
-    got = run(data, tmp_path, 2, "--nncompile_policy=tp", "--plan_ngpus=2", *resume)
+    want = run(data, one_dir, 1, scripts["ddp"], *RESUME)
+    got = run(data, tmp_path, 2, scripts["tp"], *RESUME)
     assert [r[:2] for r in want] == [("step", 8), ("iter", 8), ("iter", 9), ("step", 10),
                                      ("iter", 10)], want
     assert_same(got, want, "resumed nncompile tp vs resumed one process")

@@ -1,14 +1,13 @@
-"""Train the GPT of model.py with a plain training loop, the way nanoGPT's train.py does: one
-process, DDP under torchrun, or nncompile (set nncompile_policy) in place of DDP.
+"""Train the GPT of model.py with a plain training loop shaped like nanoGPT's train.py: one
+process, or DDP under torchrun.
 
     python examples/nanogpt/train_loop.py                                  # one process
     torchrun --nproc_per_node=2 examples/nanogpt/train_loop.py             # DDP
-    torchrun --nproc_per_node=2 examples/nanogpt/train_loop.py --nncompile_policy=dp --use_zero=3
-    torchrun --nproc_per_node=2 examples/nanogpt/train_loop.py --nncompile_policy=tp --plan_ngpus=2
 
 Every setting below can be overridden as `--name=value` (or from a config file given as a bare
-argument), as nanoGPT's configurator does. The lines that nncompile needs are marked
-`# nncompile`; docs/your_training_script.md shows them as a diff against the DDP script.
+argument), as nanoGPT's configurator does. docs/your_training_script.md changes a dozen lines
+of it to train with nncompile in place of DDP (examples/nanogpt/nncompile_dp.patch, then
+nncompile_tp.patch for tensor parallelism); the losses it prints stay the same.
 """
 import ast
 import math
@@ -25,8 +24,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model import GPT, GPTConfig  # noqa: E402
-
-import nncompile  # noqa: E402   # nncompile
 
 # -----------------------------------------------------------------------------
 # default config values: a small character-level model that trains on a CPU
@@ -69,10 +66,6 @@ device = 'cuda' if torch.cuda.is_available() else 'cpu'  # 'cpu', 'cuda', 'cuda:
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() \
     else 'float32'
 compile = False  # use PyTorch 2.0 to compile the model to be faster
-# nncompile
-nncompile_policy = ''  # nncompile  '' trains with DDP; else 'dp', 'tp', 'autodist', ...
-plan_ngpus = 1  # nncompile  ranks one copy of the model is split over
-use_zero = 0  # nncompile  ZeRO stage over the data-parallel ranks
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -117,19 +110,17 @@ if ddp:
         device = f'cuda:{ddp_local_rank}'
         torch.cuda.set_device(device)
     master_process = ddp_rank == 0  # this process will do logging, checkpointing etc.
-    # each data-parallel unit gets a different seed; the plan_ngpus ranks of a unit share one
-    dp_world_size = ddp_world_size // plan_ngpus  # nncompile
-    seed_offset = ddp_rank // plan_ngpus  # nncompile
+    seed_offset = ddp_rank  # each process gets a different seed
     # world_size number of processes will be training simultaneously, so we can scale
     # down the desired gradient accumulation iterations per process proportionally
-    assert gradient_accumulation_steps % dp_world_size == 0
-    gradient_accumulation_steps //= dp_world_size
+    assert gradient_accumulation_steps % ddp_world_size == 0
+    gradient_accumulation_steps //= ddp_world_size
 else:
     # if not ddp, we are running on a single device, and one process
     master_process = True
     seed_offset = 0
-    ddp_world_size = dp_world_size = 1
-tokens_per_iter = gradient_accumulation_steps * dp_world_size * batch_size * block_size
+    ddp_world_size = 1
+tokens_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size * block_size
 if master_process:
     print(f"tokens per iteration will be: {tokens_per_iter:,}")
 
@@ -181,11 +172,9 @@ if os.path.exists(meta_path):
 # model init
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
                   bias=bias, vocab_size=None, dropout=dropout)  # from command line
-checkpoint = None
-if init_from == 'scratch' or (init_from == 'resume' and nncompile_policy):  # nncompile
-    # init a new model from scratch (nncompile: a resumed run loads its checkpoint below)
-    if master_process:
-        print("Initializing a new model from scratch")
+if init_from == 'scratch':
+    # init a new model from scratch
+    print("Initializing a new model from scratch")
     model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
     gptconf = GPTConfig(**model_args)
     model = GPT(gptconf)
@@ -220,32 +209,18 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 
 # optimizer
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-if checkpoint is not None:
+if init_from == 'resume':
     optimizer.load_state_dict(checkpoint['optimizer'])
 checkpoint = None  # free up memory
 
-# compile the model (nncompile compiles the generated code instead: ComputeConfig's compile)
-if compile and not nncompile_policy:  # nncompile
+# compile the model
+if compile:
     print("compiling the model... (takes a ~minute)")
     unoptimized_model = model
     model = torch.compile(model)  # requires PyTorch 2.0
 
-# wrap model into DDP container, or compile it for plan_ngpus ranks per copy with nncompile
-if nncompile_policy:  # nncompile
-    dummy = torch.zeros(batch_size, block_size, dtype=torch.long, device=device)  # nncompile
-    model = nncompile.parallelize(  # nncompile
-        model, {'idx': dummy, 'targets': dummy},  # nncompile
-        nncompile.ComputeConfig(plan_ngpus, ddp_world_size, use_zero=use_zero,  # nncompile
-                                compile=compile),  # nncompile
-        pas_policy=nncompile_policy, gen_savedir=os.path.join(out_dir, 'gen'),  # nncompile
-        reuse='moo')  # nncompile
-    optimizer = nncompile.build_optimizer(model, optimizer)  # nncompile
-    if init_from == 'resume':  # nncompile
-        checkpoint = nncompile.load_checkpoint(  # nncompile
-            os.path.join(out_dir, 'ckpt'), model, optimizer)  # nncompile
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']  # nncompile
-        checkpoint = None  # nncompile
-elif ddp:
+# wrap model into DDP container
+if ddp:
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None)
 
 
@@ -285,7 +260,7 @@ def get_lr(it):
 X, Y = get_batch('train')  # fetch the very first batch
 t0 = time.time()
 local_iter_num = 0  # number of iterations in the lifetime of this process
-raw_model = model.module if ddp or nncompile_policy else model  # unwrap DDP (nncompile)
+raw_model = model.module if ddp else model  # unwrap DDP container if needed
 running_mfu = -1.0
 while True:
 
@@ -294,26 +269,13 @@ while True:
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
-    # evaluate the loss on train/val sets and write checkpoints; every rank evaluates (a
-    # forward can be a collective under nncompile) and rank 0's losses decide
-    if iter_num % eval_interval == 0:  # nncompile
+    # evaluate the loss on train/val sets and write checkpoints
+    if iter_num % eval_interval == 0 and master_process:
         losses = estimate_loss()
-        if ddp:  # nncompile
-            for v in losses.values():  # nncompile
-                torch.distributed.broadcast(v, 0)  # nncompile
-        if master_process:  # nncompile
-            print(f"step {iter_num}: train loss {losses['train']:.4f}, "
-                  f"val loss {losses['val']:.4f}")
+        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         if losses['val'] < best_val_loss or always_save_checkpoint:
             best_val_loss = losses['val']
-            if iter_num > 0 and nncompile_policy:  # nncompile
-                if master_process:  # nncompile
-                    print(f"saving checkpoint to {out_dir}")  # nncompile
-                nncompile.save_checkpoint(  # nncompile
-                    os.path.join(out_dir, 'ckpt'), model, optimizer,  # nncompile
-                    extra={'model_args': model_args, 'iter_num': iter_num,  # nncompile
-                           'best_val_loss': best_val_loss, 'config': config})  # nncompile
-            elif iter_num > 0 and master_process:  # nncompile
+            if iter_num > 0:
                 checkpoint = {
                     'model': raw_model.state_dict(),
                     'optimizer': optimizer.state_dict(),
