@@ -109,14 +109,17 @@ def _leader(rows: list[tuple[int, ...]]) -> int | None:
     return None
 
 
-def agree(pm, inputs: list[torch.Tensor]) -> None:
-    """Before each forward: returns when this rank's forward may run. A rank waiting here while
-    one other rank of its group runs a forward or a service call alone runs it with it (the
-    forward's inputs, or the call's arguments, received from it), then waits again; anything
-    else is one ConfigError on every rank."""
+def agree(pm, inputs: list[torch.Tensor]) -> bool:
+    """Before each forward: returns when this rank's forward may run, True when every rank of
+    the group runs it as its own (False: one rank's forward that the others join). A rank
+    waiting here while one other rank of its group runs a forward or a service call alone runs
+    it with it (the forward's inputs, or the call's arguments, received from it), then waits
+    again; anything else is one ConfigError on every rank."""
     group = _group(pm)
-    if group is None or pm.__dict__.get("_serving"):
-        return
+    if group is None:
+        return True
+    if pm.__dict__.get("_serving"):
+        return False
     count = pm.__dict__.get("_forward_count", 0) + 1
     pm.__dict__["_forward_count"] = count
     row = [count, int(pm.training), int(torch.is_grad_enabled()), FORWARD]
@@ -128,7 +131,7 @@ def agree(pm, inputs: list[torch.Tensor]) -> None:
             last = pm.__dict__.pop("_last_leader", None)
             if last is not None:
                 _follow_generators(pm, group, last)
-            return
+            return True
         leader = _leader(rows)
         if leader is None:
             _refuse(ranks, rows)
@@ -137,7 +140,7 @@ def agree(pm, inputs: list[torch.Tensor]) -> None:
         if rows[leader][3] != SERVICE:
             pm.__dict__["_last_leader"] = ranks[leader]
         if leader == me:
-            return
+            return False
         if rows[leader][3] == SERVICE:
             name, args = box[0]
             _serving(pm, lambda: SERVICES[name](pm, *args, leader=ranks[leader]))

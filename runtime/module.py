@@ -243,8 +243,8 @@ class ParallelModule(torch.nn.Module):
         grad = torch.is_grad_enabled()
         if grad and self.PLAN_NGPUS > 1 and any(x.requires_grad for x in inputs):
             self._check_grad_inputs(inputs)
-        agree(self, inputs)      # the unit's ranks run this forward together (lockstep.py)
-        if self._calls_to_check:          # first calls: the unit's ranks got the same inputs
+        together = agree(self, inputs)    # the unit's ranks run it together (lockstep.py)
+        if self._calls_to_check and together:   # first calls: the unit got the same inputs
             consistency.check_call(self, inputs)     # (a collective: after the local checks)
         reducer = self._reducer if grad else None
         if reducer is not None:

@@ -29,6 +29,10 @@ def test_rank0_only_evaluation_trains_and_evaluates_as_every_rank_evaluating(tmp
                             want["losses"] + (want["evals"] if r == 0 else [])):
                 assert abs(a - b) <= 1e-6 * abs(b), (plan, r, a, b)
         assert len(ranks[0][plan]["evals"]) == 2 and not ranks[1][plan]["evals"]
+    for r, got in enumerate(ranks):       # rank 0's forwards did not use up the input check
+        kind, message = got["tp_skewed"]["error"]
+        assert kind == "InputMismatchError" and "differs across the ranks" in message, message
+        assert got["tp_skewed"]["losses"] == [], got["tp_skewed"]
 
 
 def test_forwards_no_single_rank_runs_alone_are_refused_on_every_rank(tmp_path):
