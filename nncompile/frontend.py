@@ -587,6 +587,10 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
         graph.trace_info.sizes = {s.var: (s.min, s.max, s.multiple_of)
                                   for s in lowering.sizes.specs.values()}
     checkpointed = user_checkpoint.checkpointed_modules(module)
+    for run in runs:            # layers copied from a traced one are checkpointed as it is
+        paths = [m.path for m in run.members]
+        if any(p in checkpointed for p in paths):
+            checkpointed += [p for p in paths if p not in checkpointed]
     if checkpointed:        # torch.utils.checkpoint in the model: recomputed by the plan
         graph.meta["checkpointed"] = checkpointed
     return graph

@@ -6,7 +6,8 @@ recomputes it in its own backward), so its ops would be traced as needing no gra
 plan would give them no backward collectives (wrong gradients under tp).
 
 The recomputation itself is kept as the plan's own: a checkpointed module of the model (the
-function is a submodule, its bound method or a partial of one, as in Hugging Face's gradient
+function is a submodule, its bound method or a partial of one (also of the unbound forward
+with the module as its first argument), as in Hugging Face's gradient
 checkpointing) is recomputed in backward by the recompute pass, as if it were named in
 `pas_config["recompute_modules"]`:
 
@@ -69,9 +70,12 @@ def checkpointed_modules(module: torch.nn.Module) -> list[str]:
     paths = {id(m): p for p, m in module.named_modules()}
     out, other = [], 0
     for f in _SEEN:
+        owner = None
         while isinstance(f, functools.partial):
+            if f.args and isinstance(f.args[0], torch.nn.Module):   # partial(forward, layer):
+                owner = f.args[0]                                    # transformers 5.x's form
             f = f.func
-        owner = f if isinstance(f, torch.nn.Module) else getattr(f, "__self__", None)
+        owner = f if isinstance(f, torch.nn.Module) else getattr(f, "__self__", owner)
         path = paths.get(id(owner))
         if path is None:
             other += 1

@@ -301,7 +301,8 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
         return side["extra"]
     if meta["world_size"] != world:
         _refuse(path, meta, pm, f"it was saved by {meta['world_size']} ranks")
-    blob = load_on_every_rank(path / f"rank{rank}.pt", map_location=pm.device)
+    where = "cpu" if pm.device.type == "cpu" else pm.device     # torch.load refuses "cpu:0"
+    blob = load_on_every_rank(path / f"rank{rank}.pt", map_location=where)
     saved_info = blob["model"].get("_extra_state") or {}
     check_shards(path, meta, pm, saved_info)
     if meta["format"] == "sharded" and optimizer is not None:

@@ -550,6 +550,8 @@ class ParallelModule(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
+        if self._grad_shards is not None:       # ZeRO-2: its optimizer holds the gradients
+            self._grad_shards.clear_grads()
         if self.zero is None:
             for piece in pieces_of(self).values():
                 if piece.grad is not None:
@@ -558,10 +560,7 @@ class ParallelModule(torch.nn.Module):
             return
         for flat in self.stored_parameters():
             if flat.grad is not None:
-                if set_to_none:
-                    flat.grad = None
-                else:
-                    flat.grad.zero_()
+                flat.grad = None if set_to_none else flat.grad.zero_()
         for seg in self.__dict__.get("_nnc_segments", {}).values():
             seg.grad = None if set_to_none or seg.grad is None else seg.grad
         link_grads(self)              # pm.module's views show it

@@ -278,7 +278,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.pm.zero_grad(set_to_none=set_to_none)
+        self.pm.zero_grad(set_to_none=set_to_none)      # clears the pieces too (ZeRO-2)
+        self.clear_grads()
+
+    def clear_grads(self) -> None:
+        """ZeRO-2: drop the gradient pieces the reducer handed over (pm.zero_grad() calls it,
+        as Hugging Face's Trainer clears gradients through the model)."""
         for s in self.shards:
             for seg in s.segs:
                 seg.grad = None

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import models
 import nncompile
 from nncompile.runtime import rng
 from nncompile.tools.simulate import run_ranks
@@ -321,6 +322,37 @@ def test_checkpointed_blocks_gradients_under_tp(tmp_path, reentrant):
     code = (tmp_path / "DropoutGPT" / "gencode0.py").read_text()
     assert "def recompute_h_0(" in code and "def recompute_h_1(" in code, \
         "the checkpointed blocks are recomputed in backward"
+
+
+def test_hugging_face_gradient_checkpointing_recomputes_every_layer(tmp_path):
+    """model.gradient_checkpointing_enable() (transformers 5.x checkpoints
+    partial(layer.forward's function, layer)): every decoder layer, the ones copied from a
+    traced one too, is a recompute region of the plan, and every gradient equals one device's."""
+    torch.manual_seed(0)
+    model = models.hf_llama(n_layer=3).model
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
+    ref = copy.deepcopy(model)
+    want = ref(**batch).loss
+    want.backward()
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), batch, nncompile.ComputeConfig(2, 2),
+                                   pas_policy="tp", gen_savedir=tmp_path)
+        loss = pm(**batch).loss
+        loss.backward()
+        return loss.detach(), pm.gather_grads()
+
+    for loss, grads in run_ranks(2, rank_fn):
+        torch.testing.assert_close(loss, want.detach(), rtol=RTOL, atol=ATOL)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    code = (tmp_path / "LlamaForCausalLM" / "gencode0.py").read_text()
+    assert all(f"def recompute_model_layers_{i}(" in code for i in range(3)), \
+        [ln for ln in code.splitlines() if "def recompute" in ln]
 
 
 def test_lightning_validation_runs_in_eval_mode(tmp_path):
