@@ -156,7 +156,7 @@ def _follow_generators(pm, group, leader: int) -> None:
     box = [(torch.get_rng_state(), torch.cuda.get_rng_state(pm.device)
             if pm.device.type == "cuda" else None) if dist.get_rank() == leader else None]
     dist.broadcast_object_list(box, src=leader, group=group)
-    if dist.get_rank() != leader and dist.get_rank() // pm.PLAN_NGPUS == leader // pm.PLAN_NGPUS:
+    if dist.get_rank() != leader and pm.mesh.unit_of(dist.get_rank()) == pm.mesh.unit_of(leader):
         cpu, device = box[0]
         torch.set_rng_state(cpu)
         if device is not None:
