@@ -10,7 +10,7 @@ the keyword arguments Trainer's compute_loss will pass: the first training batch
 `dummy_inputs=`) plus `num_items_in_batch` as a 0-d tensor when the model takes loss kwargs,
 so that count is a run-time input of the one program. The ParallelModule `pm` then stands
 where Trainer puts DDP (`trainer.model_wrapped`); `trainer.model` stays the original model,
-whose parameters pm holds (tp and ZeRO-3 release the originals: save with save_model).
+whose parameters are pm's (DTensors over its shards under tp and ZeRO-3: save with save_model).
 
     Trainer                                   NnCompileTrainer
     accelerator.prepare(model): DDP           _wrap_model: pm (gradients averaged over the
