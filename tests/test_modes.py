@@ -293,6 +293,27 @@ def test_compiled_forward_follows_the_mode(tmp_path, model_kind):
         torch.testing.assert_close(pm(*batch), want, rtol=RTOL, atol=ATOL)
 
 
+def _tp_equals_one_device(model, dummy, loss_of, gen) -> None:
+    """`model` at plan 2 under tp (rank threads): the loss `loss_of(module)` and every
+    gradient equal one device's."""
+    ref = copy.deepcopy(model)
+    want = loss_of(ref)
+    want.backward()
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), dummy, nncompile.ComputeConfig(2, 2),
+                                   pas_policy="tp", gen_savedir=gen)
+        loss = loss_of(pm)
+        loss.backward()
+        return loss.detach(), pm.gather_grads()
+
+    for loss, grads in run_ranks(2, rank_fn):
+        torch.testing.assert_close(loss, want.detach(), rtol=RTOL, atol=ATOL)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpointed_blocks_gradients_under_tp(tmp_path, reentrant):
     """`checkpoint(block, x, use_reentrant=True)` in the model runs its block under no_grad
@@ -302,23 +323,7 @@ def test_checkpointed_blocks_gradients_under_tp(tmp_path, reentrant):
     torch.manual_seed(0)
     model = DropoutGPT(p=0.0, reentrant=reentrant)
     idx, tgt = _batch()
-    ref = copy.deepcopy(model)
-    want = ref(idx, tgt)
-    want.backward()
-
-    def rank_fn(rank):
-        pm = nncompile.parallelize(copy.deepcopy(model), (idx, tgt),
-                                   nncompile.ComputeConfig(2, 2), pas_policy="tp",
-                                   gen_savedir=tmp_path)
-        loss = pm(idx, tgt)
-        loss.backward()
-        return loss.detach(), pm.gather_grads()
-
-    for loss, grads in run_ranks(2, rank_fn):
-        torch.testing.assert_close(loss, want.detach(), rtol=RTOL, atol=ATOL)
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+    _tp_equals_one_device(model, (idx, tgt), lambda m: m(idx, tgt), tmp_path)
     code = (tmp_path / "DropoutGPT" / "gencode0.py").read_text()
     assert "def recompute_h_0(" in code and "def recompute_h_1(" in code, \
         "the checkpointed blocks are recomputed in backward"
@@ -334,22 +339,7 @@ def test_hugging_face_gradient_checkpointing_recomputes_every_layer(tmp_path):
     model.train()
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids, "use_cache": False}
-    ref = copy.deepcopy(model)
-    want = ref(**batch).loss
-    want.backward()
-
-    def rank_fn(rank):
-        pm = nncompile.parallelize(copy.deepcopy(model), batch, nncompile.ComputeConfig(2, 2),
-                                   pas_policy="tp", gen_savedir=tmp_path)
-        loss = pm(**batch).loss
-        loss.backward()
-        return loss.detach(), pm.gather_grads()
-
-    for loss, grads in run_ranks(2, rank_fn):
-        torch.testing.assert_close(loss, want.detach(), rtol=RTOL, atol=ATOL)
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+    _tp_equals_one_device(model, batch, lambda m: m(**batch).loss, tmp_path)
     code = (tmp_path / "LlamaForCausalLM" / "gencode0.py").read_text()
     assert all(f"def recompute_model_layers_{i}(" in code for i in range(3)), \
         [ln for ln in code.splitlines() if "def recompute" in ln]
