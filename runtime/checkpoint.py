@@ -39,6 +39,7 @@ from nncompile.fileio import replace_dir, write_json
 
 from .dcp import load_dcp, load_state, read_metadata, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
+from .lockstep import meet
 from .merge import load_merged_state_dict, merge_state_dicts, merged_optimizer
 from nncompile.rows import param_rows
 from .state import (GROUP_FQNS, describe, group_fqns, hyper, plan_info, plan_mismatch,
@@ -237,6 +238,7 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r}; choose one of {FORMATS}")
     check_extra(extra)
+    meet(pm, "save_checkpoint")         # a rank still evaluating alone: its forwards first
     rank, _ = _rank_world()
     meta = {"format": format, "has_optimizer": optimizer is not None,
             **(_optimizer_layout(pm, optimizer) if optimizer is not None else {})}

@@ -43,8 +43,10 @@ def sync_at_load(pm, module, state: dict[str, torch.Tensor]) -> None:
     """Keep the original module for pm.module, broadcast its parameters and buffers from
     global rank 0 (ComputeConfig.init_sync), and arm the first calls' input check."""
     from .clip import track
+    from .lockstep import register
     pm.__dict__["_original_module"] = module        # not a submodule: not in pm's state
     track(pm)                                       # torch's clip_grad_norm_ knows pm's params
+    register(pm)                                    # its lockstep group, made by every rank
     cfg = pm.compute_config
     pm._calls_to_check = cfg.check_inputs if (
         dist.is_initialized() and pm.PLAN_NGPUS > 1 and pm.plan_group is not None) else 0

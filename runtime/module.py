@@ -26,7 +26,7 @@ from nncompile.rows import buffer_rows, const_rows, param_rows, take
 from nncompile import arguments
 
 from . import consistency
-from .lockstep import agree, lockstep_group
+from .lockstep import agree, lockstep_group, meet
 from .copying import deepcopy_parallel_module
 from .groups import axis_groups, get_groups, group_along
 from .reducer import Reducer
@@ -500,11 +500,13 @@ class ParallelModule(torch.nn.Module):
     def gather_params(self) -> dict[str, torch.Tensor]:
         """Full parameters keyed by original FQN, every stage's under a pipeline (a collective:
         every rank of the job calls it)."""
+        meet(self, "gather_params")
         return self._gather(self.local_params())
 
     def gather_grads(self) -> dict[str, torch.Tensor | None]:
         """Full (reduced) gradients keyed by original FQN, every stage's under a pipeline (a
         collective); None for a frozen parameter."""
+        meet(self, "gather_grads")
         return self._gather(self.local_grads())
 
     # ---- checkpoints ------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from nncompile.rows import BufferRow, buffer_rows, param_rows, take
 from nncompile.ir.placement import Shard
 from nncompile.safetensors_file import SafetensorsWriter, read_header
 
+from .lockstep import meet
 from .state import share_over_pipeline
 from .zero import all_gather_along
 
@@ -188,6 +189,7 @@ def save_pretrained(pm, out_dir: str | os.PathLike, config: Any = None, *,
     config object or a dict) is given. Every rank calls it; each file appears complete or not
     at all. `prefix`: the FQN prefix of the saved model inside pm's module (found for a
     Hugging Face model; "" otherwise)."""
+    meet(pm, "save_pretrained")         # a rank still evaluating alone: its forwards first
     prefix, model, state, layout = _layout(pm, prefix, max_shard_size)
     by_source = rows_by_source(pm)
     return write_pretrained(Path(out_dir), layout, model, (config, weights_dtype(state)),

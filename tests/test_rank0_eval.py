@@ -1,8 +1,10 @@
 """Evaluating on rank 0 alone, as DDP scripts do (tests/workers/rank0_eval.py, 2 gloo ranks):
 under dp and ZeRO-1 it runs as under DDP; under ZeRO-3 and tp, whose forwards need every rank
-of the unit, the other ranks join rank 0's forwards while they wait at their training forward
-(runtime/lockstep.py). Every run trains and evaluates as when every rank evaluates. Forwards
-that no single rank runs alone are one ConfigError on every rank."""
+of the unit, the other ranks join rank 0's forwards while they wait at their training forward,
+or, after the last step, at gather_params, save_checkpoint, destroy_process_group or the end of
+the program (runtime/lockstep.py). Every run trains and evaluates as when every rank
+evaluates. Forwards that no single rank runs alone, and ranks at different calls, are one
+ConfigError on every rank; a peer that left is a ConfigError on the ranks still there."""
 import copy
 import json
 
@@ -33,6 +35,59 @@ def test_rank0_only_evaluation_trains_and_evaluates_as_every_rank_evaluating(tmp
         kind, message = got["tp_skewed"]["error"]
         assert kind == "InputMismatchError" and "differs across the ranks" in message, message
         assert got["tp_skewed"]["losses"] == [], got["tp_skewed"]
+    for plan in ("zero3", "tp"):         # evaluating after the last step, alone or not
+        for r, got in enumerate(ranks):
+            alone, every = got[f"{plan}_end"], got[f"{plan}_end_all"]
+            assert alone["error"] is None and every["error"] is None, (plan, r, alone, every)
+            assert alone["losses"] == every["losses"] and alone["weights"] == every["weights"]
+            assert alone["evals"] == (every["evals"] if r == 0 else []), (plan, r)
+            assert len(every["evals"]) == 2
+    # rank 0 evaluated a fresh tp module while rank 1 was in destroy_process_group: the losses
+    # a fresh module gives (the tp_all run's first evaluation is of batch 100 before training)
+    destroyed = json.loads((tmp_path / "r.destroy.json").read_text())["evals"]
+    assert destroyed[0] == ranks[0]["tp_all"]["evals"][0], destroyed
+
+
+def test_rank0_evaluating_while_the_others_leave(tmp_path):
+    """ZeRO-3 on 2 ranks, rank 0 evaluating after the last step: while rank 1 ends the program
+    normally, it serves rank 0's forwards first (the values of every rank evaluating); while
+    it leaves at once (as a crash), rank 0 gets a ConfigError that says so."""
+    torchrun("tests/workers/rank0_eval.py", 2, "--out", str(tmp_path / "ref"),
+             "--savedir", str(tmp_path / "gen"), "--end", "exit", timeout=300)
+    exited = json.loads((tmp_path / "ref.exit.json").read_text())
+    torchrun("tests/workers/rank0_eval.py", 2, "--out", str(tmp_path / "ref"),
+             "--savedir", str(tmp_path / "gen"), "--end", "gone", timeout=300)
+    gone = json.loads((tmp_path / "ref.gone.json").read_text())
+    assert exited["losses"] == gone["losses"] and len(exited["evals"]) == 2, exited
+    assert "error" not in exited, exited
+    kind, message = gone["error"]
+    assert kind == "ConfigError", gone
+    assert "rank 0 was at forward #3 and its group [0, 1]" in message, message
+    assert "stopped answering" in message and "Another rank of it left" in message, message
+
+
+def test_ranks_at_different_calls_are_refused_on_every_rank(tmp_path):
+    """tp on 2 ranks: gather_params against save_checkpoint, and a training forward while the
+    other rank waits at gather_params, are ConfigErrors on both ranks naming what each did."""
+    model, batch = models.build("gpt"), models.batch("gpt", 0)
+
+    def rank_fn(rank, case):
+        pm = nncompile.parallelize(copy.deepcopy(model), batch, nncompile.ComputeConfig(2, 2),
+                                   pas_policy="tp", gen_savedir=tmp_path)
+        with pytest.raises(nncompile.ConfigError) as e:
+            if case == "points":
+                pm.gather_params() if rank == 0 else \
+                    nncompile.save_checkpoint(tmp_path / "ckpt", pm)
+            else:
+                pm(**batch) if rank == 0 else pm.gather_params()
+        return str(e.value)
+    for message in run_ranks(2, lambda rank: rank_fn(rank, "points")):
+        assert "rank 0: waiting at pm.gather_params()" in message, message
+        assert "rank 1: waiting at nncompile.save_checkpoint" in message, message
+    for message in run_ranks(2, lambda rank: rank_fn(rank, "train")):
+        assert "rank 0: forward #1 in training mode with gradients" in message, message
+        assert "rank 1: waiting at pm.gather_params()" in message, message
+        assert "nor train while the others wait" in message, message
 
 
 def test_forwards_no_single_rank_runs_alone_are_refused_on_every_rank(tmp_path):
