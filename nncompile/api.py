@@ -165,7 +165,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     width = max((len(name) for name, _, _ in result.history[1:]), default=0)
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<{width}} {ms:8.1f} ms")   # the times in one column
-    final = eval_program(result.graph, passes, check)   # the same passes plan the eval program
+    final, eval_history = eval_program(result.graph, passes, check)   # the same passes, pinned
     planned = plan_graph(result.history)     # before schedule-only passes: what plan.json shows
     symbolic.warn_if_unsplit(final)
     memory = memory_choice(final, config)
@@ -178,6 +178,10 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         (staging / "graphs").mkdir()
         for fname, text in codegen.graph_dumps(result.history).items():
             write_text(staging / "graphs" / fname, text)
+        if eval_history:                    # the eval-mode program's passes (modes.py)
+            (staging / "graphs" / "eval").mkdir()
+            for fname, text in codegen.graph_dumps(eval_history).items():
+                write_text(staging / "graphs" / "eval" / fname, text)
         plan = codegen.plan_json(planned)
         predicted = activation_memory.predict_plan(final)   # saved-tensor bytes per rank
         if predicted is not None:

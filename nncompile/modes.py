@@ -315,29 +315,33 @@ def _eval_only(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any,
     return graph
 
 
-def eval_program(final: Graph, passes: list, check: bool = False) -> Graph:
+def eval_program(final: Graph, passes: list, check: bool = False) -> tuple[Graph, list]:
     """The training program `final` with its eval program (the traced one in
-    `meta["eval_graph"]`, where there is one) run through the same passes, placed alike and
-    left in `final.meta["eval_graph"]` for codegen. A pipelined plan keeps no eval program
-    (its schedule runs training steps only)."""
+    `meta["eval_graph"]`, where there is one) run through the same passes, its parameters and
+    buffers pinned to the training program's placements (plan_state.pinned: it reads the same
+    shards), left in `final.meta["eval_graph"]` for codegen; and the eval run's pass history
+    (dumped to graphs/eval/), empty without one. A pipelined plan keeps no eval program (its
+    schedule runs training steps only)."""
     from nncompile.passes import run_pipeline
     from .log import log
     ev = final.meta.pop("eval_graph", None)
     if ev is None:
-        return final
+        return final, []
     if final.plan_state.pipeline is not None:
         log("the forward differs in eval mode; a pipelined plan's stages hold the training "
             "forward only, so pm(...) in eval mode is refused (runtime/pipeline.py)")
         final.meta["eval_differs"] = True
-        return final
+        return final, []
     if final.trace_info.inference_only:
         for v in ev.values():
             v.requires_grad = False
     log("the forward differs in eval mode (BatchNorm, or a branch on self.training): "
-        "planning its eval program ...")
+        "planning its eval program with the training program's parameter placements ...")
     ev.plan_state.zero_units = final.plan_state.zero_units   # ZeRO-3: the same flat shards
-    ev_final = run_pipeline(ev, passes, check=check).graph
+    ev.plan_state.pinned = {v.fqn: v.placement for v in final.params + final.buffers}
+    result = run_pipeline(ev, passes, check=check)
+    ev_final = result.graph
     check_eval_plan(final, ev_final)
     ev_final.meta.pop("eval_graph", None)
     final.meta["eval_graph"] = ev_final
-    return final
+    return final, result.history

@@ -7,7 +7,10 @@ Every op ends with a legal strategy (ops the policy left alone run replicated) a
 output takes the placement its strategy names. Under a pipeline (plan_state.pipeline) the
 policy plans for one stage's tensor-parallel ranks, under context parallelism for the
 plan_ngpus // C tensor ranks of a unit (passes/context_parallel.py; "auto": autodist plans
-each C, choose_context). Precondition: none. Idempotent: yes, for a deterministic policy.
+each C, choose_context). The eval program (nncompile/modes.py) keeps the training program's
+parameter and buffer placements (plan_state.pinned): autodist prices them fixed, any other
+policy's are overridden and insert_comm converts. Precondition: none. Idempotent: yes, for a
+deterministic policy.
 """
 from __future__ import annotations
 
@@ -90,6 +93,9 @@ class Plan:
             op.strategy = chosen
             for v, p in zip(op.outputs, chosen.outputs):
                 v.placement = p if v.is_tensor else Replicate()
+        for v in g.params + g.buffers:      # the eval program reads the training shards:
+            if v.fqn in g.plan_state.pinned:    # insert_comm moves them where its ops want
+                v.placement = g.plan_state.pinned[v.fqn]
         g.stages = g.stages | {Stage.PLANNED}
         return g
 

@@ -359,3 +359,74 @@ def test_lightning_validation_runs_in_eval_mode(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "ok lightning validation in eval mode" in proc.stdout, proc.stdout
+
+
+class _ResBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class ResNetish(nn.Module):
+    """A ResNet-style CNN: a conv stem with BatchNorm, two residual blocks, a linear head."""
+
+    def __init__(self, c=16, classes=10):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.layer = nn.Sequential(_ResBlock(c), _ResBlock(c))
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x, y):
+        h = self.layer(F.relu(self.bn(self.stem(x))))
+        return F.cross_entropy(self.fc(h.mean((2, 3))), y)
+
+
+def test_autodist_plans_a_batchnorm_cnn_eval_program_with_the_training_placements(tmp_path):
+    """autodist at plan 2 on a BatchNorm CNN: the eval program is planned with the training
+    program's parameter placements (one set of shards), dumped to graphs/eval/, and three
+    steps of SGD with momentum, each followed by an eval-mode forward, give one device's
+    losses, eval losses, weights and running statistics."""
+    torch.manual_seed(0)
+    model = ResNetish()
+    data = [(torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))) for _ in range(4)]
+
+    def loop(m, opt):
+        out = []
+        for x, y in data[:3]:
+            m.train()
+            loss = m(x=x, y=y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            m.eval()
+            with torch.no_grad():
+                out.append((loss.item(), m(x=data[3][0], y=data[3][1]).item()))
+        return out
+    ref = copy.deepcopy(model)
+    want = loop(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), {"x": data[0][0], "y": data[0][1]},
+                                   nncompile.ComputeConfig(2, 2), pas_policy="autodist",
+                                   gen_savedir=tmp_path)
+        got = loop(pm, torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9))
+        return got, nncompile.full_state_dict(pm)
+    for got, full in run_ranks(2, rank_fn):
+        for (a, b), (c, d) in zip(got, want):
+            assert abs(a - c) <= 1e-5 * abs(c) and abs(b - d) <= 1e-5 * abs(d), (got, want)
+        state = ref.state_dict()
+        assert set(full) == set(state)
+        for name, t in full.items():
+            torch.testing.assert_close(t, state[name], rtol=RTOL, atol=ATOL)
+    out = tmp_path / "ResNetish"
+    assert (out / "graphs" / "eval").is_dir()
+    dumps = sorted(p.name for p in (out / "graphs" / "eval").glob("*.py"))
+    assert dumps[0] == "00_trace.py" and any("plan" in d for d in dumps), dumps
+    assert "batch_norm" in (out / "graphs" / "eval" / dumps[-1]).read_text()
+    plan = (out / "graphs" / "04_plan.py").read_text()
+    split = [line for line in plan.splitlines() if "S(" in line and "stem" in line]
+    assert split, "autodist split nothing of the stem: the pinning case is not exercised"

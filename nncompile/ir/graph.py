@@ -352,6 +352,9 @@ class PlanState:
     # ZeRO-3's flat parameters (passes/lower_zero3.py), per pipeline rank (0 without a
     # pipeline): [(flat attribute, unit path, local parameter names)] in order of first use
     zero_units: dict[int, list[tuple[str, str, tuple[str, ...]]]] | None = None
+    # the eval program's parameters and buffers, placed as the training program placed them
+    # (they read its shards: nncompile/modes.py); a policy keeps them, autodist's ILP fixes them
+    pinned: dict[str, Placement] = field(default_factory=dict)
 
 
 @dataclass

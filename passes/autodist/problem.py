@@ -184,9 +184,11 @@ def build_problem(g: Graph, model: CostModel, constraints: list[PartitionConstra
                 read.add(id(vcanon[id(v)]))
                 wanted[id(vcanon[id(v)])] |= {a[op].inputs[i] for a in ch.options
                                               if isinstance(a[op].inputs[i], Shard)}
+    pinned = g.plan_state.pinned        # the eval program: the training placements
     for v in g.params + g.buffers + g.consts:
         if vcanon[id(v)] is v and id(v) in read:
-            opts = [Replicate()] + sorted(wanted[id(v)], key=lambda p: p.dim)
+            opts = [pinned[v.fqn]] if v.fqn in pinned else \
+                [Replicate()] + sorted(wanted[id(v)], key=lambda p: p.dim)
             choice_of[id(v)] = len(choices)
             choices.append(Choice(v.fqn or v.name, [], v, opts, count=vcount[id(v)]))
 
