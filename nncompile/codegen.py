@@ -439,6 +439,7 @@ def plan_json(g: Graph) -> dict[str, Any]:
         "pipeline": pipeline,
         "attention": attention_rows(g),      # passes/fuse_attention.py: what each SDPA runs
         "experts": experts_rows(g),          # passes/fuse_experts.py: each MoE layer's split
+        "dropped": list(g.plan_state.dropped),   # asked for, not planned (passes/dropped.py)
     }
 
 

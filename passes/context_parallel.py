@@ -40,6 +40,7 @@ from nncompile.mesh import CP
 from nncompile.rules import RANDOM_LOCAL, draws_random, strategies, strided_splits
 from nncompile.rules.sequence import sequence_strategies
 
+from .dropped import drop
 from .policies.greedy import Walk, take_best
 
 
@@ -290,7 +291,43 @@ class ContextParallel:
         along = sequence_walk(scratch, c, self.attention, self.order == ZIGZAG, plan.get)
         place_along(g, CP, along)
         _check_even(g, c)
+        _report_whole_attention(g, c, pieces, seq, self.order)
         return g
+
+
+def _report_whole_attention(g: Graph, c: int, pieces: int, seq, order: str) -> None:
+    """Attention ops the walk could not split along cp run on the whole sequence on every
+    context rank: say which, and why (passes/dropped.py)."""
+    attention = [op for op in g.ops if _is_attention(op)]
+    whole = [op for op in attention if CP not in op.outputs[0].axes]
+    if not whole:
+        return
+    op = whole[0]
+    length = op.args[0].meta.shape[-2]
+    where = f"{op.name}" + (f" ({op.source})" if op.source else "")
+    if type(length) is int and length % pieces:
+        reason = (f"its sequence is {length} long inside the model (the inputs' is {seq}), "
+                  f"which does not split into {pieces} pieces ({order} order)")
+        fix = (f"make the sequence inside the model a multiple of {pieces} (for prompt "
+               f"tuning: inputs shorter by the prompt length, or a prompt of a length that "
+               f"keeps the total a multiple), or drop context_parallel")
+    else:
+        gather = _first_gather(g)
+        reason = ("the sequence split does not reach it" + (
+            f": {gather.name} ({gather.source}) gathers the sequence" if gather else ""))
+        fix = "keep the sequence dim through to attention, or drop context_parallel"
+    drop(g, f"context_parallel={c}",
+         f"{len(whole)} of {len(attention)} attention op(s) run on the whole sequence on every "
+         f"context rank, the first {where}", reason, fix)
+
+
+def _first_gather(g: Graph):
+    """The first op that reads a value split along cp and splits none of its outputs."""
+    for op in g.ops:
+        if any(CP in v.axes for v in op.tensor_inputs()) and \
+                not any(CP in v.axes for v in op.outputs if v.is_tensor):
+            return op
+    return None
 
 
 def place_along(g: Graph, axis: str, along: dict) -> None:

@@ -364,3 +364,71 @@ def test_gpt2_flattening_batch_and_sequence_equals_one_device(order, tmp_path):
                                           "context_parallel_order": order})
     report = nncompile.verify(model, data, cfg, "tp", gen_savedir=str(tmp_path))
     assert report.ok, report
+
+
+class PromptTuned(nn.Module):
+    """Prompt tuning: learned prompt vectors before the token embeddings, so the sequence
+    inside the model is the input's plus the prompt's length."""
+
+    def __init__(self, n_prompt, vocab=64, d=32, heads=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.prompt = nn.Parameter(torch.randn(n_prompt, d) * 0.02)
+        self.qkv, self.o, self.head = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, vocab)
+        self.heads = heads
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        x = torch.cat([self.prompt.expand(x.shape[0], -1, -1), x], 1)
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).split(C, -1))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.head(x + self.o(y.transpose(1, 2).reshape(B, T, C)))[:, len(self.prompt):]
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           labels.reshape(-1))
+
+
+@pytest.mark.parametrize("n_prompt", [3, 4])
+def test_prompt_tuning_splits_attention_or_says_why_not(tmp_path, n_prompt):
+    """cp 2 (zigzag: 4 pieces) on 32 tokens: a 4-token prompt (36 inside the model) splits
+    attention along cp; a 3-token one (35) cannot, and the plan says so (a PlanDroppedWarning,
+    plan.json's `dropped` with the reason). Either way the loss and gradients are one device's."""
+    import warnings
+    from nncompile.passes.dropped import PlanDroppedWarning
+    from nncompile.tools.simulate import run_ranks
+    torch.manual_seed(0)
+    model, ids = PromptTuned(n_prompt), torch.randint(0, 64, (2, 32))
+    ref = copy.deepcopy(model)
+    want = ref(ids, ids)
+    want.backward()
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(model), {"ids": ids, "labels": ids},
+                                   ComputeConfig(2, 2, pas_config={"context_parallel": 2}),
+                                   pas_policy="tp", gen_savedir=tmp_path)
+        loss = pm(ids=ids, labels=ids)
+        loss.backward()
+        return loss.item(), pm.gather_grads()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        results = run_ranks(2, rank_fn)
+    for loss, grads in results:
+        assert abs(loss - want.item()) <= 1e-5 * abs(want.item())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+    out = tmp_path / "PromptTuned"
+    dropped = json.loads((out / "plan.json").read_text())["dropped"]
+    said = [str(w.message) for w in seen if issubclass(w.category, PlanDroppedWarning)]
+    sdpa = next(ln for ln in (out / "gencode0.py").read_text().splitlines()
+                if "scaled_dot_product_attention = " in ln)
+    if n_prompt == 4:
+        assert dropped == [] and not said, (dropped, said)
+        assert "comm.attention_rows(" in sdpa and "@cp=S(2)" in sdpa, sdpa
+    else:
+        assert "aten.scaled_dot_product_attention" in sdpa and "@cp=" not in sdpa, sdpa
+        assert len(dropped) == 1 and dropped[0]["asked"] == "context_parallel=2", dropped
+        assert "its sequence is 35 long inside the model (the inputs' is 32)" in \
+            dropped[0]["reason"], dropped
+        assert "multiple of 4" in dropped[0]["fix"], dropped
+        assert said and "1 of 1 attention op(s) run on the whole sequence" in said[0], said

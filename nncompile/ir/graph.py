@@ -355,6 +355,8 @@ class PlanState:
     # the eval program's parameters and buffers, placed as the training program placed them
     # (they read its shards: nncompile/modes.py); a policy keeps them, autodist's ILP fixes them
     pinned: dict[str, Placement] = field(default_factory=dict)
+    # what the plan left out of what the configuration asked for (passes/dropped.py)
+    dropped: tuple[dict, ...] = ()
 
 
 @dataclass
