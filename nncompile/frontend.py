@@ -18,7 +18,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from . import compat, layer_replay, symbolic, user_checkpoint
+from . import compat, layer_replay, module_paths, symbolic, user_checkpoint
 from .function_watch import WatchFunctions, user_frame_from_text
 from .layerdrop import static_layerdrop
 from .errors import ConfigError, TraceError
@@ -586,6 +586,7 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
     if dynamic:
         graph.trace_info.sizes = {s.var: (s.min, s.max, s.multiple_of)
                                   for s in lowering.sizes.specs.values()}
+    graph.trace_info.module_aliases = module_paths.aliases(module, graph)
     checkpointed = user_checkpoint.checkpointed_modules(module)
     for run in runs:            # layers copied from a traced one are checkpointed as it is
         paths = [m.path for m in run.members]
@@ -594,3 +595,4 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
     if checkpointed:        # torch.utils.checkpoint in the model: recomputed by the plan
         graph.meta["checkpointed"] = checkpointed
     return graph
+

@@ -119,8 +119,33 @@ def fuse_experts(graph: Graph) -> Graph:
 
 
 def _region(g: Graph, fqn: str) -> list[Op]:
+    """The ops run inside module `fqn`, under any path that reached it (a shared module)."""
+    aliases = g.trace_info.module_aliases
     return [op for op in g.ops
-            if any(path == fqn for path, _ in (getattr(op, "module_stack", None) or ()))]
+            if any(aliases.get(path, path) == fqn
+                   for path, _ in (getattr(op, "module_stack", None) or ()))]
+
+
+def _calls(ops: list[Op]) -> list[list[Op]]:
+    """A module's region split into its calls: the groups of its ops joined by the values
+    they pass each other (one experts module applied twice, its weights shared, is two
+    calls, each read from outside only through its inputs), in graph order."""
+    made = {id(v): i for i, op in enumerate(ops) for v in op.outputs}
+    parent = list(range(len(ops)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    for i, op in enumerate(ops):
+        for v in op.tensor_inputs():
+            if id(v) in made:
+                parent[root(i)] = root(made[id(v)])
+    calls: dict[int, list[Op]] = {}
+    for i, op in enumerate(ops):
+        calls.setdefault(root(i), []).append(op)
+    return list(calls.values())
 
 
 def _region_io(g: Graph, fqn: str, ops: list[Op], users: dict, outputs: set[int]):
@@ -164,22 +189,20 @@ def fuse_moe_layers(graph: Graph, forms: dict[str, ExpertsForm]) -> Graph:
     fused: dict[int, Op] = {}                   # id(last op of a region) -> the new op
     gone: set[int] = set()
     for fqn, form in forms.items():
-        ops = _region(g, fqn)
-        if not ops:
-            continue
-        io = _region_io(g, fqn, ops, users, outputs)
-        if isinstance(io, str):
-            log(f"fuse_experts: {fqn} runs as traced: {io}")
-            continue
-        *args, out = io
-        last = ops[-1]
-        out.name = g.fresh_name(args[3].name.rsplit("_gate_up_proj", 1)[0] + "_out")
-        new = Op(MOE_EXPERTS, (*args, form.act, form.transposed), {}, [out], last.source,
-                 fqn)
-        new.module_stack, new.stage, new.recompute = last.module_stack, last.stage, \
-            last.recompute
-        fused[id(last)] = new
-        gone |= {id(o) for o in ops}
+        for ops in _calls(_region(g, fqn)):     # a module called twice: two regions
+            io = _region_io(g, fqn, ops, users, outputs)
+            if isinstance(io, str):
+                log(f"fuse_experts: {fqn} runs as traced: {io}")
+                continue
+            *args, out = io
+            last = ops[-1]
+            out.name = g.fresh_name(args[3].name.rsplit("_gate_up_proj", 1)[0] + "_out")
+            new = Op(MOE_EXPERTS, (*args, form.act, form.transposed), {}, [out], last.source,
+                     fqn)
+            new.module_stack, new.stage, new.recompute = last.module_stack, last.stage, \
+                last.recompute
+            fused[id(last)] = new
+            gone |= {id(o) for o in ops}
     if not fused:
         return graph
     g.ops = [fused.get(id(op), op) for op in g.ops if id(op) in fused or id(op) not in gone]

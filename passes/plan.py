@@ -119,12 +119,14 @@ def dispatch_experts(g: Graph, mesh) -> None:
 
 
 def _set_experts(g: Graph, strategy_of, weights) -> None:
-    """Each MoE layer takes `strategy_of(op)`; its expert weights, where only it reads them,
-    live as `weights` (not moved per step)."""
+    """Each MoE layer takes `strategy_of(op)`; its expert weights, where only MoE layers read
+    them (one layer, or one experts module applied several times), live as `weights` (not
+    moved per step)."""
     users = g.users()
     for op in g.ops:
         if op.target is MOE_EXPERTS:
             op.strategy = strategy_of(op)
             for v in op.args[3:5]:
-                if v.kind == PARAM and all(u is op for u in users.get(v, [])):
+                if v.kind == PARAM and all(u.target is MOE_EXPERTS
+                                           for u in users.get(v, [])):
                     v.placement = weights

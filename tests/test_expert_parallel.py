@@ -191,3 +191,16 @@ def test_autodist_chooses_the_experts_split(tmp_path):
         assert "S(0)" in stored or auto["chosen"] == 2, stored     # ep 2: split along ep
         if r["strategy"].startswith("dispatch"):   # 64 tokens x 2 picks x 128 x 4 B, 3/4 away
             assert r["all_to_all_bytes_per_rank"] == 64 * 2 * 128 * 4 * 3 / 4
+
+
+def test_one_experts_block_applied_twice_is_dispatched_at_both_calls(tmp_path):
+    """Qwen3-MoE with layer 1 reusing layer 0's MoE block (weights shared): torch.export names
+    the second call by its access path; both calls are fused and dispatched, each rank holds
+    half of the shared experts, and five AdamW steps equal one device."""
+    model = moe("qwen3_moe")
+    layers = model.model.model.layers
+    layers[1].mlp = layers[0].mlp
+    whole = sum(p.numel() for n, p in model.named_parameters() if n.endswith(EXPERTS))
+    for pm in train_units_like_one_device(model, ep(2), "data", tmp_path):
+        assert expert_elements(pm) * 2 == whole
+        assert open(pm.gencode_path).read().count("= comm.dispatch_moe(") == 2

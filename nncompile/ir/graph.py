@@ -302,6 +302,9 @@ class TraceInfo:
     microbatches: int = 1          # the batch was traced split into this many (train_step)
     batched: list[str] = field(default_factory=list)   # inputs split into micro-batches
     sizes: dict[str, tuple] = field(default_factory=dict)   # dynamic: s_name -> (min, max, mult)
+    # module paths in ops' module_stack that are not the module's FQN (a module called from
+    # two places, weights shared: torch.export names each call by its access path) -> FQN
+    module_aliases: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
