@@ -42,6 +42,7 @@ from .tools.check import (VerifyReport, check_compiled, compare_parallel, eager_
 from nncompile.runtime.loader import load_rank_module
 from nncompile.experts import experts_forms
 from nncompile.passes import build_pipeline, get_policy, plan_graph, run_pipeline
+from nncompile.passes.plan import decide_memory
 from nncompile.passes.autodist import report_table as plan_report
 
 REUSE_MODES = ("match", "override", "moo")
@@ -101,7 +102,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     dummy_args, batch = microbatch_dummy(dummy_args, m, batched)
     graph = trace(module, dummy_args, dynamic_dims, modes=True)   # train and eval: modes.py
     graph.trace_info.inference_only = config.inference_only
-    for g in (graph, graph.meta.get("eval_graph")):    # the job's ranks: Graph.mesh
+    for g in (graph, graph.eval_program):    # the job's ranks: Graph.mesh
         if g is not None:
             g.runtime_ngpus = config.runtime_ngpus
     if m > 1:       # the code runs one micro-batch; train_step splits the batch
@@ -115,16 +116,16 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
         for v in graph.values():
             v.requires_grad = False
     traced_text, plain_text = print_graph_texts(graph)
-    if graph.meta.get("checkpointed"):  # modules the model checkpoints: recomputed
-        config = with_recompute(config, graph.meta["checkpointed"])
-        note = f"# checkpointed in the model: {graph.meta['checkpointed']}\n"
+    if graph.trace_info.checkpointed:   # modules the model checkpoints: recomputed
+        config = with_recompute(config, graph.trace_info.checkpointed)
+        note = f"# checkpointed in the model: {graph.trace_info.checkpointed}\n"
         traced_text, plain_text = traced_text + note, plain_text + note
-    if graph.meta.get("eval_error"):    # eval mode refused at run time
+    if graph.trace_info.eval_error:    # eval mode refused at run time
         plain_text += "# not traced in eval mode\n"
-    if graph.meta.get("train_error"):   # training mode refused at run time
+    if graph.trace_info.train_error:   # training mode refused at run time
         plain_text += "# not traced in training mode\n"
-    if "eval_graph" in graph.meta:      # the forward differs in eval mode: a second program
-        texts = print_graph_texts(graph.meta["eval_graph"])
+    if graph.eval_program is not None:  # the forward differs in eval mode: a second program
+        texts = print_graph_texts(graph.eval_program)
         traced_text += "\n# ---- eval mode ----\n" + texts[0]
         plain_text += "\n# ---- eval mode ----\n" + texts[1]
     fingerprint, fp_parts = compute_fingerprint(graph, config, pas_policy, plain_text)
@@ -222,19 +223,10 @@ def _cpu() -> float:
 
 
 def memory_choice(g, config: ComputeConfig) -> MemoryChoice:
-    """The plan's ZeRO stage and offload: the policy's choice where the config says "auto"
-    (autodist records it in plan_state.memory), else the config's own values."""
-    chosen = g.plan_state.memory
-    auto = "auto" in (config.zero_stage, config.offload_optimizer)
-    if chosen is None:
-        if auto:
-            raise ConfigError(f"use_zero={config.use_zero!r} / offload_optimizer="
-                              f"{config.offload_optimizer!r}: 'auto' is chosen by autodist; use "
-                              f"pas_policy='autodist' or give a concrete value")
-        chosen = MemoryChoice(zero=config.zero_stage, offload_optimizer=config.offload_optimizer,
-                              offload_params=config.offload_params)
-        g.plan_state.memory = chosen
-    return chosen
+    """The plan's ZeRO stage and offload, as the plan pass decided them (passes/plan.py
+    decide_memory)."""
+    g.plan_state.memory = decide_memory(g, config)
+    return g.plan_state.memory
 
 
 def _code_lines(text: str) -> list[str]:

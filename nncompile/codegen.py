@@ -253,7 +253,7 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
             lines += pc.stage_methods(g, rank, stages)
         return "\n".join(lines) + "\n"
     lines += forward_method(g, "forward_impl", n)
-    ev = g.meta.get("eval_graph")
+    ev = g.eval_program
     if ev is not None:      # the forward differs in eval mode beyond mode flags (modes.py)
         lines += forward_method(ev, "forward_eval_impl", n,
                                 "the forward in eval mode (model.eval()): the module runs it "
@@ -271,14 +271,14 @@ def mode_lines(g: Graph) -> str:
     if not g.trace_info.training:
         text += ("    TRAINING = False  # the module was in eval mode when traced: it starts so "
                  "(pm.train() switches)\n")
-    ev = g.meta.get("eval_graph")
+    ev = g.eval_program
     if ev is not None and ev.out_spec != g.out_spec:
         text += f"    EVAL_OUT_SPEC = {ev.out_spec!r}  # forward_eval_impl's outputs\n"
-    if g.meta.get("eval_error"):
-        text += (f"    EVAL_ERROR = {g.meta['eval_error']!r}  # the forward could not be traced "
+    if g.trace_info.eval_error:
+        text += (f"    EVAL_ERROR = {g.trace_info.eval_error!r}  # the forward could not be traced "
                  f"in eval mode\n")
-    if g.meta.get("train_error"):
-        text += (f"    TRAIN_ERROR = {g.meta['train_error']!r}  # the forward could not be "
+    if g.trace_info.train_error:
+        text += (f"    TRAIN_ERROR = {g.trace_info.train_error!r}  # the forward could not be "
                  f"traced in training mode\n")
     return text
 

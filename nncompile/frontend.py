@@ -593,6 +593,6 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
         if any(p in checkpointed for p in paths):
             checkpointed += [p for p in paths if p not in checkpointed]
     if checkpointed:        # torch.utils.checkpoint in the model: recomputed by the plan
-        graph.meta["checkpointed"] = checkpointed
+        graph.trace_info.checkpointed = checkpointed
     return graph
 

@@ -256,7 +256,7 @@ def check_eval_plan(train: Graph, ev: Graph) -> None:
 def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None) -> Graph:
     """Trace `module` in training mode (its submodules as they are when it is in training
     mode, all of them in training mode when it is not) and, where it may depend on its mode,
-    in eval mode. The graph returned is the training program; its `meta["eval_graph"]` the
+    in eval mode. The graph returned is the training program; its `eval_program` the
     eval program where that differs beyond mode arguments. The module's modes are restored."""
     from .frontend import trace
     from .errors import NNCompileError
@@ -280,7 +280,7 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
             try:
                 ev = trace(module, dummy_args, dynamic_dims, modes=False)
             except NNCompileError as e:     # said when the module runs in eval mode
-                graph.meta["eval_error"] = str(e)
+                graph.trace_info.eval_error = str(e)
                 log(f"the forward could not be traced in eval mode; the parallel module "
                     f"refuses to run in eval mode: {str(e).splitlines()[0]}")
                 ev = None
@@ -288,7 +288,7 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
             layer_replay.last.update(stats)
             ev = ev if ev is None else merge(graph, ev)
             if ev is not None:
-                graph.meta["eval_graph"] = ev
+                graph.eval_program = ev
     finally:
         for m, mode in modes.items():
             m.training = mode
@@ -309,7 +309,7 @@ def _eval_only(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any,
     from .log import log
     module.eval()
     graph = trace(module, dummy_args, dynamic_dims, modes=False)
-    graph.meta["train_error"] = str(train_error)
+    graph.trace_info.train_error = str(train_error)
     log(f"the forward could not be traced in training mode; the parallel module runs in eval "
         f"mode only: {str(train_error).splitlines()[0]}")
     return graph
@@ -317,20 +317,20 @@ def _eval_only(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any,
 
 def eval_program(final: Graph, passes: list, check: bool = False) -> tuple[Graph, list]:
     """The training program `final` with its eval program (the traced one in
-    `meta["eval_graph"]`, where there is one) run through the same passes, its parameters and
+    `eval_program`, where there is one) run through the same passes, its parameters and
     buffers pinned to the training program's placements (plan_state.pinned: it reads the same
-    shards), left in `final.meta["eval_graph"]` for codegen; and the eval run's pass history
+    shards), left in `final.eval_program` for codegen; and the eval run's pass history
     (dumped to graphs/eval/), empty without one. A pipelined plan keeps no eval program (its
     schedule runs training steps only)."""
     from nncompile.passes import run_pipeline
     from .log import log
-    ev = final.meta.pop("eval_graph", None)
+    ev, final.eval_program = final.eval_program, None
     if ev is None:
         return final, []
     if final.plan_state.pipeline is not None:
         log("the forward differs in eval mode; a pipelined plan's stages hold the training "
             "forward only, so pm(...) in eval mode is refused (runtime/pipeline.py)")
-        final.meta["eval_differs"] = True
+        final.plan_state.eval_differs = True
         return final, []
     if final.trace_info.inference_only:
         for v in ev.values():
@@ -342,6 +342,6 @@ def eval_program(final: Graph, passes: list, check: bool = False) -> tuple[Graph
     result = run_pipeline(ev, passes, check=check)
     ev_final = result.graph
     check_eval_plan(final, ev_final)
-    ev_final.meta.pop("eval_graph", None)
-    final.meta["eval_graph"] = ev_final
+    ev_final.eval_program = None
+    final.eval_program = ev_final
     return final, result.history

@@ -140,7 +140,7 @@ def pipeline_tables(g: Graph, rank: int, stages: list[Graph], units=()
     draws = {s: stage_draws(sg) for s, sg in enumerate(stages)}
     if any(draws.values()):                  # every stage's, so each rank can replay them
         info["draws"] = draws
-    if g.meta.get("eval_differs"):           # the stages hold the training-mode forward only
+    if g.plan_state.eval_differs:           # the stages hold the training-mode forward only
         info["eval_differs"] = True             # (modes.eval_program keeps no eval program)
     def params(sg: Graph) -> tuple[str, ...]:
         if not units:
@@ -186,7 +186,7 @@ def stage_methods(g: Graph, rank: int, stages: list[Graph], indent: str = "    "
         with value_names({v: f"self.{v.name}" for v in attrs}):
             lines.append(body_header(zero, indent + "    ", g.axes))
             lines += render_body(sg, indent=indent + "    ", local_n=n)
-            for v in sg.meta["relayed"]:
+            for v in sg.relayed:
                 lines.append(f"{indent}    {v.name} = {v.name}.clone()  # relayed: a later "
                              "stage needs it")
             lines.append(f"{indent}    return {fmt_literal(tuple(sg.outputs))}")

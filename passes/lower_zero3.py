@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nncompile.ir import Graph, MemoryChoice, Op, Stage, Value
+from nncompile.ir import Graph, Op, Stage, Value
 from .split_stages import SEND, STAGE
 
 
@@ -150,11 +150,10 @@ def lower_body(ops: list[Op], outputs: list, units, by_name: dict[str, Value]) -
 
 
 def memory_of(g: Graph, config: Any) -> MemoryChoice:
-    """The plan's ZeRO stage and offload: autodist's choice (plan_state.memory) where it made
-    one, else the config's values."""
-    return g.plan_state.memory or MemoryChoice(
-        zero=config.zero_stage, offload_optimizer=config.offload_optimizer,
-        offload_params=config.offload_params)
+    """The plan's ZeRO stage and offload, as the plan pass decided them (plan_state.memory;
+    passes/plan.py decide_memory), for a graph it planned; else what it would decide."""
+    from .plan import decide_memory
+    return g.plan_state.memory or decide_memory(g, config)
 
 
 class LowerZero3:

@@ -33,7 +33,7 @@ first, and keeps the fastest predicted step that fits:
 
 A candidate whose lower bound (ideal split, no communication) is not below the best step found
 is not planned. Precondition: none (runs before plan). Records graph.plan_state.pipeline
-(PipelinePlan), op.stage for every op, and the candidates in graph.meta["pipeline_search"];
+(PipelinePlan), op.stage for every op, and the candidates in graph.plan_state.pipeline_search;
 autodist then limits memory per pipeline rank and re-costs the stages with its final plan.
 """
 from __future__ import annotations
@@ -281,7 +281,7 @@ class PartitionStages:
             predicted_ms=[x * 1e3 for x in best.times], memory_bytes=best.memory,
             chosen_by=why)
         g.plan_state.pipeline = pipeline if pipeline.nstages > 1 else None   # "auto" chose 1
-        g.meta["pipeline_search"] = {
+        g.plan_state.pipeline_search = {
             "auto": pc.stages == AUTO, "costs": best.how, "memory_note": best.note,
             "predicted_step_ms": _ms(best.step),
             "mem_limit_bytes": None if self._limit() == _INF else int(self._limit()),
@@ -526,19 +526,18 @@ def pipeline_json(g: Graph) -> dict | None:
     """plan.json's "pipeline": the cut, why, and per stage its layers, ranks (of plan unit 0;
     unit u adds u x ranks x tp), predicted time and memory, parameters and collectives (for
     a planned, localized graph; None without pipeline_stages)."""
-    pp, search = g.plan_state.pipeline, g.meta.get("pipeline_search")
+    pp, search = g.plan_state.pipeline, g.plan_state.pipeline_search
     if pp is None:
         return None if search is None else {"ranks": 1, "tp": g.plan_ngpus, "stages": [],
                                             "chosen_by": "autodist: no pipeline is faster",
                                             **search}
     from nncompile.collectives import of_target
     from .split_stages import stage_graphs
-    if "stage_graphs" not in g.meta:
-        g.meta["stage_graphs"] = stage_graphs(g)
+
     cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)
     mesh = g.mesh
     stages = []
-    for s, sg in enumerate(g.meta["stage_graphs"]):
+    for s, sg in enumerate(stage_graphs(g)):
         pipe = next(p for p in range(pp.ranks) if s in cfg.stage_ids(p, pp.ranks))
         comm: dict[str, int] = {}
         for op in sg.ops:

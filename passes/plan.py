@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar
 
-from nncompile.errors import PolicyError
+from nncompile.errors import ConfigError, PolicyError
 from nncompile.experts import MOE_EXPERTS
 from nncompile.mesh import EP
-from nncompile.ir import PARAM, Graph, Partial, Replicate, Shard, Stage
+from nncompile.ir import PARAM, Graph, MemoryChoice, Partial, Replicate, Shard, Stage
 from nncompile.rules import replicated, strategies, strided_splits
 
 from .pipeline_stages import stage_config
@@ -93,11 +93,27 @@ class Plan:
             op.strategy = chosen
             for v, p in zip(op.outputs, chosen.outputs):
                 v.placement = p if v.is_tensor else Replicate()
+        g.plan_state.memory = g.plan_state.memory or decide_memory(g, self.config)
         for v in g.params + g.buffers:      # the eval program reads the training shards:
             if v.fqn in g.plan_state.pinned:    # insert_comm moves them where its ops want
                 v.placement = g.plan_state.pinned[v.fqn]
         g.stages = g.stages | {Stage.PLANNED}
         return g
+
+
+def decide_memory(g: Graph, config: Any) -> MemoryChoice:
+    """The one place the plan's ZeRO stage and offload are decided: the policy's choice
+    where it made one (autodist, for "auto" values: plan_state.memory), else the config's
+    own values; "auto" left unchosen is a ConfigError. The plan pass records it in
+    plan_state.memory, which lower_zero3, codegen and the runtime read."""
+    if g.plan_state.memory is not None:
+        return g.plan_state.memory
+    if "auto" in (config.zero_stage, config.offload_optimizer):
+        raise ConfigError(f"use_zero={config.use_zero!r} / offload_optimizer="
+                          f"{config.offload_optimizer!r}: 'auto' is chosen by autodist; use "
+                          f"pas_policy='autodist' or give a concrete value")
+    return MemoryChoice(zero=config.zero_stage, offload_optimizer=config.offload_optimizer,
+                        offload_params=config.offload_params)
 
 
 def whole_experts(g: Graph, mesh) -> None:

@@ -56,7 +56,7 @@ def fill_stages(g: Graph) -> None:
 def stage_graphs(g: Graph) -> list[Graph]:
     """One graph per stage of a graph that is cut (op.stage) but not yet split, sharing g's
     Values: inputs from earlier stages, outputs for later ones (relays included, in
-    `meta["relayed"]`), the last stage's output the loss."""
+    `relayed`), the last stage's output the loss."""
     pp = g.plan_state.pipeline
     fill_stages(g)
     k = pp.nstages
@@ -101,7 +101,7 @@ def _stage_graph(g: Graph, inputs: list[Value], ops: list[Op], outputs: list[Val
                [v for v in g.buffers if id(v) in used], ops, outputs, [], g.out_spec,
                g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state, g.runtime_ngpus, g.axes)
     ins = {id(x) for x in inputs}
-    sg.meta["relayed"] = [v for v in outputs if id(v) in ins]
+    sg.relayed = [v for v in outputs if id(v) in ins]
     return sg
 
 
@@ -117,7 +117,7 @@ class SplitStages:
         g = graph.clone()
         ops: list[Op] = []
         for s, sg in enumerate(stage_graphs(g)):
-            relay = sg.meta["relayed"]
+            relay = sg.relayed
             begin = Op(STAGE, (s, list(sg.inputs)), {}, [])
             end = Op(SEND, (s, list(sg.outputs)), {"relay": list(relay)} if relay else {}, [])
             begin.stage = end.stage = s
@@ -133,7 +133,7 @@ split_stages = SplitStages()
 def stage_views(g: Graph) -> list[Graph]:
     """The stage programs of a split graph (Stage.SPLIT), each a Graph sharing g's Values:
     its inputs (`pipeline.stage`), ops (lowering markers included), outputs
-    (`pipeline.send`) and relays (`meta["relayed"]`). What codegen prints per stage."""
+    (`pipeline.send`) and relays (`relayed`). What codegen prints per stage."""
     if Stage.SPLIT not in g.stages:
         raise GraphError("the graph is not split into pipeline stages (run split_stages)")
     out, begin, body = [], None, []

@@ -142,7 +142,7 @@ def test_split_stages_cuts_the_program_and_relays_what_skips_a_stage():
         pipeline.send(1, [loss])
         return (loss,)"""))
     first, second = stage_views(got)
-    assert [v.name for v in first.params] == ["w1"] and first.meta["relayed"][0].name == "x"
+    assert [v.name for v in first.params] == ["w1"] and first.relayed[0].name == "x"
     assert [v.name for v in second.params] == ["w2", "head"]
 
 

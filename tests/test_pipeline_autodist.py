@@ -132,7 +132,7 @@ def test_auto_picks_the_stage_count_memory_forces(stack_graph):
     only 4 stages."""
     g = _cut(stack_graph, {"pipeline_stages": "auto"})
     assert g.plan_state.pipeline is None
-    search = g.meta["pipeline_search"]
+    search = g.plan_state.pipeline_search
     assert [(c["stages"], c["status"]) for c in search["candidates"]] == \
         [(1, "chosen"), (2, "fits"), (4, "slower (bound)")]
     whole = search["candidates"][0]["memory_bytes"]
@@ -140,7 +140,7 @@ def test_auto_picks_the_stage_count_memory_forces(stack_graph):
     pp = g.plan_state.pipeline
     assert (pp.ranks, pp.tp) == (4, 1)
     assert pp.chosen_by.startswith("autodist: 4 of the stage counts [1, 2, 4]")
-    assert [c["status"] for c in g.meta["pipeline_search"]["candidates"]] == \
+    assert [c["status"] for c in g.plan_state.pipeline_search["candidates"]] == \
         ["too large", "too large", "chosen"]
     with pytest.raises(ConfigError, match=r"no cut of 8 layers into pipeline stages fits .* "
                                           r"4 stage\(s\) x tp 1: the balanced cut's fullest"):
@@ -160,7 +160,7 @@ def test_memory_moves_the_cut_off_the_first_stage(stack_graph):
         pp = g.plan_state.pipeline
         assert len(pp.layers[0]) < first and sum(map(len, pp.layers)) == 8
         assert max(pp.memory_bytes) <= limit and max(pp.predicted_ms) > max(free.predicted_ms)
-        assert "the memory limit moved the cut" in g.meta["pipeline_search"]["memory_note"]
+        assert "the memory limit moved the cut" in g.plan_state.pipeline_search["memory_note"]
 
 
 def test_auto_needs_autodist(stack_graph):

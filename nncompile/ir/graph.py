@@ -305,6 +305,10 @@ class TraceInfo:
     # module paths in ops' module_stack that are not the module's FQN (a module called from
     # two places, weights shared: torch.export names each call by its access path) -> FQN
     module_aliases: dict[str, str] = field(default_factory=dict)
+    # modules the model checkpoints itself (torch.utils.checkpoint): recomputed by the plan
+    checkpointed: list[str] = field(default_factory=list)
+    eval_error: str | None = None     # eval mode could not be traced: refused at run time
+    train_error: str | None = None    # training mode could not be traced (eval-only module)
 
 
 @dataclass
@@ -360,6 +364,9 @@ class PlanState:
     pinned: dict[str, Placement] = field(default_factory=dict)
     # what the plan left out of what the configuration asked for (passes/dropped.py)
     dropped: tuple[dict, ...] = ()
+    # autodist's pipeline candidates and why (passes/pipeline_stages.py), for plan.json
+    pipeline_search: dict | None = None
+    eval_differs: bool = False        # pipelined: the eval forward differs, pm.eval() refused
 
 
 @dataclass
@@ -382,6 +389,11 @@ class Graph:
     # mesh axes beyond dp, pp and plan that the plan places values on ({"cp": 2}), outermost
     # first; each its own process group (`<AXIS>_GROUP` in the generated code)
     axes: dict[str, int] = field(default_factory=dict)
+    # the eval-mode program, where the forward differs in eval mode beyond mode flags
+    # (nncompile/modes.py): traced beside this one, planned after it with its placements
+    eval_program: "Graph | None" = None
+    # a pipeline stage's graph (passes/split_stages.py): the inputs it sends on unchanged
+    relayed: list = field(default_factory=list)
 
     @property
     def mesh(self) -> "_mesh.Mesh":
@@ -471,4 +483,5 @@ class Graph:
                      self.plan_ngpus, dict(self.meta), self.stages, replace(self.trace_info),
                      replace(self.plan_state,
                              partial_grad_params=list(self.plan_state.partial_grad_params)),
-                     self.runtime_ngpus, dict(self.axes))
+                     self.runtime_ngpus, dict(self.axes), self.eval_program,
+                     list(self.relayed))

@@ -205,16 +205,16 @@ def _cost_at_range_ends(g: Graph, config) -> list[dict]:
 
 def _cost_stages(g: Graph, prob: Problem, picks: list[int]) -> None:
     """The pipeline's per-stage time and memory as the final plan costs them, and the
-    bytes of every pipeline rank (graph.meta["pipeline_search"])."""
+    bytes of every pipeline rank (graph.plan_state.pipeline_search)."""
     from ..pipeline_stages import stage_inflight
     pp = g.plan_state.pipeline
     ms, mem, _ = stage_costs(g, prob, picks, pp.nstages,
                              lambda s: stage_inflight(pp, s))
     g.plan_state.pipeline = dataclasses.replace(pp, predicted_ms=ms, memory_bytes=mem)
-    search = dict(g.meta.get("pipeline_search") or {})
+    search = dict(g.plan_state.pipeline_search or {})
     search["cut_ms"] = list(pp.predicted_ms)        # what the cut was made with
     search["rank_memory_bytes"] = [int(b) for b in memory_by_rank(prob, picks)]
-    g.meta["pipeline_search"] = search
+    g.plan_state.pipeline_search = search
 
 
 __all__ = ["autodist", "explain", "report_table", "cost_model", "plan_problem", "apply",
