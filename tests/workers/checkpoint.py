@@ -173,8 +173,8 @@ def phase_recover(d: Path, savedir: str, die_at: int) -> None:
     want = json.loads((d / "losses.json").read_text())
     try:
         nncompile.load_checkpoint(d / f"step{die_at}", *build("tp", 2, savedir))
-    except nncompile.CheckpointError as e:
-        assert "not a complete nncompile checkpoint" in str(e), e
+    except nncompile.CheckpointError as e:      # the survivor stopped at the save's start
+        assert "not a complete nncompile checkpoint" in str(e) or "does not exist" in str(e), e
     else:
         raise AssertionError(f"the interrupted step{die_at} checkpoint loaded")
     last = max(i for i in range(3, die_at, 3) if (d / f"step{i}" / "checkpoint.json").exists())
