@@ -66,11 +66,14 @@ def lockstep_group(pm):
     sets = mesh.groups_along(tuple(dims)) if len(dims) < len(mesh.names) else \
         [list(range(dist.get_world_size()))]
     cache = _CACHE.setdefault(dist.distributed_c10d._get_default_group(), {})
+    mine = next(tuple(sorted(r)) for r in sets if dist.get_rank() in r)
+    new = ("lockstep", mine) not in cache
     for ranks in sorted(tuple(sorted(r)) for r in sets):    # every rank, in one order
         if ("lockstep", ranks) not in cache:
             cache[("lockstep", ranks)] = dist.new_group(list(ranks), backend="gloo",
                                                         timeout=default_timeout())
-    mine = next(tuple(sorted(r)) for r in sets if dist.get_rank() in r)
+    if new:                                     # the groups this rank meets at the end
+        cache.setdefault("lockstep_order", []).append(cache[("lockstep", mine)])
     return cache[("lockstep", mine)]
 
 
@@ -228,7 +231,7 @@ def _agreed(pm, group) -> None:
     every rank of the unit would have on one device. Other units keep theirs (a data-parallel
     replica seeds its own)."""
     leader = _LEADERS.pop(group, None)
-    if leader is None:
+    if leader is None or pm is None:       # (at the end of the program: nothing to follow)
         return
     box = [(torch.get_rng_state(), torch.cuda.get_rng_state(pm.device)
             if pm.device.type == "cuda" else None) if dist.get_rank() == leader else None]
@@ -301,7 +304,10 @@ def meet(pm, point: str) -> None:
 
 
 def _wait(pm, group, point: str, number: int) -> None:
-    row = [list(POINTS).index(point), int(pm.training), int(torch.is_grad_enabled()), MEET,
+    """Exchange MEET rows on `group` until every rank is at `point` (`pm`: the module waiting,
+    None at the end of the program)."""
+    training = pm.training if pm is not None else False
+    row = [list(POINTS).index(point), int(training), int(torch.is_grad_enabled()), MEET,
            number]
     while True:
         rows = _exchange(group, row, POINTS[point])
@@ -357,19 +363,16 @@ SERVICE_WORDS = "nncompile.full_state_dict / full_optimizer_state_dict"
 
 # ---- the end of the program -------------------------------------------------------------------
 def _meet_all(point: str) -> None:
-    """This process's groups each meet at `point` (in the order their modules were loaded, as
-    on every rank), unless an exception is on its way out (a crash must not wait) or the
-    ranks are simulated threads (which end together)."""
+    """Each lockstep group of this rank meets at `point`, in the order the groups were made
+    (the same on every rank, whichever modules are still alive), unless an exception is on
+    its way out (a crash must not wait) or the ranks are simulated threads (which end
+    together)."""
     if sys.exc_info()[0] is not None or getattr(sys, "last_value", None) is not None or \
             not dist.is_initialized() or "threaded" in str(dist.get_backend()).lower():
         return
-    first: dict = {}
-    for number, pm in sorted(_modules()["by_id"].items()):
-        group = pm.__dict__.get("_lockstep_group")
-        if group is not None and group not in first:
-            first[group] = pm
-    for group, pm in first.items():
-        _wait(pm, group, point, ANY)
+    cache = _CACHE.get(dist.distributed_c10d._get_default_group(), {})
+    for group in cache.get("lockstep_order", ()):
+        _wait(None, group, point, ANY)
 
 
 def _at_exit() -> None:
