@@ -28,6 +28,7 @@ from .lifetimes import del_lines, last_uses
 from .ir.printer import axis_sizes, fmt_body, op_notes, value_names
 from .render_body import render_body
 from .symbolic import Sym
+from . import rank_file
 from .rows import BufferRow, ConstRow, ParamRow
 
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} ({position}).
@@ -48,41 +49,28 @@ aten = torch.ops.aten
 
 
 class GenModel(ParallelModule):
-    RANK = {rank}
-    FINGERPRINT = {fingerprint_full!r}
-    POLICY = {policy!r}
-    PLAN_NGPUS = {plan}
-    RUNTIME_NGPUS = {runtime}
-    INFERENCE_ONLY = {inference_only}
-    OUT_SPEC = {out_spec!r}
-    INPUTS = [  # name, traced shape, dtype
+{declarations}    INPUTS = [  # name, traced shape, dtype
 {inputs}
     ]
     ARGS = [  # forward's arguments as traced: name, structure, leaves (input or constant)
 {args}
     ]
-    SIGNATURE = {signature!r}  # forward's positional parameters
-    DEFAULTS = {defaults!r}  # untraced arguments' defaults
-    PARAMS = [  # ParamRow: local name, FQN, full shape, placement, this rank's slices, partial grad
+{call_declarations}    PARAMS = [  # ParamRow: local name, FQN, full shape, placement, this rank's slices, partial grad
     # and, for a part "w[i/k]" of a fused parameter, (source FQN, source shape, view): its slices
     # are then this rank's box of the source viewed as view (passes/unfuse_projections.py)
 {params}
     ]
-    FROZEN = {frozen!r}  # parameters with requires_grad=False: no gradient, no optimizer state
-    BUFFERS = [  # BufferRow: local name, FQN, full shape, placement, this rank's slices
+{frozen}    BUFFERS = [  # BufferRow: local name, FQN, full shape, placement, this rank's slices
 {buffers}
     ]
     CONSTS = [  # ConstRow: local name, full shape, placement, this rank's slices
 {consts}
     ]
     # the original module's parameters() order and state_dict() keys (key, canonical FQN)
-    PARAM_ORDER = {param_order!r}
-    STATE_KEYS = {state_keys!r}
-'''
+{state_declarations}'''
 
 MEMORY_HEADER = '''    # the ZeRO stage and offload this code was generated for (runtime/zero.py)
-    MEMORY = {memory!r}
-    ZERO_UNITS = [  # ZeRO-3: flat parameter, its module, the local parameters it holds
+{memory}    ZERO_UNITS = [  # ZeRO-3: flat parameter, its module, the local parameters it holds
 {units}
     ]
 '''
@@ -148,9 +136,7 @@ def _param_row(row: ParamRow) -> tuple:
 
 
 PIPELINE_HEADER = '''    # pipeline parallelism (runtime/pipeline.py runs the stages on torch.distributed.pipelining)
-    PIPE_RANKS = {ranks}  # pipeline ranks in the plan unit; PLAN_NGPUS is one stage's tensor-parallel ranks
-    PIPELINE = {info!r}
-    STAGES = [  # this rank's stages: index, inputs, outputs, their (local shape, dtype, grad), parameters
+{declarations}    STAGES = [  # this rank's stages: index, inputs, outputs, their (local shape, dtype, grad), parameters
 {rows}
     ]
 '''
@@ -185,56 +171,68 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
     custom_imports, runtime_modules = shared["imports"]
     text = HEADER.format(
         custom_imports=custom_imports, runtime_modules=runtime_modules,
-        rank=rank, runtime=runtime_ngpus, position=rank_position_text(mesh, rank), plan=n,
-        inference_only=g.trace_info.inference_only,
-        model=g.trace_info.model, policy=g.plan_state.policy,
-        fingerprint=fingerprint[:16], fingerprint_full=fingerprint, out_spec=g.out_spec,
-        param_order=g.trace_info.param_order,
-        state_keys=[tuple(k) for k in g.trace_info.state_keys],
+        rank=rank, runtime=runtime_ngpus, position=rank_position_text(mesh, rank),
+        model=g.trace_info.model, policy=g.plan_state.policy, fingerprint=fingerprint[:16],
+        declarations=rank_file.schema_line() + "".join(rank_file.declare(k, v) for k, v in (
+            ("RANK", rank), ("FINGERPRINT", fingerprint), ("POLICY", g.plan_state.policy),
+            ("PLAN_NGPUS", n), ("RUNTIME_NGPUS", runtime_ngpus),
+            ("INFERENCE_ONLY", g.trace_info.inference_only), ("OUT_SPEC", g.out_spec))),
+        call_declarations=rank_file.declare("SIGNATURE", g.trace_info.signature,
+                                            "forward's positional parameters")
+        + rank_file.declare("DEFAULTS", g.trace_info.defaults,
+                            "untraced arguments' defaults"),
+        state_declarations=rank_file.declare("PARAM_ORDER", g.trace_info.param_order)
+        + rank_file.declare("STATE_KEYS", [tuple(k) for k in g.trace_info.state_keys]),
         inputs=_rows([(v.name, tuple(d.code() if isinstance(d, Sym) else d for d in v.meta.shape),
                        str(v.meta.dtype)) for v in g.inputs]),
         args=_rows([tuple(r) for r in g.trace_info.args]),
         signature=g.trace_info.signature, defaults=g.trace_info.defaults,
-        params=_rows(t["params"]), frozen=[v.name for v in tg.params if not v.requires_grad],
+        params=_rows(t["params"]),
+        frozen=rank_file.declare("FROZEN", [v.name for v in tg.params if not v.requires_grad],
+                                 "parameters with requires_grad=False: no gradient, no "
+                                 "optimizer state"),
         buffers=_rows(t["buffers"]), consts=_rows(t["consts"]))
     if g.trace_info.sizes:
-        text += (f"    SIZES = {g.trace_info.sizes!r}  # dynamic_dims: allowed (min, max, "
-                 f"multiple of); checked on every call\n")
+        text += rank_file.declare("SIZES", g.trace_info.sizes, "dynamic_dims: allowed (min, "
+                                  "max, multiple of); checked on every call")
     if g.trace_info.buffer_updates:
         text += buffer_updates_line(g)
     text += mode_lines(g)
     if g.axes:
-        text += (f"    MESH_AXES = {g.axes!r}  # mesh axes beyond dp, pp and plan: "
-                 f"<AXIS>_GROUP in the code\n")
+        text += rank_file.declare("MESH_AXES", g.axes, "mesh axes beyond dp, pp and plan: "
+                                  "<AXIS>_GROUP in the code")
     param_axes = {v.name: {a: repr(p) for a, p in v.axes.items()} for v in tg.params if v.axes}
     if param_axes:
-        text += (f"    PARAM_AXES = {param_axes!r}  # parameters split along those axes too "
-                 f"(PARAMS' slices include it)\n")
+        text += rank_file.declare("PARAM_AXES", param_axes, "parameters split along those "
+                                  "axes too (PARAMS' slices include it)")
     if any(g.plan_state.axis_partial_grad.values()):
-        text += (f"    PARTIAL_GRAD_AXES = {g.plan_state.axis_partial_grad!r}  # gradients "
-                 f"summed over these axes too\n")
+        text += rank_file.declare("PARTIAL_GRAD_AXES", g.plan_state.axis_partial_grad,
+                                  "gradients summed over these axes too")
     grad_inputs = [v.name for v in g.inputs if v.requires_grad]
     if grad_inputs:
-        text += (f"    GRAD_INPUTS = {grad_inputs!r}  # inputs traced requiring grad: their "
-                 f"gradient is summed over the plan unit\n")
+        text += rank_file.declare("GRAD_INPUTS", grad_inputs, "inputs traced requiring grad: "
+                                  "their gradient is summed over the plan unit")
     text += reduction_header(tg, t["params"], runtime_ngpus, pp.ranks if pp else 1,
                              memory.zero if memory is not None else 0)
     if g.trace_info.microbatches > 1:
-        text += (f"    MICROBATCHES = {g.trace_info.microbatches}  # train_step splits the batch "
-                 f"into this many; the code runs one\n"
-                 f"    BATCHED = {g.trace_info.batched!r}  # inputs split (the others are "
-                 f"passed whole to each micro-batch)\n")
+        text += rank_file.declare("MICROBATCHES", g.trace_info.microbatches, "train_step "
+                                  "splits the batch into this many; the code runs one") \
+            + rank_file.declare("BATCHED", g.trace_info.batched, "inputs split (the others "
+                                "are passed whole to each micro-batch)")
     if pp is None and "tail" in shared:
         return text.rstrip("\n") + shared["tail"]
     units = rank_units(g, mesh.pipe_of(rank))
     head = len(text.rstrip("\n"))
     if pp is not None:
         info, rows = pc.pipeline_tables(g, rank, stages, units)
-        text += PIPELINE_HEADER.format(ranks=pp.ranks, info=info, rows=_rows(rows))
+        text += PIPELINE_HEADER.format(rows=_rows(rows), declarations=rank_file.declare(
+            "PIPE_RANKS", pp.ranks, "pipeline ranks in the plan unit; PLAN_NGPUS is one "
+            "stage's tensor-parallel ranks") + rank_file.declare("PIPELINE", info))
     if memory is not None:
         text += MEMORY_HEADER.format(
-            memory={"zero": memory.zero, "offload_optimizer": memory.offload_optimizer,
-                    "offload_params": memory.offload_params},
+            memory=rank_file.declare("MEMORY", {
+                "zero": memory.zero, "offload_optimizer": memory.offload_optimizer,
+                "offload_params": memory.offload_params}),
             units=_rows([tuple(u) for u in units]))
     lines = [text.rstrip("\n")]
     if g.const_ops:
@@ -269,17 +267,17 @@ def mode_lines(g: Graph) -> str:
     cannot run."""
     text = ""
     if not g.trace_info.training:
-        text += ("    TRAINING = False  # the module was in eval mode when traced: it starts so "
-                 "(pm.train() switches)\n")
+        text += rank_file.declare("TRAINING", False, "the module was in eval mode when "
+                                  "traced: it starts so (pm.train() switches)")
     ev = g.eval_program
     if ev is not None and ev.out_spec != g.out_spec:
-        text += f"    EVAL_OUT_SPEC = {ev.out_spec!r}  # forward_eval_impl's outputs\n"
+        text += rank_file.declare("EVAL_OUT_SPEC", ev.out_spec, "forward_eval_impl's outputs")
     if g.trace_info.eval_error:
-        text += (f"    EVAL_ERROR = {g.trace_info.eval_error!r}  # the forward could not be traced "
-                 f"in eval mode\n")
+        text += rank_file.declare("EVAL_ERROR", g.trace_info.eval_error, "the forward could "
+                                  "not be traced in eval mode")
     if g.trace_info.train_error:
-        text += (f"    TRAIN_ERROR = {g.trace_info.train_error!r}  # the forward could not be "
-                 f"traced in training mode\n")
+        text += rank_file.declare("TRAIN_ERROR", g.trace_info.train_error, "the forward "
+                                  "could not be traced in training mode")
     return text
 
 
@@ -326,8 +324,8 @@ def buffer_updates_line(g: Graph) -> str:
     statistics)."""
     names = {v.fqn: v.name for v in g.buffers}
     local = [names[fqn] for fqn in g.trace_info.buffer_updates]
-    return (f"    BUFFER_UPDATES = {local!r}  # buffers forward updates: their new values follow "
-            f"the outputs; written back in training mode\n")
+    return rank_file.declare("BUFFER_UPDATES", local, "buffers forward updates: their new "
+                             "values follow the outputs; written back in training mode")
 
 
 def size_lines(g: Graph, indent: str) -> list[str]:

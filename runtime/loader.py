@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from nncompile import rank_file
 from nncompile.config import ComputeConfig
 from nncompile.edits import warn_if_edited
 
@@ -28,6 +29,7 @@ def load_rank_module(outdir: Path, rank: int, module: torch.nn.Module | None, de
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
+    rank_file.read(mod.GenModel, str(path))     # another schema version: refused, with the fix
     pm = mod.GenModel(module, device=device, compute_config=compute_config)
     pm.gencode_path = str(path)
     return pm

@@ -23,7 +23,7 @@ from nncompile.symbolic import check_sizes
 from nncompile.ir.placement import Shard
 from nncompile.mesh import Mesh, grad_reduction
 from nncompile.rows import buffer_rows, const_rows, param_rows, take
-from nncompile import arguments
+from nncompile import arguments, rank_file
 
 from . import consistency
 from .lockstep import agree, lockstep_group, meet
@@ -44,45 +44,13 @@ def _slice(full: torch.Tensor, slices) -> torch.Tensor:
 
 
 class ParallelModule(torch.nn.Module):
-    # Filled in by the generated subclass.
-    RANK = 0
-    FINGERPRINT = ""
-    POLICY = ""
-    PLAN_NGPUS = 1
-    RUNTIME_NGPUS = 1
-    INFERENCE_ONLY = False
-    TRAINING = True            # the traced module's mode (the one this module starts in)
-    EVAL_OUT_SPEC = ""         # forward_eval_impl's output structure, where it differs
-    EVAL_ERROR = ""            # why the forward could not be traced in eval mode
-    TRAIN_ERROR = ""           # why it could not be traced in training mode (eval-only module)
-    INPUTS: list[tuple[str, tuple, str]] = []          # name, shape, dtype
-    SIZES: dict[str, tuple[int, int, int]] = {}        # dynamic_dims: name -> (min, max, mult)
-    GRAD_INPUTS: list[str] = []     # inputs traced requiring grad (the plan sums their grads)
-    BUFFER_UPDATES: list[str] = []  # buffers forward updates: new values follow its outputs
-    ARGS: list[tuple] | None = None    # forward's arguments as traced (nncompile/arguments.py)
-    SIGNATURE: list[str] = []          # forward's positional parameters
-    DEFAULTS: dict = {}                # untraced arguments' constant defaults
-    PARAMS: list[tuple] = []   # rows.ParamRow: name, FQN, full shape, placement, slices, partial
-    FROZEN: list[str] = []     # parameters traced with requires_grad=False
-    BUFFERS: list[tuple] = []  # rows.BufferRow: local name, FQN, full shape, placement, slices
-    CONSTS: list[tuple] = []   # rows.ConstRow: local name, full shape, placement, slices
-    OUT_SPEC = ""
-    PARAM_ORDER: list[str] = []        # the original module's parameters(), by FQN
-    STATE_KEYS: list[tuple] = []       # the original module's state_dict() keys, canonical FQN
-    MEMORY: dict | None = None         # ZeRO stage / offload the code was generated for
-    ZERO_UNITS: list[tuple] = []       # ZeRO-3 flat parameters (runtime/zero.py)
-    MICROBATCHES = 1                   # train_step splits the batch into this many
-    BATCHED: list[str] = []            # the inputs it splits
-    PIPE_RANKS = 1                     # pipeline ranks per plan unit (runtime/pipeline.py)
-    PIPELINE: dict | None = None       # a pipelined plan's stages and schedule
-    STAGES: list[tuple] = []           # this rank's stages
-    MESH_AXES: dict[str, int] = {}     # mesh axes beyond dp, pp and plan the program uses
-    PARTIAL_GRAD_AXES: dict[str, list[str]] = {}   # per such axis: gradients summed over it
-    PARAM_AXES: dict[str, dict[str, str]] = {}     # parameters split along such axes too
+    # The generated subclass declares what its rank runs (nncompile/rank_file.py: RankFile);
+    # the class attributes below (set after the class) are the schema's defaults.
 
     def __init__(self, module: torch.nn.Module | None = None, device: Any = None,
                  compute_config: ComputeConfig | None = None):
         super().__init__()
+        self.rank_file = rank_file.read(type(self), getattr(self, "gencode_path", ""))
         self.axis_groups = axis_groups(self.RANK, self.PLAN_NGPUS, self.RUNTIME_NGPUS,
                                        self.PIPE_RANKS, self.mesh_axes)
         self.compute_config = compute_config or ComputeConfig(self.PLAN_NGPUS, self.RUNTIME_NGPUS)
@@ -599,3 +567,7 @@ def _full_state(module: torch.nn.Module | None) -> dict[str, torch.Tensor]:
     out = dict(module.named_parameters(remove_duplicate=False))
     out.update(dict(module.named_buffers(remove_duplicate=False)))
     return out
+
+
+for _name, _value in rank_file.defaults().items():     # what a file leaves undeclared
+    setattr(ParallelModule, _name, _value)
