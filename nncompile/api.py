@@ -30,7 +30,6 @@ from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, staged_dir, write_text
 from .fingerprint import compute_fingerprint
 from .frontend import trace
-from .modes import eval_program
 from .user_checkpoint import with_recompute
 from .ir import Graph, MemoryChoice
 from .ir.printer import print_graph_texts
@@ -166,7 +165,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     width = max((len(name) for name, _, _ in result.history[1:]), default=0)
     for name, _, ms in result.history[1:]:
         _log(f"  pass {name:<{width}} {ms:8.1f} ms")   # the times in one column
-    final, eval_history = eval_program(result.graph, passes, check)   # the same passes, pinned
+    final, eval_history = result.graph, result.eval_history   # the eval program: pinned
     planned = plan_graph(result.history)     # before schedule-only passes: what plan.json shows
     symbolic.warn_if_unsplit(final)
     memory = memory_choice(final, config)

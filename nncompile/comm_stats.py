@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .ir import Graph
-from nncompile.passes.autodist.cost_model import nbytes
+from nncompile.ir.placement import nbytes
 from nncompile.collectives import axis_of, by_name, of_target
 
 

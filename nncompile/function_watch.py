@@ -26,12 +26,12 @@ from .errors import TraceError
 from .ir import SourceInfo
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_PASSES_DIR = os.path.dirname(os.path.abspath(__import__("nncompile.passes").passes.__file__))
-# nncompile.runtime lives beside nncompile.passes (pyproject's package-dir: `runtime/` next to
-# `passes/` in a checkout, `nncompile/runtime/` in a wheel); found by path, not imported
-_OWN_DIRS = tuple(d + os.sep for d in
-                  (os.path.dirname(os.path.abspath(__file__)), _PASSES_DIR,
-                   os.path.join(os.path.dirname(_PASSES_DIR), "runtime")))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# nncompile.passes and nncompile.runtime live beside nncompile/ in a checkout (pyproject's
+# package-dir: `passes/`, `runtime/`) and inside it in a wheel; found by path, not imported
+_OWN_DIRS = tuple(d + os.sep for d in (
+    _HERE, *(os.path.join(base, sub) for base in (_HERE, os.path.dirname(_HERE))
+             for sub in ("passes", "runtime"))))
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
 

@@ -13,7 +13,8 @@ in eval mode too, then compares the two graphs op by op:
                a = aten.scaled_dot_product_attention.default(q, k, v, None, (0.1 if self.training else 0.0))
 
 - anything else (BatchNorm's batch vs running statistics, an `if self.training:` branch): a
-  second program, `forward_eval_impl`, planned with the same policy; the runtime runs it when
+  second program, `forward_eval_impl`, planned in the same pass run with the training
+  program's parameter placements (passes/__init__.py, run_pipeline); the runtime runs it when
   the module is in eval mode.
 
 Random ops in eval mode draw nothing, so random numbers drawn in training stay in step with
@@ -313,35 +314,3 @@ def _eval_only(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any,
     log(f"the forward could not be traced in training mode; the parallel module runs in eval "
         f"mode only: {str(train_error).splitlines()[0]}")
     return graph
-
-
-def eval_program(final: Graph, passes: list, check: bool = False) -> tuple[Graph, list]:
-    """The training program `final` with its eval program (the traced one in
-    `eval_program`, where there is one) run through the same passes, its parameters and
-    buffers pinned to the training program's placements (plan_state.pinned: it reads the same
-    shards), left in `final.eval_program` for codegen; and the eval run's pass history
-    (dumped to graphs/eval/), empty without one. A pipelined plan keeps no eval program (its
-    schedule runs training steps only)."""
-    from nncompile.passes import run_pipeline
-    from .log import log
-    ev, final.eval_program = final.eval_program, None
-    if ev is None:
-        return final, []
-    if final.plan_state.pipeline is not None:
-        log("the forward differs in eval mode; a pipelined plan's stages hold the training "
-            "forward only, so pm(...) in eval mode is refused (runtime/pipeline.py)")
-        final.plan_state.eval_differs = True
-        return final, []
-    if final.trace_info.inference_only:
-        for v in ev.values():
-            v.requires_grad = False
-    log("the forward differs in eval mode (BatchNorm, or a branch on self.training): "
-        "planning its eval program with the training program's parameter placements ...")
-    ev.plan_state.zero_units = final.plan_state.zero_units   # ZeRO-3: the same flat shards
-    ev.plan_state.pinned = {v.fqn: v.placement for v in final.params + final.buffers}
-    result = run_pipeline(ev, passes, check=check)
-    ev_final = result.graph
-    check_eval_plan(final, ev_final)
-    ev_final.eval_program = None
-    final.eval_program = ev_final
-    return final, result.history

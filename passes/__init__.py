@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nncompile.errors import ConfigError, NNCompileError
-from nncompile.ir import Graph, verify
+from nncompile.ir import Graph, Stage, verify
 from nncompile.ir.verify_sizes import verify_sizes
 
 from .constant_fold import constant_fold
@@ -145,9 +145,19 @@ class PassError(NNCompileError):
 class PipelineResult:
     graph: Graph
     history: list[tuple[str, Graph, float]] = field(default_factory=list)
+    eval_history: list[tuple[str, Graph, float]] = field(default_factory=list)
 
 
 def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> PipelineResult:
+    """The passes over `graph` and, where the forward differs in eval mode (graph.
+    eval_program), over its eval program too, pinned to the training placements
+    (eval_program below); one result with both histories."""
+    result = run_passes(graph, passes, check)
+    result.graph, result.eval_history = eval_program(result.graph, passes, check)
+    return result
+
+
+def run_passes(graph: Graph, passes: list[Pass], check: bool = False) -> PipelineResult:
     result = PipelineResult(graph, [("trace", graph, 0.0)])
     if check:
         verify(graph)
@@ -182,6 +192,42 @@ def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> Pipel
         result.history.append((pass_name(p), result.graph, (time.perf_counter() - start) * 1e3))
     verify_sizes(result.graph, result.history)     # dynamic dims: no traced size baked in
     return result
+
+
+def eval_program(final: Graph, passes: list[Pass], check: bool = False
+                 ) -> tuple[Graph, list]:
+    """The training program `final` with its eval program (`final.eval_program`, as traced)
+    run through the same passes, its parameters and buffers pinned to the training program's
+    placements (plan_state.pinned: it reads the same shards) and left in
+    `final.eval_program` for codegen; and the eval run's pass history (graphs/eval/), empty
+    without one. A pipelined plan keeps no eval program (its schedule runs training steps).
+
+        before: final.eval_program = the traced eval graph (BatchNorm on running statistics)
+        after:  final.eval_program = that graph planned, localized, lowered like `final`
+    """
+    from nncompile.log import log
+    from nncompile.modes import check_eval_plan
+    ev = final.eval_program
+    if ev is None or Stage.PLANNED in ev.stages:
+        return final, []
+    if final.plan_state.pipeline is not None:
+        log("the forward differs in eval mode; a pipelined plan's stages hold the training "
+            "forward only, so pm(...) in eval mode is refused (runtime/pipeline.py)")
+        final.eval_program = None
+        final.plan_state.eval_differs = True
+        return final, []
+    if final.trace_info.inference_only:
+        for v in ev.values():
+            v.requires_grad = False
+    log("the forward differs in eval mode (BatchNorm, or a branch on self.training): "
+        "planning its eval program with the training program's parameter placements ...")
+    ev.plan_state.zero_units = final.plan_state.zero_units   # ZeRO-3: the same flat shards
+    ev.plan_state.pinned = {v.fqn: v.placement for v in final.params + final.buffers}
+    result = run_passes(ev, passes, check)
+    check_eval_plan(final, result.graph)
+    result.graph.eval_program = None
+    final.eval_program = result.graph
+    return final, result.history
 
 
 def _stages(stages) -> str:

@@ -1,12 +1,15 @@
 """Package layers: the import graph between nncompile's packages has one direction.
 
-    core         nncompile/ (ir, rules, frontend, codegen, ...) and nncompile.passes
+    core         nncompile/ (ir, rules, frontend, config, mesh, rank_file, ...)
+    passes       nncompile.passes           imports core
+    codegen      nncompile.codegen, pipeline_codegen, codegen_notes, render_body
+                                            imports core, passes
     runtime      nncompile.runtime          imports core
-    tools        nncompile.tools            imports core, runtime
-    facade       nncompile/__init__.py, __main__.py and api.py (parallelize, verify: they
-                 compile, check with the tools and load with the runtime)
-                                            imports core, runtime, tools
-    integration  nncompile.integration      imports core, runtime, tools, facade
+    tools        nncompile.tools            imports core, passes, codegen, runtime
+    facade       nncompile/__init__.py, __main__.py, api.py and fingerprint.py (parallelize,
+                 verify: they compile, check with the tools and load with the runtime)
+                                            imports every layer but integration
+    integration  nncompile.integration      imports every layer
 
 Every module is parsed (ast), so imports inside functions count, and so do the names given to
 `__import__`, `importlib.import_module` and `importlib.util.find_spec`; relative imports are
@@ -22,13 +25,17 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
-FACADE = {"nncompile", "nncompile.__main__", "nncompile.api"}
+FACADE = {"nncompile", "nncompile.__main__", "nncompile.api", "nncompile.fingerprint"}
+CODEGEN = {"nncompile.codegen", "nncompile.pipeline_codegen", "nncompile.codegen_notes",
+           "nncompile.render_body"}
 ALLOWED = {
     "core": set(),
+    "passes": {"core"},
+    "codegen": {"core", "passes"},
     "runtime": {"core"},
-    "tools": {"core", "runtime"},
-    "facade": {"core", "runtime", "tools"},
-    "integration": {"core", "runtime", "tools", "facade"},
+    "tools": {"core", "passes", "codegen", "runtime"},
+    "facade": {"core", "passes", "codegen", "runtime", "tools"},
+    "integration": {"core", "passes", "codegen", "runtime", "tools", "facade"},
 }
 DYNAMIC = {"__import__", "import_module", "find_spec"}   # calls that take a module name
 
@@ -59,8 +66,10 @@ def layer(name: str) -> str | None:
     """The layer of module `name`; None outside the project."""
     if name in FACADE:
         return "facade"
+    if name in CODEGEN:
+        return "codegen"
     for pkg, lay in (("nncompile.runtime", "runtime"), ("nncompile.integration", "integration"),
-                     ("nncompile.tools", "tools")):
+                     ("nncompile.tools", "tools"), ("nncompile.passes", "passes")):
         if name == pkg or name.startswith(pkg + "."):
             return lay
     return "core" if name.startswith("nncompile.") else None
@@ -106,11 +115,18 @@ def project_imports():
                 yield name, path, line, target
 
 
-def test_core_imports_no_runtime_integration_or_tools():
+def test_core_imports_no_layer_above_it():
     bad = sorted({f"{path.relative_to(ROOT)}:{line}: {target}"
                   for name, path, line, target in project_imports()
                   if layer(name) == "core" and layer(target) != "core"})
     assert not bad, "the core imports a layer above it:\n" + "\n".join(bad)
+
+
+def test_passes_import_neither_codegen_nor_runtime():
+    bad = sorted({f"{path.relative_to(ROOT)}:{line}: {target}"
+                  for name, path, line, target in project_imports()
+                  if layer(name) == "passes" and layer(target) not in ("core", "passes")})
+    assert not bad, "a pass imports a layer above the passes:\n" + "\n".join(bad)
 
 
 def test_package_graph_has_one_direction():
@@ -126,16 +142,20 @@ def test_package_graph_has_one_direction():
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
     assert nx.is_directed_acyclic_graph(g), nx.find_cycle(g)
     # the layers are really used as described (a test of the test's own mapping)
-    assert {("runtime", "core"), ("tools", "runtime"), ("facade", "tools")} <= set(g.edges)
+    assert {("runtime", "core"), ("tools", "runtime"), ("facade", "tools"), ("passes", "core"),
+            ("codegen", "passes"), ("facade", "codegen")} <= set(g.edges)
 
 
 def test_every_core_file_is_seen():
     mods = modules()
     core = {p.relative_to(ROOT).as_posix() for n, (p, _) in mods.items() if layer(n) == "core"}
-    assert {"nncompile/frontend.py", "nncompile/codegen.py", "nncompile/ir/graph.py",
-            "passes/insert_comm.py", "nncompile/rows.py", "nncompile/arguments.py"} <= core
-    assert not any(f.startswith(("runtime/", "integration/", "nncompile/tools/")) for f in core)
+    assert {"nncompile/frontend.py", "nncompile/ir/graph.py", "nncompile/rank_file.py",
+            "nncompile/rows.py", "nncompile/arguments.py"} <= core
+    assert not any(f.startswith(("runtime/", "integration/", "nncompile/tools/", "passes/"))
+                   for f in core)
     assert layer("nncompile.tools.check") == "tools" and layer("nncompile.api") == "facade"
+    assert layer("nncompile.passes.insert_comm") == "passes" == layer("nncompile.passes")
+    assert layer("nncompile.codegen") == "codegen" == layer("nncompile.pipeline_codegen")
 
 
 def test_detector_sees_every_kind_of_import():

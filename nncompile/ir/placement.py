@@ -6,6 +6,7 @@ axes a plan places values on (Graph.axes: cp, ep, ...), one per axis (`Value.axe
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -148,3 +149,12 @@ def part_slices(part, shape: tuple[int, ...], placement: Placement, index: int,
     a = box[dims[k]][0] + lo
     box[dims[k]] = (a, a + chunk // inner)
     return tuple(box)
+
+
+def nbytes(v: "Value", placement: Placement | None = None, n: int = 1) -> float:
+    """Bytes of `v` on one rank under `placement` (full size when None or not a Shard)."""
+    if not v.is_tensor:
+        return 0.0
+    p = placement if placement is not None else Replicate()
+    shape = local_shape(v.meta.shape, p, n) if isinstance(p, Shard) else v.meta.shape
+    return float(math.prod(shape)) * v.meta.dtype.itemsize

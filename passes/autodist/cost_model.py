@@ -49,6 +49,7 @@ from nncompile.custom_ops import annotation_flops, is_custom_op
 from nncompile.errors import ConfigError
 from nncompile.ir import FREE_KINDS, PARAM, Graph, Op, Placement, Replicate, Shard, Value, \
     local_shape
+from nncompile.ir.placement import nbytes  # noqa: F401 (used here and by problem/memory_model)
 
 from nncompile.collectives import by_name, grad_sync_collective, route
 from .profiles import DeviceProfile
@@ -65,15 +66,6 @@ OPTIMIZER_STATE_BYTES = {"adam": 8.0, "adamw": 8.0, "sgd": 0.0, "sgd_momentum": 
 
 def opname(op: Op) -> str:
     return getattr(op.target, "_opname", op.target_name)
-
-
-def nbytes(v: Value, placement: Placement | None = None, n: int = 1) -> float:
-    """Bytes of `v` on one rank under `placement` (full size when None or not a Shard)."""
-    if not v.is_tensor:
-        return 0.0
-    p = placement if placement is not None else Replicate()
-    shape = local_shape(v.meta.shape, p, n) if isinstance(p, Shard) else v.meta.shape
-    return float(math.prod(shape)) * v.meta.dtype.itemsize
 
 
 def _arg(op: Op, name: str):
