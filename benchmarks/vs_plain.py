@@ -178,7 +178,8 @@ def turn_off(parts: str) -> None:
     """Compile without the named parts of the compiler (an ablation: what each one buys)."""
     import nncompile.api
     import nncompile.codegen
-    import nncompile.lifetimes
+    import nncompile.codegen.body
+    import nncompile.codegen.lifetimes
     for part in filter(None, parts.split(",")):
         if part == "fuse_attention":
             build = nncompile.api.build_pipeline
@@ -187,7 +188,8 @@ def turn_off(parts: str) -> None:
         elif part == "free_at_last_use":
             def keep_all(statements, keep, skip):
                 return [[] for _ in statements]
-            nncompile.lifetimes.last_uses = nncompile.codegen.last_uses = keep_all
+            nncompile.codegen.lifetimes.last_uses = nncompile.codegen.last_uses = \
+                nncompile.codegen.body.last_uses = keep_all
         else:
             raise SystemExit(f"--without {part!r}: pick from {', '.join(PARTS)}")
 

@@ -260,7 +260,7 @@ class PipelineRuntime:
                 gen.set_state(start)
             return
         if not self.draws:               # nothing to replay (other random ops: see the warning
-            yield                        # pipeline_codegen.stage_draws gives at compile time)
+            yield                        # codegen/pipeline.py stage_draws gives at compile time)
             return
         mine = {s for s, *_ in self.pm.STAGES}
         states = {}

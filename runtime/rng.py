@@ -150,7 +150,7 @@ def generator_of(device: torch.device) -> torch.Generator:
 
 
 def replay(draws: list[tuple], device: torch.device) -> None:
-    """Draw and discard what a forward making `draws` (pipeline_codegen.stage_draws) draws,
+    """Draw and discard what a forward making `draws` (nncompile/codegen/pipeline.py stage_draws) draws,
     with the same calls, so the generator ends where that forward leaves it.
 
     CPU (mt19937) has no skip-ahead, so the numbers are drawn; CUDA (Philox) could advance its

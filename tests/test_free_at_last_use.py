@@ -1,4 +1,4 @@
-"""Generated code frees each intermediate at its last use (nncompile/lifetimes.py): `del` lines
+"""Generated code frees each intermediate at its last use (nncompile/codegen/lifetimes.py): `del` lines
 that never delete a value read later (in the same function, by a checkpointed closure or by the
 return), a forward whose peak memory is the plain model's although its non-saved
 intermediates are large, and unchanged parity."""

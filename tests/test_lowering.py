@@ -10,13 +10,13 @@ import nncompile
 from nncompile import ComputeConfig
 from nncompile.api import compile_module, memory_choice
 from nncompile.codegen import render
-from nncompile.codegen_notes import comm_note
+from nncompile.codegen.notes import comm_note
 from nncompile.ir import (PipelinePlan, RecomputeMark, Stage, assert_graph_equal, parse_graph,
                           print_graph, verify)
 from nncompile.ir.printer import op_notes, value_names
 from nncompile.passes import LowerZero3, lower_recompute, split_stages
 from nncompile.passes.split_stages import stage_views
-from nncompile.render_body import render_body
+from nncompile.codegen.body import render_body
 
 
 def _ir(stages: str, body: str) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nncompile import codegen
-from nncompile import pipeline_codegen as pc
+from nncompile.codegen import pipeline as pc
 from nncompile.errors import ConfigError
 from nncompile.ir import Graph
 from nncompile.ir.graph import PipelinePlan, PlanState
@@ -28,7 +28,7 @@ CONFIGS = [(1, 1, 1), (2, 2, 1), (2, 8, 1), (3, 6, 1), (1, 4, 2), (2, 8, 2), (2,
 
 # ---- the old formulas, as the code wrote them ---------------------------------------------
 def old_position(rank: int, tp: int, pipe: int) -> tuple[int, int, int]:
-    """(unit, pipeline rank, shard): pipeline_codegen.rank_position and codegen's header."""
+    """(unit, pipeline rank, shard): codegen.pipeline.rank_position and codegen's header."""
     plan = pipe * tp
     return rank // plan, (rank % plan) // tp, rank % tp
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .collectives import axis_of, of_target
-from .comm_stats import fmt_bytes
-from .ir import Graph, Op
-from .mesh import DP, PLAN, PP, Mesh, grad_reduction
+from ..collectives import axis_of, of_target
+from ..comm_stats import fmt_bytes
+from ..ir import Graph, Op
+from ..mesh import DP, PLAN, PP, Mesh, grad_reduction
 
 DEFAULT_BUCKET_CAP_MB = 25.0       # ComputeConfig.reducer_bucket_cap_mb's default
 

@@ -156,9 +156,9 @@ def pipeline_tables(g: Graph, rank: int, stages: list[Graph], units=()
 
 def stage_methods(g: Graph, rank: int, stages: list[Graph], indent: str = "    ") -> list[str]:
     """`def stage_k(self, ...)` for each stage on this rank, straight-line code."""
-    from .codegen import body_header
-    from .ir.printer import value_names
-    from .render_body import render_body
+    from . import body_header
+    from ..ir.printer import value_names
+    from .body import render_body
     pp = g.plan_state.pipeline
     _, pipe_rank, ids = rank_position(g, rank)
     n = g.plan_ngpus

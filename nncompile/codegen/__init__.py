@@ -5,7 +5,7 @@ pipeline stage begins (passes/split_stages.py, lower_zero3.py, lower_recompute.p
 
 Generated code is straight-line torch calls, one per IR op, each under a comment with the
 user's `file:line` and source text (an inserted collective under the line of the op it
-serves). What the lines do not show is in comments too (codegen_notes.py): above each
+serves). What the lines do not show is in comments too (codegen/notes.py): above each
 collective, what its backward runs; in the class body, the gradient reductions the runtime
 does after backward (groups, tensors, bytes, buckets). A rank's file differs from its peers'
 only in which slices of the full parameters it holds.
@@ -16,20 +16,20 @@ import collections
 import json
 from typing import Any, Iterator
 
-from .version import __version__
-from .comm_stats import collective_rows
-from .custom_ops import REGISTRY, is_custom_op
-from .ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, part_slices,
+from ..version import __version__
+from ..comm_stats import collective_rows
+from ..custom_ops import REGISTRY, is_custom_op
+from ..ir import (Graph, MemoryChoice, RecomputeMark, Stage, Value, fmt_literal, part_slices,
                  print_graph, shard_slices)
-from .codegen_notes import comm_note, reduction_header
-from .passes.split_stages import stage_views
-from .mesh import DP, PLAN, PP, Mesh
+from .notes import comm_note, reduction_header
+from ..passes.split_stages import stage_views
+from ..mesh import DP, PLAN, PP, Mesh
 from .lifetimes import del_lines, last_uses
-from .ir.printer import axis_sizes, fmt_body, op_notes, value_names
-from .render_body import render_body
-from .symbolic import Sym
-from . import rank_file
-from .rows import BufferRow, ConstRow, ParamRow
+from ..ir.printer import axis_sizes, fmt_body, op_notes, value_names
+from .body import render_body
+from ..symbolic import Sym
+from .. import rank_file
+from ..rows import BufferRow, ConstRow, ParamRow
 
 HEADER = '''"""nncompile generated code: rank {rank} of {runtime} ({position}).
 
@@ -147,12 +147,12 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
     """A rank's file, printed from the lowered graph `g` (the last graph the passes made,
     graphs/NN_<last pass>.py) as it stands: no transforms. `memory`: the ZeRO stage and
     offload choice to record in it (given when it shapes the code: ZeRO-3, or a choice
-    autodist made). A pipelined plan's file holds this rank's stages (pipeline_codegen.py)
+    autodist made). A pipelined plan's file holds this rank's stages (codegen/pipeline.py)
     instead of one forward. `shared`: a dict kept across the calls for one graph
     (render_all): what every rank's file has in common (all but the tables of its own
     shards) is made once."""
     runtime_ngpus = g.mesh.world
-    from . import pipeline_codegen as pc
+    from . import pipeline as pc
     if shared is None:
         shared = {}
     n = g.plan_ngpus
@@ -366,7 +366,7 @@ def table_graph(g: Graph, rank: int, stages: list[Graph] | None = None) -> Graph
     """The graph whose parameters a rank holds (a pipelined plan: its stages' only)."""
     if g.plan_state.pipeline is None:
         return g
-    from . import pipeline_codegen as pc
+    from . import pipeline as pc
     stages = stages if stages is not None else stage_views(g)
     return pc.rank_graph(g, [stages[s] for s in pc.rank_position(g, rank)[2]])
 
@@ -404,9 +404,9 @@ def manifest(g: Graph, config: Any, fingerprint: str, traced_text: str) -> dict[
 
 
 def plan_json(g: Graph) -> dict[str, Any]:
-    from .passes.pipeline_stages import pipeline_json
-    from .passes.fuse_attention import attention_rows
-    from .passes.fuse_experts import experts_rows
+    from ..passes.pipeline_stages import pipeline_json
+    from ..passes.fuse_attention import attention_rows
+    from ..passes.fuse_experts import experts_rows
     comm = collections.Counter(op.target_name for op in g.ops
                                if op.target_name.startswith("comm."))
     pipeline = pipeline_json(g)         # first: it gives the collectives their stage

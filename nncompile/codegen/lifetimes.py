@@ -21,7 +21,7 @@ deleted: the function's arguments (the caller holds them, deleting frees nothing
 buffers and constants (attributes of the module; ZeRO-3's gathered parameters have their own
 `del`, passes/lower_zero3.py), non-tensor values, and whatever is returned. A checkpointed closure
 (recompute) is one statement of the enclosing forward that uses its arguments and defines
-what it returns; its body is freed the same way, inside the closure (render_body.py).
+what it returns; its body is freed the same way, inside the closure (codegen/body.py).
 """
 from __future__ import annotations
 
