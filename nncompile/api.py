@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from . import codegen, layer_replay, symbolic
+from . import codegen, symbolic
+from .frontend import layer_replay
 from .arguments import scalars_as_inputs
 from .batched import batched_inputs
 from .config import ComputeConfig
@@ -30,7 +31,7 @@ from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, staged_dir, write_text
 from .fingerprint import compute_fingerprint
 from .frontend import trace
-from .user_checkpoint import with_recompute
+from .frontend.user_checkpoint import with_recompute
 from .ir import Graph, MemoryChoice
 from .ir.printer import print_graph_texts
 from .log import log as _log

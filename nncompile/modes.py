@@ -262,7 +262,7 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
     from .frontend import trace
     from .errors import NNCompileError
     from .log import log
-    from . import layer_replay
+    from .frontend import layer_replay
     modes = {m: m.training for m in module.modules()}
     try:
         if not module.training:

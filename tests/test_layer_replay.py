@@ -1,4 +1,4 @@
-"""Layer replay (nncompile/layer_replay.py): a run of identical layers is traced once and
+"""Layer replay (nncompile/frontend/layer_replay.py): a run of identical layers is traced once and
 copied; the IR must be the one a full trace gives, name for name, and a layer whose trace
 could differ must be traced for real."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nncompile import layer_replay
+from nncompile.frontend import layer_replay
 from nncompile.frontend import trace
 from nncompile.ir import print_graph
 from models import batch, hf_bart, hf_gpt2, hf_llama

@@ -18,12 +18,13 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from . import compat, layer_replay, module_paths, symbolic, user_checkpoint
+from .. import compat, symbolic
+from . import layer_replay, module_paths, user_checkpoint
 from .function_watch import WatchFunctions, user_frame_from_text
 from .layerdrop import static_layerdrop
-from .errors import ConfigError, TraceError
-from . import arguments
-from .ir import BUFFER, PARAM, USER_INPUT, Graph, Op, TensorMeta, TraceInfo, Value
+from ..errors import ConfigError, TraceError
+from .. import arguments
+from ..ir import BUFFER, PARAM, USER_INPUT, Graph, Op, TensorMeta, TraceInfo, Value
 
 # Ops that only assert facts about their input: dropped.
 _DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range",
@@ -430,7 +431,7 @@ def _meta_args(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
 
 def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
                       runs: list[layer_replay.Run]) -> tuple[ExportedProgram, bool] | None:
-    """torch.export with the runs' layers replayed (nncompile/layer_replay.py) and
+    """torch.export with the runs' layers replayed (nncompile/frontend/layer_replay.py) and
     functionalized, and whether functionalizing ran (dead code eliminated: the caller checks
     the lowered graph has none, as a full trace would not). None where it fails, or a
     template writes in place: the caller exports without replay."""
@@ -521,7 +522,7 @@ def trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = None,
     training and eval modes (nncompile/modes.py, what parallelize does); False: the module's
     current mode only."""
     if modes:
-        from .modes import trace_modes
+        from ..modes import trace_modes
         return trace_modes(module, dummy_args, dynamic_dims)
     args, kwargs = normalize_args(module, dummy_args)
     user_checkpoint.start()

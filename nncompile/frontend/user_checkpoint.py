@@ -34,7 +34,7 @@ _SEEN: list[Any] = []       # the functions checkpointed during the current trac
 def traced() -> Iterator[None]:
     """Record checkpointed functions and run reentrant checkpoints as non-reentrant."""
     from torch.utils import checkpoint as ckpt
-    from .compat import checkpoint_generator_name
+    from ..compat import checkpoint_generator_name
     name = checkpoint_generator_name()
     fn, gen = ckpt.CheckpointFunction, getattr(ckpt, name)
 
@@ -82,7 +82,7 @@ def checkpointed_modules(module: torch.nn.Module) -> list[str]:
         elif path not in out:
             out.append(path)
     if other:
-        from .log import log
+        from ..log import log
         log(f"{other} checkpointed function(s) of the model are no module of it: traced with "
             "their gradients, their activations kept (name a module in "
             "pas_config['recompute_modules'] to recompute it)")

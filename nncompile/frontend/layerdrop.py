@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import TraceError
+from ..errors import TraceError
 
 
 class _NoLayerDrop:

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from .ir import BUFFER, PARAM, Op, Value
+from ..ir import BUFFER, PARAM, Op, Value
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
           "_forward_hooks_with_kwargs", "_forward_hooks_always_called",

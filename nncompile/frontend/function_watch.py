@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import compat
-from .errors import TraceError
-from .ir import SourceInfo
+from .. import compat
+from ..errors import TraceError
+from ..ir import SourceInfo
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))    # nncompile/
 # nncompile.passes and nncompile.runtime live beside nncompile/ in a checkout (pyproject's
 # package-dir: `passes/`, `runtime/`) and inside it in a wheel; found by path, not imported
 _OWN_DIRS = tuple(d + os.sep for d in (
@@ -62,7 +62,7 @@ def user_frame_from_text(text: str) -> SourceInfo | None:
 
 def _is_registered_function(cls: type) -> bool:
     """A torch.autograd.Function made an op with nncompile.register_op."""
-    from .custom_ops import REGISTRY
+    from ..custom_ops import REGISTRY
     return any(getattr(op.impl, "__self__", None) is cls for op in REGISTRY.values())
 
 
