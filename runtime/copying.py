@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from nncompile.errors import ConfigError
 
+from .lockstep import register_copy
 from .pieces import pieces_of
 
 # per-instance caches that name the original's tensors by id(): rebuilt by the copy on use
@@ -92,6 +93,7 @@ def deepcopy_parallel_module(pm, memo: dict) -> Any:
     if pm.pipeline is not None:
         from .pipeline import PipelineRuntime
         new.pipeline = PipelineRuntime(new)
+    register_copy(new)                          # its own number in the lockstep exchange
     options = pm.__dict__.get("compile_options")
     if options is not None:
         new.compile(**options)

@@ -129,6 +129,15 @@ def register(pm) -> None:
     _group(pm)
 
 
+def register_copy(pm) -> None:
+    """A copy of a module (copy.deepcopy, AveragedModel) is a module of its own: a number of
+    its own (every rank copies in one order), so a forward of the copy one rank runs alone
+    is served with the copy, not with the original."""
+    for key in ("_lockstep_group", "_lockstep_id", "_forward_count", "_serving", "_meeting"):
+        pm.__dict__.pop(key, None)
+    _group(pm)
+
+
 def _module(group, number: int):
     pm = _modules()["by_id"].get(number)
     if pm is None:

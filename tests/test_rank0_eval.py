@@ -107,3 +107,37 @@ def test_forwards_no_single_rank_runs_alone_are_refused_on_every_rank(tmp_path):
         assert "rank 0: forward #1 in eval mode without gradients" in message, message
         assert "rank 3: forward #1 in training mode with gradients" in message, message
         assert "One rank may evaluate alone" in message, message
+
+
+def test_a_copy_evaluated_alone_is_served_with_the_copy(tmp_path):
+    """tp on 2 ranks: after a step, `ema = copy.deepcopy(pm)`, then another step of pm. Rank 0
+    alone evaluates the copy while rank 1 waits at pm.gather_params(): rank 1 joins with the
+    copy's pieces (its own lockstep number), so the loss equals every rank evaluating the
+    copy, and differs from the trained module's."""
+    model, batch = models.build("gpt"), models.batch("gpt", 0)
+    probe = models.batch("gpt", 7)
+
+    def rank_fn(rank, alone):
+        pm = nncompile.parallelize(copy.deepcopy(model), batch, nncompile.ComputeConfig(2, 2),
+                                   pas_policy="tp", gen_savedir=tmp_path)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+        for step in range(2):
+            pm(**models.batch("gpt", step)).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                ema = copy.deepcopy(pm)
+        ema.eval()
+        out = {}
+        if rank == 0 or not alone:
+            with torch.no_grad():
+                out["ema"] = ema(**probe).item()
+        pm.gather_params()
+        pm.eval()
+        with torch.no_grad():
+            out["pm"] = pm(**probe).item()
+        return out
+    alone, every = run_ranks(2, lambda r: rank_fn(r, True)), run_ranks(2, lambda r: rank_fn(r, False))
+    assert alone[0]["ema"] == every[0]["ema"] == every[1]["ema"], (alone, every)
+    assert abs(alone[0]["ema"] - alone[0]["pm"]) > 1e-4, (alone, every)
+    assert "ema" not in alone[1] and alone[1]["pm"] == every[1]["pm"]
