@@ -126,7 +126,14 @@ def _group(pm):
 def register(pm) -> None:
     """Make pm's lockstep group at load (every rank loads it), so that its ranks meet at the
     end of the program even if it never ran a forward."""
-    _group(pm)
+    _hold(pm, _group(pm))
+
+
+def _hold(pm, group) -> None:
+    if group is not None:
+        # the module this rank last ran (or loaded) on the group, kept alive to serve a rank
+        # still evaluating it at the end; per default group, freed with it
+        _modules().setdefault("held", {})[group] = pm
 
 
 def register_copy(pm) -> None:
@@ -138,12 +145,22 @@ def register_copy(pm) -> None:
     _group(pm)
 
 
-def _module(group, number: int):
+def _module(group, number: int, ranks: list[int], leader: int, doing: str):
+    """The module the leader runs (by its number), after every rank of the group said
+    whether it still holds it: a rank that dropped it (the module a script's main() returned
+    from, while rank 0 still evaluates a copy) is one ConfigError on every rank, before any
+    of the forward's collectives."""
     pm = _modules()["by_id"].get(number)
-    if pm is None:
-        raise ConfigError(f"rank {dist.get_rank()} was asked to run a forward of the "
-                          f"{number + 1}-th parallelized module, which it no longer holds; "
-                          f"keep every rank's modules alive while one rank evaluates alone")
+    mine = torch.tensor([int(pm is not None or dist.get_rank() == ranks[leader])])
+    seen = [torch.empty_like(mine) for _ in ranks]
+    _collective(lambda: dist.all_gather(seen, mine, group=group), group, doing)
+    lacking = [r for r, t in zip(ranks, seen) if not int(t)]
+    if lacking:
+        raise ConfigError(
+            f"rank {ranks[leader]} runs a forward of parallelized module #{number + 1} alone, "
+            f"and rank(s) {lacking} of its group no longer hold that module to run it with "
+            f"it (they keep the last module they ran); keep the module alive on every rank "
+            f"(a reference outside the function that returns), or evaluate it on every rank")
     return pm
 
 
@@ -222,9 +239,9 @@ def _round(group, rows: list[tuple[int, ...]], inputs: list[torch.Tensor], doing
     _broadcast(box, ranks[leader], group, doing)
     if rows[leader][3] != SERVICE:
         _LEADERS[group] = ranks[leader]
+    pm = _module(group, rows[leader][4], ranks, leader, doing)
     if leader == me:
         return True
-    pm = _module(group, rows[leader][4])
     if rows[leader][3] == SERVICE:
         name, args = box[0]
         _serving(pm, lambda: SERVICES[name](pm, *args, leader=ranks[leader]))
@@ -266,6 +283,7 @@ def agree(pm, inputs: list[torch.Tensor]) -> bool:
         return False
     count = pm.__dict__.get("_forward_count", 0) + 1
     pm.__dict__["_forward_count"] = count
+    _hold(pm, group)
     row = [count, int(pm.training), int(torch.is_grad_enabled()), FORWARD,
            pm.__dict__["_lockstep_id"]]
     while True:
@@ -294,6 +312,8 @@ def run_together(pm, name: str, *args):
     if _leader(rows) != ranks.index(dist.get_rank()):
         _refuse(ranks, rows)
     _broadcast([(name, args)], dist.get_rank(), group, SERVICE_WORDS)
+    _module(group, pm.__dict__["_lockstep_id"], ranks, ranks.index(dist.get_rank()),
+            SERVICE_WORDS)                      # every rank holds pm (as in _round)
     return _serving(pm, lambda: SERVICES[name](pm, *args, leader=dist.get_rank()))
 
 
@@ -306,6 +326,7 @@ def meet(pm, point: str) -> None:
     if group is None or pm.__dict__.get("_serving") or pm.__dict__.get("_meeting"):
         return
     pm.__dict__["_meeting"] = True
+    _hold(pm, group)
     try:
         _wait(pm, group, point, pm.__dict__["_lockstep_id"])
     finally:
@@ -385,11 +406,20 @@ def _meet_all(point: str) -> None:
 
 
 def _at_exit() -> None:
+    """At the end of a program that did not destroy its process group: meet, then destroy
+    it (gloo's threads torn down by the interpreter's exit instead can abort the process:
+    "terminate called without an active exception")."""
+    if not dist.is_initialized() or not _CACHE.get(dist.distributed_c10d._get_default_group(),
+                                                   {}).get("lockstep_order"):
+        return
     try:
         _meet_all("exit")
     except ConfigError as e:             # the job failed: say why, and exit non-zero
         print(f"nncompile: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)
+    if sys.exc_info()[0] is None and getattr(sys, "last_value", None) is None and \
+            "threaded" not in str(dist.get_backend()).lower():
+        _TORCH_DESTROY()
 
 
 def _destroy_process_group(group=None):

@@ -49,9 +49,10 @@ def test_rank0_only_evaluation_trains_and_evaluates_as_every_rank_evaluating(tmp
 
 
 def test_rank0_evaluating_while_the_others_leave(tmp_path):
-    """ZeRO-3 on 2 ranks, rank 0 evaluating after the last step: while rank 1 ends the program
-    normally, it serves rank 0's forwards first (the values of every rank evaluating); while
-    it leaves at once (as a crash), rank 0 gets a ConfigError that says so."""
+    """ZeRO-3 on 2 ranks, rank 0 evaluating after the last step: while rank 1 returns from the
+    function holding the module and ends the program (destroy_process_group), it serves rank
+    0's forwards first with the module it last ran (the values of every rank evaluating);
+    while it leaves at once (as a crash), rank 0 gets a ConfigError that says so."""
     torchrun("tests/workers/rank0_eval.py", 2, "--out", str(tmp_path / "ref"),
              "--savedir", str(tmp_path / "gen"), "--end", "exit", timeout=300)
     exited = json.loads((tmp_path / "ref.exit.json").read_text())

@@ -9,8 +9,8 @@ none. Last, rank 0 evaluates while the others are in destroy_process_group (OUT.
 
     torchrun --nproc_per_node=2 tests/workers/rank0_eval.py --out OUT --savedir D
 
-With `--end exit` rank 0 evaluates under ZeRO-3 after the last step while the others leave
-the program (OUT.exit.json); with `--end gone` they leave abruptly (os._exit, as a crash
+With `--end exit` rank 0 evaluates under ZeRO-3 after the last step while the others drop
+the module and end the program (OUT.exit.json); with `--end gone` they leave abruptly (os._exit, as a crash
 would) and rank 0 records the error it gets (OUT.gone.json).
 """
 from __future__ import annotations
@@ -79,8 +79,9 @@ def run_end(name: str, every_rank: bool, savedir: str, ckpt: str) -> dict:
 
 
 def end_of_program(how: str, out: str, savedir: str) -> None:
-    """Rank 0 evaluates after the last step while the others leave (`how`: "exit" through
-    the end of the program, "gone" at once, as a crash would)."""
+    """Rank 0 evaluates after the last step while the others leave (`how`: "exit": they
+    return from this function, which held the module, and end the program with
+    destroy_process_group; "gone": at once, as a crash would)."""
     pm, opt = build("zero3", savedir, f"zero3_{how}")
     losses = train(pm, opt, 2)
     if dist.get_rank() != 0:
@@ -136,7 +137,8 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     if args.end:
-        return end_of_program(args.end, args.out, args.savedir)
+        end_of_program(args.end, args.out, args.savedir)
+        return dist.destroy_process_group()
     out = {"dp_all": run("dp", True, args.savedir), "tp_all": run("tp", True, args.savedir)}
     for name in CONFIGS:
         out[name] = run(name, False, args.savedir)
