@@ -179,6 +179,37 @@ def pipeline_stage_class():
     return PipelineStageNoSelfWarmup
 
 
+def _torch_action(a):
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+    return _Action(a.stage, _ComputationType(a.kind), a.microbatch)
+
+
+def add_send_recv(compute: dict, stage_rank: dict, nstages: int) -> dict:
+    """Each pipeline rank's compute actions (nncompile.ir.schedule.Action) with the sends and
+    receives between ranks, placed by torch.distributed.pipelining's own lowering
+    (`schedules._add_send_recv`, private: the one its action-list schedules use since 2.6;
+    same signature on 2.11 and 2.13). AssertionError when the order cannot be met."""
+    from torch.distributed.pipelining.schedules import _add_send_recv
+    from nncompile.ir.schedule import Action
+    lowered = _add_send_recv({r: [_torch_action(a) for a in acts] for r, acts in compute.items()},
+                             stage_to_rank=lambda s: stage_rank[s], num_stages=nstages)
+    return {r: [Action(a.stage_index, a.computation_type.value, a.microbatch_index)
+                for a in acts] for r, acts in sorted(lowered.items())}
+
+
+def action_list_schedule(stages: list, actions: dict, **kwargs):
+    """torch.distributed.pipelining's action-list runtime (`_PipelineScheduleRuntime`,
+    private; its multi-stage schedules subclass it on 2.11 and 2.13) loaded with every
+    pipeline rank's actions, sends and receives included (format "compute_comms"): it runs
+    this rank's list as given."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    schedule = _PipelineScheduleRuntime(stages, **kwargs)
+    schedule._prepare_schedule_with_comms(
+        {r: [_torch_action(a) for a in acts] for r, acts in actions.items()},
+        format="compute_comms")
+    return schedule
+
+
 # ---- torch.export ------------------------------------------------------------------------------
 
 def export_dynamic_options() -> dict:

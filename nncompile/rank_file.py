@@ -5,7 +5,7 @@ Codegen writes each declaration through `declare` and the runtime reads a loaded
 attributes of the file's `GenModel`:
 
     class GenModel(ParallelModule):
-        SCHEMA = 1                        # RankFile.schema: this module's SCHEMA_VERSION
+        SCHEMA = 2                        # RankFile.schema: this module's SCHEMA_VERSION
         RANK = 0                          # RankFile.rank
         PLAN_NGPUS = 2                    # RankFile.plan_ngpus
         ...
@@ -24,7 +24,7 @@ from typing import Any
 from .errors import ConfigError
 from .ir import fmt_literal
 
-SCHEMA_VERSION = 1          # bump when a declaration's meaning or form changes
+SCHEMA_VERSION = 2          # bump when a declaration's meaning or form changes
 
 
 def _decl(default: Any, kind: type | tuple, doc: str):
@@ -82,6 +82,8 @@ class RankFile:
     pipeline: dict | None = _decl(None, (dict, NONE), "a pipelined plan's stages and "
                                                       "schedule")
     stages: list = _decl([], list, "this rank's pipeline stages")
+    actions: dict = _decl({}, dict, "a pipelined plan's schedule: per pipeline rank, its "
+                                    "ordered actions (nncompile/ir/schedule.py)")
     mesh_axes: dict = _decl({}, dict, "mesh axes beyond dp, pp and plan the program uses")
     partial_grad_axes: dict = _decl({}, dict, "per such axis: the gradients summed over it")
     param_axes: dict = _decl({}, dict, "parameters split along such axes too")

@@ -6,7 +6,8 @@
           -> sink_gathers
           -> insert_comm -> [recompute]
           -> localize -> overlap_grad_sync
-          -> [split_stages] -> [lower_zero3] -> [lower_recompute] -> codegen (a renderer)
+          -> [split_stages] -> [pipeline_schedule] -> [lower_zero3] -> [lower_recompute]
+          -> codegen (a renderer)
 
 fuse_attention turns a constant causal mask into SDPA's `is_causal=True` and repeat_kv copies
 into `enable_gqa=True` (passes/fuse_attention.py). unfuse_projections (plan_ngpus > 1) cuts a
@@ -54,6 +55,7 @@ from .fuse_experts import FuseExperts, FuseMoELayers, fuse_experts, fuse_moe_lay
 from .recompute import AUTO, Recompute
 from .sink_gathers import sink_gathers
 from .split_stages import split_stages
+from .pipeline_schedule import pipeline_schedule
 from .lower_zero3 import LowerZero3
 from .lower_recompute import lower_recompute
 from .policies import POLICIES, get_policy
@@ -116,6 +118,7 @@ def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -
         overlap_grad_sync if overlap else None,
         # lowering: what each rank runs, made explicit for codegen to print as it stands
         split_stages if config.pipeline.enabled else None,
+        pipeline_schedule if config.pipeline.enabled else None,
         LowerZero3(config) if config.code_fields else None,
         lower_recompute if config.pas_config.get("recompute_modules") else None,
     ] if p is not None]
@@ -124,8 +127,8 @@ def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -
 # passes that change when communication runs or how the program is laid out, not what the
 # plan is: plan.json describes the graph before them (every op's own strategy), the
 # generated code the graph after them
-SCHEDULE_ONLY = frozenset({"overlap_grad_sync", "split_stages", "lower_zero3",
-                           "lower_recompute"})
+SCHEDULE_ONLY = frozenset({"overlap_grad_sync", "split_stages", "pipeline_schedule",
+                           "lower_zero3", "lower_recompute"})
 
 
 def plan_graph(history: list[tuple[str, Graph, float]]) -> Graph:
@@ -238,6 +241,6 @@ __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold
            "fuse_attention", "FuseAttention", "unfuse_projections", "UnfuseProjections",
            "fuse_experts", "FuseExperts", "fuse_moe_layers", "FuseMoELayers",
            "Plan", "ContextParallel", "ExpertParallel", "sink_gathers", "insert_comm", "localize",
-           "overlap_grad_sync", "split_stages", "LowerZero3", "lower_recompute", "plan_graph",
+           "overlap_grad_sync", "split_stages", "pipeline_schedule", "LowerZero3", "lower_recompute", "plan_graph",
            "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError",
            "PipelineResult", "contract"]

@@ -563,5 +563,14 @@ def pipeline_json(g: Graph) -> dict | None:
     return {"ranks": pp.ranks, "tp": pp.tp, "stages_per_rank": pp.stages_per_rank,
             "nstages": pp.nstages, "schedule": pp.schedule, "microbatches": pp.microbatches,
             "chosen_by": pp.chosen_by,
+            "actions": _compute_actions(pp),
             "balance": max(times) / (sum(times) / len(times)) if times and sum(times) else None,
             **(search or {}), "stages": stages}
+
+
+def _compute_actions(pp) -> dict[str, str]:
+    """Each pipeline rank's compute actions in order (passes/pipeline_schedule.py)."""
+    from .pipeline_schedule import schedule_actions
+    acts = pp.actions or schedule_actions(pp.schedule, pp.ranks, pp.stages_per_rank,
+                                          pp.microbatches)
+    return {str(p): acts.text(p, comms=False) for p in range(pp.ranks)}

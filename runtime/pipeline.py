@@ -2,11 +2,12 @@
 
 Pipelined plans (the generated class has PIPELINE and STAGES) run on PyTorch's own pipeline
 runtime: each of this rank's `stage_k` methods becomes a `PipelineStage` (with the stage's
-input/output shapes from the generated file, so no shape inference runs), and the schedule
-class the plan names (`Schedule1F1B`, `ScheduleGPipe`, `ScheduleInterleaved1F1B`,
-`ScheduleInterleavedZeroBubble`, `ScheduleZBVZeroBubble`) splits the unit's batch into
-micro-batches and runs forward and backward in its order, sending activations and their
-gradients between neighbouring stages over the pipeline group. Each micro-batch's loss is
+input/output shapes from the generated file, so no shape inference runs), and torch's
+action-list runtime (`_PipelineScheduleRuntime`) splits the unit's batch into micro-batches
+and runs the file's ACTIONS: this rank's forwards, backwards, sends and receives in the order
+passes/pipeline_schedule.py wrote (the order torch's schedule class of that name runs:
+GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble, ZB-V), activations and their
+gradients going between neighbouring stages over the pipeline group. Each micro-batch's loss is
 divided by M before its backward, so the gradients are those of one device accumulating
 `(loss_m / M).backward()` over the same micro-batches. After the schedule:
 
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from nncompile import compat
 from nncompile.errors import ConfigError, InputMismatchError
+from nncompile.ir.schedule import parse_actions
 from nncompile.pipeline_config import PipelineConfig
 from nncompile.rows import param_rows
 from nncompile import arguments
@@ -172,7 +174,6 @@ class PipelineRuntime:
     """This rank's stages, its pipeline group, the tie groups and the torch schedule."""
 
     def __init__(self, pm):
-        from torch.distributed import pipelining
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
         info = pm.PIPELINE
         self.pm = pm
@@ -218,8 +219,6 @@ class PipelineRuntime:
                 mod, s, info["stages"], pm.device,
                 input_args=tuple(_example(x, pm.device) for x in ins),
                 output_args=tuple(_example(x, pm.device) for x in outs), group=self.group))
-        cfg = PipelineConfig(info["ranks"], info["schedule"], self.m, info["stages_per_rank"])
-        cls = getattr(pipelining, cfg.torch_schedule())
         batched = set(info["batched"])
         spec = tuple(TensorChunkSpec(0) if name in batched else _Replicate()
                      for name, _, _ in pm.INPUTS)
@@ -227,14 +226,15 @@ class PipelineRuntime:
 
         def loss_fn(out, _target):
             return (out[0] if isinstance(out, (tuple, list)) else out) / m
-        single = cls in (pipelining.ScheduleGPipe, pipelining.Schedule1F1B)
         try:
-            self.schedule = cls(stages[0] if single else stages, n_microbatches=m,
-                                loss_fn=loss_fn, args_chunk_spec=spec, scale_grads=False)
-        except (ValueError, RuntimeError) as e:
-            raise ConfigError(f"torch.distributed.pipelining.{cls.__name__} refused this "
-                              f"layout ({info['stages']} stages on {info['ranks']} pipeline "
-                              f"ranks, {m} micro-batches): {e}") from e
+            self.schedule = compat.action_list_schedule(
+                stages, parse_actions(pm.ACTIONS), n_microbatches=m, loss_fn=loss_fn,
+                args_chunk_spec=spec, scale_grads=False)
+        except (ValueError, RuntimeError, AssertionError) as e:
+            raise ConfigError(f"torch.distributed.pipelining's action-list runtime refused "
+                              f"this rank file's ACTIONS ({info['schedule']!r}: "
+                              f"{info['stages']} stages on {info['ranks']} pipeline ranks, "
+                              f"{m} micro-batches): {e}") from e
         self.stages = stages
         for st in stages:
             st.before_forward = self._before_forward

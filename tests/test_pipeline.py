@@ -2,6 +2,7 @@
 train_step on torch.distributed.pipelining with parity against one device's micro-batch
 accumulation, train_step's accumulation for plans without stages, and the errors."""
 import copy
+import json
 import os
 import re
 import sys
@@ -11,6 +12,8 @@ import torch
 
 import nncompile
 from nncompile import ComputeConfig, ConfigError, InputMismatchError, PipelineError
+from nncompile.ir.schedule import parse_actions
+from nncompile.passes.pipeline_schedule import schedule_actions
 from nncompile.runtime.loader import load_rank_module
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -67,6 +70,17 @@ def test_generated_file_holds_its_stages(tmp_path):
     assert "MICROBATCHES = 4" in first
     # the traced shapes are one micro-batch's
     assert "('idx', (2, 16), 'torch.int64')" in first
+    # the schedule (passes/pipeline_schedule.py): every pipeline rank's actions in each file,
+    # the compute order in plan.json, the lines in the graphs/ dumps from that pass on
+    expected = schedule_actions("1f1b", 2, 1, 4)
+    for text in (first, last):
+        table = eval(re.search(r"    ACTIONS = (\{.*\})", text).group(1))
+        assert parse_actions(table) == expected.actions
+    assert "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1" in last
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["pipeline"]["actions"] == {str(p): expected.text(p, comms=False) for p in (0, 1)}
+    dump = next((out / "graphs").glob("*_pipeline_schedule.py")).read_text()
+    assert f"rank 1: {expected.text(1)}" in dump
 
 
 def test_cuts_are_whole_layers_and_balanced(tmp_path):

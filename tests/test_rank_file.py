@@ -57,7 +57,7 @@ def test_the_runtime_reads_the_file_through_the_schema(compiled):
     assert [row[1] for row in pm.rank_file.params] == [row[1] for row in pm.PARAMS]
 
 
-SCHEMA_LINE = "    SCHEMA = 1  # the rank-file schema (nncompile/rank_file.py)\n"
+SCHEMA_LINE = f"    SCHEMA = {rank_file.SCHEMA_VERSION}  # the rank-file schema (nncompile/rank_file.py)\n"
 
 
 @pytest.mark.parametrize("replacement, words", [

@@ -227,7 +227,8 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
         info, rows = pc.pipeline_tables(g, rank, stages, units)
         text += PIPELINE_HEADER.format(rows=_rows(rows), declarations=rank_file.declare(
             "PIPE_RANKS", pp.ranks, "pipeline ranks in the plan unit; PLAN_NGPUS is one "
-            "stage's tensor-parallel ranks") + rank_file.declare("PIPELINE", info))
+            "stage's tensor-parallel ranks") + rank_file.declare("PIPELINE", info)
+            + pc.actions_declaration(g))
     if memory is not None:
         text += MEMORY_HEADER.format(
             memory=rank_file.declare("MEMORY", {
@@ -462,6 +463,10 @@ def dump_header(name: str, ms: float, graph: Graph, plan_n: int) -> str:
     if Stage.PLANNED not in graph.stages:
         head += (f": not yet partitioned, the whole model on one device (plan_ngpus="
                  f"{graph.plan_ngpus} below) until the plan pass splits it")
+    pp = graph.plan_state.pipeline
+    if pp is not None and pp.actions is not None:   # passes/pipeline_schedule.py
+        head += f"\n# the {pp.schedule!r} schedule, each pipeline rank's actions in order:"
+        head += "".join(f"\n#   rank {p}: {pp.actions.text(p)}" for p in range(pp.ranks))
     return head + "\n"
 
 

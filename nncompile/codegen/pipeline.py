@@ -8,6 +8,7 @@ its neighbours. Parameters, buffers and constants stay attributes of the rank's 
 A rank's file holds, besides the usual tables (only the parameters its stages use):
 
     PIPELINE = {...}     # stages, schedule, micro-batches, this rank's pipeline position, ties
+    ACTIONS = {...}      # per pipeline rank: its actions in order ("0F0 0SEND_F0 ... 0B3")
     STAGES = [...]       # per stage on this rank: index, input and output names and metas
     def stage_1(self, add_7, targets):
         '''Stage 1 of 2 (pipeline rank 1): layers transformer.h.2 ... transformer.h.3, ...
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from nncompile import rank_file
 from nncompile.ir import Graph, Stage, fmt_literal
 from nncompile.modes import resolve
 from nncompile.passes.split_stages import loss_value  # noqa: F401 (the pipeline's loss)
@@ -152,6 +154,16 @@ def pipeline_tables(g: Graph, rank: int, stages: list[Graph], units=()
              params(stages[s]))
             for s in ids]
     return info, rows
+
+
+def actions_declaration(g: Graph) -> str:
+    """`ACTIONS = {pipe rank: 'action action ...'}`: the step every pipeline rank runs, sends
+    and receives included (passes/pipeline_schedule.py), in every rank's file."""
+    acts = g.plan_state.pipeline.actions
+    table = {p: acts.text(p) for p in range(acts.ranks)}
+    return ("    # the schedule: each pipeline rank's actions in order (nncompile/ir/schedule.py:"
+            "\n    # 1F0 forward of stage 1 on micro-batch 0, B full backward, I/W its input/"
+            "weight halves)\n" + rank_file.declare("ACTIONS", table))
 
 
 def stage_methods(g: Graph, rank: int, stages: list[Graph], indent: str = "    ") -> list[str]:

@@ -335,6 +335,7 @@ class PipelinePlan:
     predicted_ms: list[float]      # per stage: the cost model's forward+backward time
     memory_bytes: list[float] = field(default_factory=list)   # per stage, in-flight included
     chosen_by: str = "layer cost"  # what chose the cuts (and S, under "auto")
+    actions: Any = None            # ir.schedule.PipelineActions (passes/pipeline_schedule.py)
 
     @property
     def nstages(self) -> int:
