@@ -72,13 +72,13 @@ def pipeline(args) -> None:
     build = time.perf_counter() - start
     ids = torch.zeros(args.microbatches, seq, dtype=torch.long, device="meta")
     stages = args.stages if args.stages == "auto" else int(args.stages)
-    pas = {"device": args.device, "pipeline_stages": stages, "microbatches": args.microbatches}
+    pas = {"device": args.device, "pp": stages, "microbatches": args.microbatches}
     if args.mem_limit_gb:
         pas["mem_limit_gb"] = args.mem_limit_gb
     with tempfile.TemporaryDirectory() as tmp:
         t0, c0 = time.perf_counter(), time.process_time()
         out = nncompile.parallelize(model, {"input_ids": ids, "labels": ids},
-                                    nncompile.ComputeConfig(args.plan, pas_config=pas),
+                                    nncompile.ComputeConfig(args.plan, parallel=pas),
                                     gen_savedir=tmp, load_module=False, instance_name="llama70b")
         wall, cpu_compile = time.perf_counter() - t0, time.process_time() - c0
         secs = json.loads((out / "manifest.json").read_text())["compile_seconds"]
@@ -142,7 +142,7 @@ def main() -> None:
             out = nncompile.parallelize(
                 model, {"input_ids": ids, "labels": ids},
                 nncompile.ComputeConfig(args.plan, args.plan,
-                                        pas_config={"device": args.device}),
+                                        parallel={"device": args.device}),
                 gen_savedir=tmp, load_module=False, instance_name=name)
             secs = json.loads((out / "manifest.json").read_text())["compile_seconds"]
             plan = json.loads((out / "plan.json").read_text())

@@ -1,5 +1,5 @@
 """Context parallelism: per-rank activation memory and step time against sequence length, for
-C = 1, 2, 4 context ranks (pas_config["context_parallel"]), on a Hugging Face Llama.
+C = 1, 2, 4 context ranks (parallel.cp), on a Hugging Face Llama.
 
     python benchmarks/context_parallel.py [--seqs 256,512,1024,2048] [--cps 1,2,4]
                                           [--hidden 64 --layers 2 --heads 4 --kv-heads 2]
@@ -97,9 +97,9 @@ def run(args, seq: int, cp: int, outdir: Path) -> dict:
     import nncompile
     from nncompile.tools.simulate import run_ranks
     model, batch = model_and_batch(args, seq)
-    pas = {"context_parallel": cp, "context_parallel_attention": args.attention} \
+    pas = {"cp": cp, "cp_attention": args.attention} \
         if cp > 1 else {}
-    config = nncompile.ComputeConfig(cp, cp, pas_config=pas)
+    config = nncompile.ComputeConfig(cp, cp, parallel=pas)
 
     def rank_fn(rank: int) -> dict:
         pm = nncompile.parallelize(model, batch, config, pas_policy="tp",

@@ -96,7 +96,7 @@ class Run:
     losses: list = field(default_factory=list)
 
     def config(self, world: int) -> nncompile.ComputeConfig:
-        return nncompile.ComputeConfig(self.plan, world, pas_config=dict(self.pas_config))
+        return nncompile.ComputeConfig(self.plan, world, parallel=dict(self.pas_config))
 
 
 def make_model(args) -> GPT:
@@ -156,7 +156,7 @@ def predict(runs: list[Run], args, world: int, profiles: list[str]) -> list[Run]
         for prof in profiles:
             pc = {**run.pas_config, "device": prof}
             est = estimate_step(g, nncompile.ComputeConfig(
-                run.plan, world, pas_config=pc).resolved(world))
+                run.plan, world, parallel=pc).resolved(world))
             run.predicted[get_profile(prof).name] = est.ms()
         run.memory_gb = run.predicted[get_profile(profiles[0]).name]["memory_gb"]
         run.signature = signature(g, run.predicted[get_profile(profiles[0]).name])
@@ -460,7 +460,7 @@ def fit_profile(paths: list[str], base_name: str, name: str, basis: str, prior: 
             run = Run(rname, r["policy"], r["plan_ngpus"], dict(r["pas_config"]))
             g, _ = planned(run, args, world)
             pc = {k: v for k, v in run.pas_config.items() if k != "device"}
-            config = nncompile.ComputeConfig(run.plan, world, pas_config=pc).resolved(world)
+            config = nncompile.ComputeConfig(run.plan, world, parallel=pc).resolved(world)
             cases.append((path, world, rname, g, config, r["measured_ms"][basis]))
 
     def predict_all(prof):

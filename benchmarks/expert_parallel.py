@@ -62,8 +62,8 @@ def run(args, ep: int, mode: str, outdir: Path) -> dict:
     from nncompile.tools.simulate import run_ranks
     model, batch = model_and_batch(args)
     ranks = 2 * ep if mode == "eptp" else ep
-    pas = {"expert_parallel": ep} if mode in ("ep", "eptp") and ep > 1 else {}
-    config = nncompile.ComputeConfig(ranks, ranks, pas_config=pas)
+    pas = {"ep": ep} if mode in ("ep", "eptp") and ep > 1 else {}
+    config = nncompile.ComputeConfig(ranks, ranks, parallel=pas)
     policy = "data" if mode == "ep" else "tp"
 
     def rank_fn(rank: int) -> dict:

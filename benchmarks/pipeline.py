@@ -133,16 +133,16 @@ def plan_runs(args, world: int) -> list[Run]:
         for schedule, v in SCHEDULES:
             if v * world > args.n_layer:
                 continue
-            pas = {"pipeline_stages": world, "pipeline_schedule": schedule, "microbatches": m,
+            pas = {"pp": world, "schedule": schedule, "microbatches": m,
                    "stages_per_rank": v}
             runs.append(Run(f"pp{world} {schedule} V{v} M{m}", "a",
-                            nncompile.ComputeConfig(world, world, pas_config=pas), "tp",
+                            nncompile.ComputeConfig(world, world, parallel=pas), "tp",
                             args.micro * m, schedule, v, m))
     m = args.mb_compare
     rows = args.micro * m
     if world % 2 == 0 and world > 2:
         runs.append(Run(f"pp2 x tp{world // 2}", "b", nncompile.ComputeConfig(
-            world, world, pas_config={"pipeline_stages": 2, "pipeline_schedule": "1f1b",
+            world, world, parallel={"pp": 2, "schedule": "1f1b",
                                       "microbatches": m}), "tp", rows, "1f1b", 1, m))
     runs.append(Run(f"tp{world}", "b", nncompile.ComputeConfig(world, world), "tp", rows))
     if rows % world == 0:

@@ -99,7 +99,7 @@ def run_size(args, n_embd: int, n_layer: int, savedir: str) -> dict:
         pas = {"device": args.device} if policy == "autodist" and args.device else {}
         if label in SERIAL:
             pas = {"overlap_grad_sync": False}
-        cfg = nncompile.ComputeConfig(world, world, pas_config=pas)
+        cfg = nncompile.ComputeConfig(world, world, parallel=pas)
         pm = nncompile.parallelize(make_model(n_embd, n_layer, args.seq), batches[0], cfg,
                                    pas_policy=policy, gen_savedir=savedir,
                                    instance_name=f"{label.replace(' ', '_')}_{n_embd}x{n_layer}")

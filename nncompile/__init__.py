@@ -13,6 +13,7 @@ from .compat import check_torch_version  # noqa: E402
 check_torch_version()                    # an older torch: ImportError naming the minimum
 
 from .config import ComputeConfig  # noqa: E402
+from .parallel_spec import ParallelSpec  # noqa: E402
 from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError,  # noqa: E402
                      InputMismatchError, NNCompileError, PipelineError, PlanCheckError, PolicyError,
                      ReuseError,
@@ -35,6 +36,7 @@ from nncompile.runtime.full_state import (full_optimizer_state_dict,  # noqa: E4
 from .tools import memory  # noqa: E402,F401  (nncompile.memory.profile: measured vs predicted)
 
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
+           "ParallelSpec",
            "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint",
            "save_pretrained", "load_pretrained", "full_state_dict", "full_optimizer_state_dict",

@@ -2,7 +2,7 @@
 
     profile -o FILE [--name NAME] [--threads N]
                                     measure this machine for autodist's cost model; use the file
-                                    with pas_config={"device": "FILE"}. Under torchrun it also
+                                    with parallel={"device": "FILE"}. Under torchrun it also
                                     times all-reduces across the job's ranks. Prints matmul
                                     speed per dtype (a dtype slower than float32 is marked not
                                     accelerated on this device) and memory bandwidth.

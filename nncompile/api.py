@@ -96,8 +96,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     if dynamic_dims and (m > 1 or config.pipeline.enabled):
         raise ConfigError("dynamic_dims cannot be combined with micro-batches or pipeline "
                           "stages yet (their schedules exchange fixed-size activations); "
-                          "compile one instance per shape, or drop pipeline_stages/microbatches")
-    batched = batched_inputs(module, dummy_args, m, config.pas_config.get("batched_inputs"))
+                          "compile one instance per shape, or drop parallel.pp/microbatches")
+    batched = batched_inputs(module, dummy_args, m, config.parallel.batched_inputs)
     leaves = pytree.tree_leaves(dummy_args)
     dummy_args, batch = microbatch_dummy(dummy_args, m, batched)
     graph = trace(module, dummy_args, dynamic_dims, modes=True)   # train and eval: modes.py
@@ -184,6 +184,9 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
             for fname, text in codegen.graph_dumps(eval_history).items():
                 write_text(staging / "graphs" / "eval" / fname, text)
         plan = codegen.plan_json(planned)
+        plan["parallel"] = {   # what was asked (the spec's non-defaults) and the mesh it made
+            "spec": config.parallel.changed(),
+            "mesh": {("tp" if name == "plan" else name): size for name, size in final.mesh.dims}}
         predicted = activation_memory.predict_plan(final)   # saved-tensor bytes per rank
         if predicted is not None:
             plan["memory"] = {**(plan.get("memory") or {}), **predicted}

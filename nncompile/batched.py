@@ -1,6 +1,6 @@
 """Which inputs micro-batches split: those whose dim 0 is the batch, decided by the model.
 
-train_step splits a batch into pas_config['microbatches'] pieces along dim 0 of the batched
+train_step splits a batch into parallel.microbatches pieces along dim 0 of the batched
 inputs and passes the others whole to every micro-batch. A tensor whose dim 0 only happens to
 equal the batch size (class weights of as many classes as the batch has rows) is not
 per-sample, so shapes alone cannot decide. The forward runs once on fake tensors (no
@@ -14,7 +14,7 @@ computation ties together say what each one is (torch's symbolic shapes):
     ->     batched: x, y          whole to every micro-batch: class_weight
 
 An input whose dim 0 is tied to nothing (only summed, or used as a lookup table) is ambiguous:
-it is passed whole, with a warning. pas_config['batched_inputs'] (forward argument names)
+it is passed whole, with a warning. parallel.batched_inputs (forward argument names)
 declares the batched inputs and skips the probe; if the probe cannot run the forward, every
 candidate is batched (with a warning naming the declaration).
 """
@@ -71,7 +71,7 @@ def batched_leaves(module: torch.nn.Module, dummy_args: Any, batch: int,
                       f"({type(e).__name__}: {why}); every input whose dim 0 is the batch "
                       f"({batch}) is split into micro-batches: "
                       f"{sorted({owner[i] for i in cands})}. If one of them is not per-sample, "
-                      f"declare the others: pas_config['batched_inputs'] = [...]",
+                      f"declare the others: parallel.batched_inputs = [...]",
                       stacklevel=6)
         return [i in cands for i in range(len(leaves))]
     free = [i for i in cands if not sizes[i].is_number]
@@ -86,20 +86,20 @@ def batched_leaves(module: torch.nn.Module, dummy_args: Any, batch: int,
             f"input(s) {loose} have dim 0 equal to the batch ({batch}) but the model does not "
             f"tie it to the batch of {owner[ref]!r}, so they are passed whole to every "
             f"micro-batch. If they are per-sample, declare the batched inputs: "
-            f"pas_config['batched_inputs'] = {sorted(set(batched + loose))}; otherwise "
-            f"pas_config['batched_inputs'] = {batched}", stacklevel=6)
+            f"parallel.batched_inputs = {sorted(set(batched + loose))}; otherwise "
+            f"parallel.batched_inputs = {batched}", stacklevel=6)
     return out
 
 
 def _declared(declared: list[str], items: list, owner: list[str], leaves: list,
               cands: list[int], batch: int) -> list[bool]:
     if isinstance(declared, str) or not all(isinstance(n, str) for n in declared):
-        raise ConfigError(f"pas_config['batched_inputs'] must be a list of forward argument "
+        raise ConfigError(f"parallel.batched_inputs must be a list of forward argument "
                           f"names, got {declared!r}")
     names = [name for name, _ in items]
     unknown = [n for n in declared if n not in names]
     if unknown:
-        raise ConfigError(f"pas_config['batched_inputs'] names {unknown}, which the dummy "
+        raise ConfigError(f"parallel.batched_inputs names {unknown}, which the dummy "
                           f"args do not pass; the forward's arguments here are {names}")
     out = [owner[i] in declared and i in cands for i in range(len(leaves))]
     for n in declared:
@@ -107,7 +107,7 @@ def _declared(declared: list[str], items: list, owner: list[str], leaves: list,
                and i not in cands]
         if bad:
             x = leaves[bad[0]]
-            raise ConfigError(f"pas_config['batched_inputs'] declares {n!r} batched, but its "
+            raise ConfigError(f"parallel.batched_inputs declares {n!r} batched, but its "
                               f"tensor of shape {list(x.shape)} does not have the batch "
                               f"({batch} rows, dim 0 of the first tensor argument) in dim 0")
     return out

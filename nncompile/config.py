@@ -9,16 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .parallel_spec import LEGACY_KEYS, ParallelSpec
 
-# Every key a policy or a pass reads from ComputeConfig.pas_config (autodist's, documented in
-# passes/autodist/__init__.py; recompute_modules is read by every policy's pipeline). An
+# The old pas_config keys (each now a ParallelSpec field, nncompile/parallel_spec.py). An
 # unknown key is an error under every policy, so a typo never silently does nothing.
-PAS_CONFIG_KEYS = frozenset({
-    "device", "mem_limit_gb", "optimizer", "optimizer_state_bytes", "solver_time_limit",
-    "constraints", "recompute_modules", "save_plan_path", "load_plan_path",
-    "pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank",
-    "overlap_grad_sync", "batched_inputs", "context_parallel", "context_parallel_attention",
-    "context_parallel_order", "expert_parallel"})
+PAS_CONFIG_KEYS = frozenset(LEGACY_KEYS)
 BOOL_FIELDS = ("constant_folding", "inference_only", "use_async_reducer", "reduce_in_fp32",
                "offload_params", "check", "compile", "init_sync", "check_lockstep")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -41,7 +36,8 @@ def check_pas_config_keys(pas_config: dict) -> None:
             hints.append(f"{k!r}: did you mean {close[0]!r}?")
     hint = (" (" + "; ".join(hints) + ")") if hints else ""
     raise ConfigError(f"unknown pas_config keys: {unknown}{hint}; known: "
-                      f"{sorted(PAS_CONFIG_KEYS)}")
+                      f"{sorted(PAS_CONFIG_KEYS)} (pas_config is replaced by "
+                      "ComputeConfig(parallel=nncompile.ParallelSpec(...)))")
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,11 @@ class ComputeConfig:
     runtime_ngpus: int | None = None
     constant_folding: bool = True
     inference_only: bool = False
-    pas_config: dict = field(default_factory=dict)
+    pas_config: dict = field(default_factory=dict)   # replaced by `parallel`: its keys map
+                                                     # onto ParallelSpec's fields, with a warning
     user_config: dict = field(default_factory=dict)
+    parallel: ParallelSpec | dict = field(default_factory=ParallelSpec)   # the mesh dims and
+                                         # plan options (nncompile/parallel_spec.py)
     # ---- training runtime (not part of the plan: changing them reuses generated code) ----
     use_async_reducer: bool = False      # all-reduce gradient buckets while backward still runs
     reducer_bucket_cap_mb: float = 25.0  # gradients are reduced in buckets of about this size
@@ -91,17 +90,27 @@ class ComputeConfig:
             if not isinstance(value, dict):
                 raise ConfigError(f"{name}={value!r}; {name} must be a dict (got "
                                   f"{type(value).__name__}), e.g. {name}={{}}")
-        check_pas_config_keys(self.pas_config)
+        spec = self.parallel
+        if isinstance(spec, dict):
+            spec = ParallelSpec.from_dict(spec)
+        elif not isinstance(spec, ParallelSpec):
+            raise ConfigError(f"parallel={spec!r}; pass nncompile.ParallelSpec(...) or a dict "
+                              "of its fields, e.g. parallel={'pp': 2, 'microbatches': 4}")
+        if self.pas_config:
+            check_pas_config_keys(self.pas_config)
+            spec = spec.with_legacy(self.pas_config)
+        object.__setattr__(self, "parallel", spec)
+        object.__setattr__(self, "pas_config", {})
         self._check_context_parallel()
         self._check_expert_parallel()
         if self.pipeline.enabled and self.check:     # (checks the pipeline options too)
             raise ConfigError("check=True runs the plan in one process through forward, which "
                               "a pipelined plan does not have; leave check off with "
-                              "pipeline_stages (the parity tests cover pipelines)")
+                              "a pipeline (the parity tests cover pipelines)")
         if self.compile and self.pipeline.enabled:
             raise ConfigError("compile=True compiles the generated forward, which a pipelined "
                               "plan does not have (its stages run under torch's pipeline "
-                              "schedules); leave compile off with pipeline_stages")
+                              "schedules); leave compile off with a pipeline (parallel.pp)")
         if self.compile and self.zero_stage == 3:
             raise ConfigError("compile=True cannot trace ZeRO-3's parameter gathers (they "
                               "swap saved tensors through saved_tensors_hooks); use use_zero "
@@ -133,80 +142,67 @@ class ComputeConfig:
 
     @property
     def context_parallel(self) -> int | str:
-        """C, the context-parallel ranks of a plan unit (pas_config["context_parallel"],
-        default 1): each unit is C context ranks x plan_ngpus // C tensor ranks; "auto":
-        autodist chooses C."""
-        return self.pas_config.get("context_parallel", 1)
+        """C, the context-parallel ranks of a plan unit (parallel.cp, default 1): each unit
+        is C context ranks x plan_ngpus // C tensor ranks; "auto": autodist chooses C."""
+        return self.parallel.cp
 
     def _check_context_parallel(self) -> None:
         c = self.context_parallel
         if c == AUTO:
             c = 2               # the combinations below are refused for any C > 1
-        elif not _is_int(c) or c < 1 or self.plan_ngpus % c:
+        elif self.plan_ngpus % c:
             divisors = [d for d in range(1, self.plan_ngpus + 1) if self.plan_ngpus % d == 0]
-            raise ConfigError(f"pas_config['context_parallel']={c!r}: the context-parallel "
-                              f"ranks of a plan unit, an int that divides plan_ngpus="
-                              f"{self.plan_ngpus}: one of {divisors}, or 'auto' (autodist "
-                              f"chooses)")
-        how = self.pas_config.get("context_parallel_attention", "allgather")
-        if how not in ("allgather", "ulysses"):
-            raise ConfigError(f"pas_config['context_parallel_attention']={how!r}: 'allgather' "
-                              "(each rank's query rows against gathered keys and values, the "
-                              "default) or 'ulysses' (all-to-all from sequence to heads)")
-        order = self.pas_config.get("context_parallel_order")
-        if order not in (None, "zigzag", "contiguous") or (order == "zigzag" and how == "ulysses"):
-            raise ConfigError(f"pas_config['context_parallel_order']={order!r}: 'zigzag' (rank r "
-                              "holds chunks r and 2C-1-r of 2C, the default with 'allgather' "
-                              "attention: causal work balanced) or 'contiguous' (the only order "
-                              "'ulysses' runs)")
+            raise ConfigError(f"parallel.cp={c!r}: the context-parallel ranks of a plan unit, "
+                              f"an int that divides plan_ngpus={self.plan_ngpus}: one of "
+                              f"{divisors}, or 'auto' (autodist chooses)")
         if c == 1:
             return
         if self.pipeline.enabled and self.context_parallel == AUTO:
-            raise ConfigError("pas_config['context_parallel']='auto' does not combine with "
-                              "pipeline_stages yet; give C")
+            raise ConfigError("parallel.cp='auto' does not combine with a pipeline (parallel."
+                              "pp) yet; give C")
         stages = self.pipeline.stages
         if self.pipeline.enabled and isinstance(stages, int) and (self.plan_ngpus // stages) % c:
-            raise ConfigError(f"pas_config['context_parallel']={c} splits each pipeline stage's "
-                              f"ranks, but pipeline_stages={stages} leaves "
+            raise ConfigError(f"parallel.cp={c} splits each pipeline stage's "
+                              f"ranks, but parallel.pp={stages} leaves "
                               f"{self.plan_ngpus // stages} per stage (plan_ngpus="
                               f"{self.plan_ngpus}); use a C that divides it, or more plan_ngpus")
 
     @property
     def expert_parallel(self) -> int | str:
         """E, the ranks each mixture-of-experts layer's experts and tokens split over
-        (pas_config["expert_parallel"], default 1: the policy decides); "auto": autodist
-        chooses each layer's split (nncompile/rules/experts.py)."""
-        return self.pas_config.get("expert_parallel", 1)
+        (parallel.ep, default 1: the policy decides); "auto": autodist chooses each layer's
+        split (nncompile/rules/experts.py)."""
+        return self.parallel.ep
 
     def _check_expert_parallel(self) -> None:
         e = self.expert_parallel
         if e == AUTO and (self.context_parallel != 1 or self.pipeline.enabled):
-            raise ConfigError("pas_config['expert_parallel']='auto' does not combine with "
-                              "context_parallel or pipeline_stages yet; give E")
+            raise ConfigError("parallel.ep='auto' does not combine with parallel.cp or "
+                              "parallel.pp yet; give E")
         if e in (1, AUTO):
             return
         stages = self.pipeline.stages if self.pipeline.enabled else 1
         width = self.plan_ngpus // stages if isinstance(stages, int) else None
-        if not _is_int(e) or e < 1 or (width is not None and width % e):
+        if width is not None and width % e:
             divisors = [d for d in range(1, (width or self.plan_ngpus) + 1)
                         if (width or self.plan_ngpus) % d == 0]
             raise ConfigError(
-                f"pas_config['expert_parallel']={e!r}: the ranks each MoE layer's experts "
+                f"parallel.ep={e!r}: the ranks each MoE layer's experts "
                 f"split over, an int that divides the plan's {width or 'stage'} tensor ranks "
                 f"(plan_ngpus={self.plan_ngpus}"
-                f"{f', pipeline_stages={stages}' if stages != 1 else ''}): one of {divisors}, "
+                f"{f', parallel.pp={stages}' if stages != 1 else ''}): one of {divisors}, "
                 "or 'auto' (autodist decides). Data-parallel units (runtime_ngpus) multiply "
                 "it: ep 2 x dp 2 is plan_ngpus=2, runtime_ngpus=4")
         if self.context_parallel != 1:
-            raise ConfigError(f"pas_config['expert_parallel']={e} does not combine with "
-                              "context_parallel yet; use one of them")
+            raise ConfigError(f"parallel.ep={e} does not combine with parallel.cp yet; use "
+                              "one of them")
         if width is not None and e < width:     # an "ep" mesh axis beside the tensor ranks
             if self.pipeline.enabled or self.use_zero not in (0, False) or \
                     self.offload_optimizer not in (False,) or self.offload_params:
                 raise ConfigError(
-                    f"pas_config['expert_parallel']={e} of plan_ngpus={self.plan_ngpus} (an "
+                    f"parallel.ep={e} of plan_ngpus={self.plan_ngpus} (an "
                     f"ep axis of {e} x {width // e} tensor ranks) does not combine with "
-                    "pipeline_stages, ZeRO or offloading yet; use expert_parallel="
+                    "a pipeline, ZeRO or offloading yet; use parallel.ep="
                     f"{width} (experts and tensor plan on the same ranks) for those")
 
     def _check_memory_fields(self) -> None:
@@ -247,7 +243,7 @@ class ComputeConfig:
     def pipeline(self):
         """The pipeline options (nncompile/pipeline_config.py)."""
         from .pipeline_config import pipeline_config
-        return pipeline_config(self.pas_config, self.plan_ngpus)
+        return pipeline_config(self.parallel, self.plan_ngpus)
 
     @property
     def dp_size(self) -> int:
@@ -269,8 +265,7 @@ class ComputeConfig:
     def diff(self, other: dict[str, Any]) -> list[str]:
         """Human-readable differences in plan fields from a saved config (as written by
         to_json)."""
-        mine = self.plan_json()
-        other = _plan_view(other)
+        mine, other = _flat(self.plan_json()), _flat(_plan_view(other))
         return [f"{k}: {other.get(k)!r} -> {mine.get(k)!r}" for k in sorted(set(mine) | set(other))
                 if mine.get(k) != other.get(k)]
 
@@ -290,4 +285,11 @@ def _plan_view(saved: dict[str, Any]) -> dict[str, Any]:
         out["memory"] = {"use_zero": z, "zero_ngroups": saved.get("zero_ngroups", 1),
                          "offload_optimizer": o,
                          "offload_params": saved.get("offload_params", False)}
+    return out
+
+
+def _flat(view: dict[str, Any]) -> dict[str, Any]:
+    """The spec's fields as "parallel.<field>" entries, so a difference names the field."""
+    out = {k: v for k, v in view.items() if k != "parallel"}
+    out.update({f"parallel.{k}": v for k, v in (view.get("parallel") or {}).items()})
     return out

@@ -7,11 +7,11 @@ Covered (a change here gives another fingerprint):
     graph      the traced graph printed without source comments: ops, arguments, value names,
                inputs, parameter/buffer FQNs, shapes and dtypes, and the output structure
     config     ComputeConfig.plan_json(): plan_ngpus, runtime_ngpus, constant_folding,
-               inference_only, pas_config, user_config (for autodist without its `device`)
+               inference_only, parallel, user_config (for autodist without its `device`)
     policy     a built-in's name; a callable's source text (inspect.getsource), else its
                qualified name
     device     autodist only: the resolved device profile (name and numbers), and the content
-               of pas_config["load_plan_path"]
+               of parallel.load_plan_path
     custom_ops the register_op annotation of each custom op the graph calls (the string, or a
                callable rule's source)
     version    the nncompile version and a hash of the compiler's own source (nncompile/ and
@@ -65,9 +65,8 @@ def _is_autodist(pas_policy: Any) -> bool:
 
 def _device(config: ComputeConfig) -> str:
     from nncompile.passes.autodist import get_profile
-    pc = config.pas_config
-    out = {"profile": get_profile(pc.get("device")).to_json()}
-    plan = pc.get("load_plan_path")
+    out = {"profile": get_profile(config.parallel.device).to_json()}
+    plan = config.parallel.load_plan_path
     if plan and Path(plan).is_file():
         out["load_plan"] = _sha(Path(plan).read_text())
     return json.dumps(out, sort_keys=True, default=repr)
@@ -91,8 +90,8 @@ def fingerprint_inputs(graph: Graph, config: ComputeConfig, pas_policy: Any,
     plan = config.plan_json()
     autodist = _is_autodist(pas_policy)
     if autodist:
-        plan["pas_config"] = {k: v for k, v in plan.get("pas_config", {}).items()
-                              if k != "device"}
+        plan["parallel"] = {k: v for k, v in plan.get("parallel", {}).items()
+                            if k != "device"}
     return {
         "graph": (print_graph(graph, source=False) if graph_text is None else graph_text)
         + f"# out_spec: {graph.out_spec}\n"

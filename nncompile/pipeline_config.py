@@ -1,9 +1,10 @@
-"""Pipeline options in `ComputeConfig.pas_config`, read and checked in one place.
+"""Pipeline options of `ComputeConfig.parallel` (nncompile/parallel_spec.py), checked in one
+place against plan_ngpus.
 
-    pas_config={"pipeline_stages": 2,            # S, or "auto" (autodist picks S)
-                "pipeline_schedule": "1f1b",     # one of SCHEDULES
-                "microbatches": 4,               # M: the unit's batch is split into M
-                "stages_per_rank": 1}            # V: stages each pipeline rank holds
+    parallel=ParallelSpec(pp=2,                  # S, or "auto" (autodist picks S)
+                          schedule="1f1b",       # one of SCHEDULES
+                          microbatches=4,        # M: the unit's batch is split into M
+                          stages_per_rank=1)     # V: stages each pipeline rank holds
 
 The plan unit's plan_ngpus ranks become S pipeline ranks of plan_ngpus // S tensor-parallel
 ranks each; with V > 1 the model is cut into S * V stages and pipeline rank p holds stages
@@ -24,7 +25,6 @@ SCHEDULES = {
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", None),      # any V
     "zero_bubble": ("ScheduleInterleavedZeroBubble", None),     # V = 2: ScheduleZBVZeroBubble
 }
-PIPELINE_KEYS = ("pipeline_stages", "pipeline_schedule", "microbatches", "stages_per_rank")
 
 
 @dataclass(frozen=True)
@@ -52,41 +52,23 @@ class PipelineConfig:
         return [pipe_rank + k * stages for k in range(v)]
 
 
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def pipeline_config(pas_config: dict, plan_ngpus: int) -> PipelineConfig:
-    """The checked pipeline options (PipelineConfig() when none are given)."""
-    stages = pas_config.get("pipeline_stages", 1)
-    schedule = pas_config.get("pipeline_schedule", "1f1b")
-    m = pas_config.get("microbatches", 1)
-    v = pas_config.get("stages_per_rank", 1)
-    if not (_positive_int(stages) or stages == AUTO):
-        raise ConfigError(f"pas_config['pipeline_stages']={stages!r}; give a positive int (the "
-                          f"number of pipeline stages) or 'auto'")
-    if _positive_int(stages) and plan_ngpus % stages:
-        raise ConfigError(f"pas_config['pipeline_stages']={stages} does not divide plan_ngpus="
-                          f"{plan_ngpus}: each stage runs on plan_ngpus // pipeline_stages "
-                          f"tensor-parallel ranks; pick one of "
+def pipeline_config(spec, plan_ngpus: int) -> PipelineConfig:
+    """The pipeline options of a ParallelSpec (each field's type is checked there), checked
+    against plan_ngpus (PipelineConfig() when none are given)."""
+    stages, schedule = spec.pp, spec.schedule or "1f1b"
+    m, v = spec.microbatches, spec.stages_per_rank
+    if stages != AUTO and plan_ngpus % stages:
+        raise ConfigError(f"parallel.pp={stages} does not divide plan_ngpus={plan_ngpus}: each "
+                          f"stage runs on plan_ngpus // pp tensor-parallel ranks; pick one of "
                           f"{[d for d in range(1, plan_ngpus + 1) if plan_ngpus % d == 0]}")
-    if not _positive_int(m):
-        raise ConfigError(f"pas_config['microbatches']={m!r}; give a positive int (the number "
-                          "of micro-batches each unit's batch is split into)")
-    if not _positive_int(v):
-        raise ConfigError(f"pas_config['stages_per_rank']={v!r}; give a positive int")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"pas_config['pipeline_schedule']={schedule!r} is not a schedule "
-                          f"torch.distributed.pipelining offers here; choose one of "
-                          f"{sorted(SCHEDULES)}")
     allowed = SCHEDULES[schedule][1]
     if allowed is not None and v not in allowed:
-        raise ConfigError(f"pipeline_schedule={schedule!r} runs one stage per rank, but "
-                          f"stages_per_rank={v}; use 'interleaved_1f1b' or 'zero_bubble' for "
-                          f"several stages per rank")
-    if stages == 1 and (v != 1 or "pipeline_schedule" in pas_config):
-        raise ConfigError("pipeline_schedule/stages_per_rank need pas_config['pipeline_stages'] "
-                          "> 1 (or 'auto')")
+        raise ConfigError(f"parallel.schedule={schedule!r} runs one stage per rank, but "
+                          f"parallel.stages_per_rank={v}; use 'interleaved_1f1b' or "
+                          "'zero_bubble' for several stages per rank")
+    if stages == 1 and (v != 1 or spec.schedule is not None):
+        raise ConfigError("parallel.schedule/stages_per_rank need a pipeline: parallel.pp > 1 "
+                          "(or 'auto')")
     return PipelineConfig(stages, schedule, m, v)
 
 
@@ -102,7 +84,7 @@ def microbatch_dummy(dummy_args, microbatches: int, batched: list[bool] | None =
         return dummy_args, (leaves[0].shape[0] if leaves else 1)
     batch = leaves[0].shape[0]
     if batch % microbatches:
-        raise ConfigError(f"pas_config['microbatches']={microbatches} does not divide the "
+        raise ConfigError(f"parallel.microbatches={microbatches} does not divide the "
                           f"batch of the dummy args ({batch} rows in dim 0 of the first tensor "
                           f"argument); every micro-batch needs the same size: use a batch that "
                           f"is a multiple of {microbatches}, or another microbatches")

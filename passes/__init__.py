@@ -25,7 +25,7 @@ names the failing pass and the ones before it. Under dynamic_dims it ends with `
 (nncompile/ir/verify_sizes.py): no op of the final graph holds a dynamic size's traced value
 as a literal, else a GraphError naming the op and the pass that built it.
 
-"auto" memory options (use_zero, offload_optimizer, pas_config recompute_modules) are chosen
+"auto" memory options (use_zero, offload_optimizer, parallel.recompute_modules) are chosen
 by autodist in the plan pass (graph.plan_state.memory; recompute reads its choice); under any
 other policy build_pipeline refuses them with a ConfigError.
 """
@@ -69,11 +69,11 @@ def check_auto_memory(config: Any, policy: Callable) -> None:
     context_parallel are chosen by autodist with the plan: ConfigError under any other
     policy."""
     if config.context_parallel == AUTO and policy is not POLICIES["autodist"]:
-        raise ConfigError(f"pas_config['context_parallel']='auto' is chosen by autodist, but "
+        raise ConfigError(f"parallel.cp='auto' is chosen by autodist, but "
                           f"the policy is {getattr(policy, '__name__', repr(policy))!r}; pass "
                           "pas_policy='autodist' or the number of context-parallel ranks")
     if config.expert_parallel == AUTO and policy is not POLICIES["autodist"]:
-        raise ConfigError(f"pas_config['expert_parallel']='auto' is chosen by autodist, but "
+        raise ConfigError(f"parallel.ep='auto' is chosen by autodist, but "
                           f"the policy is {getattr(policy, '__name__', repr(policy))!r}; pass "
                           "pas_policy='autodist' or the number of expert-parallel ranks")
     auto = auto_fields(config)
@@ -83,18 +83,14 @@ def check_auto_memory(config: Any, policy: Callable) -> None:
             f"{', '.join(f'{a}={AUTO!r}' for a in auto)}: 'auto' memory options are chosen by "
             f"autodist together with the plan, but the policy is {name!r}; pass "
             "pas_policy='autodist' or a concrete value (use_zero 0-3, offload_optimizer "
-            "True/False, pas_config['recompute_modules'] a list of module names or globs)")
+            "True/False, parallel.recompute_modules a list of module names or globs)")
 
 
 def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -> list[Pass]:
     """The passes, in order, one per line. `experts`: the model's experts modules
     ({FQN: nncompile.experts.ExpertsForm}, experts_forms)."""
     check_auto_memory(config, policy)
-    overlap = config.pas_config.get("overlap_grad_sync", True)
-    if not isinstance(overlap, bool):
-        raise ConfigError(f"pas_config['overlap_grad_sync']={overlap!r}: pass True (the default: "
-                          "backward all-reduces the input gradient of column-split linears "
-                          "while their weight gradients are computed) or False")
+    spec = config.parallel
     return [p for p in [
         constant_fold if config.constant_folding else None,
         dce,
@@ -106,21 +102,19 @@ def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -
         if config.pipeline.enabled else None,
         Plan(policy, config),
         ContextParallel(config.context_parallel,
-                        config.pas_config.get("context_parallel_attention", "allgather"),
-                        config.pas_config.get("context_parallel_order"))
+                        spec.cp_attention, spec.cp_order)
         if config.context_parallel != 1 else None,
         ExpertParallel() if config.expert_parallel != 1 else None,
         sink_gathers,
         insert_comm,
-        Recompute(config.pas_config["recompute_modules"])
-        if config.pas_config.get("recompute_modules") else None,
+        Recompute(spec.recompute_modules) if spec.recompute_modules else None,
         localize,
-        overlap_grad_sync if overlap else None,
+        overlap_grad_sync if spec.overlap_grad_sync else None,
         # lowering: what each rank runs, made explicit for codegen to print as it stands
         split_stages if config.pipeline.enabled else None,
         pipeline_schedule if config.pipeline.enabled else None,
         LowerZero3(config) if config.code_fields else None,
-        lower_recompute if config.pas_config.get("recompute_modules") else None,
+        lower_recompute if spec.recompute_modules else None,
     ] if p is not None]
 
 

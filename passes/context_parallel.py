@@ -1,6 +1,6 @@
 """context_parallel: place the program along the `cp` mesh axis, the sequence split.
 
-With `pas_config={"context_parallel": C}` each plan unit is C context ranks x plan_ngpus // C
+With `parallel=ParallelSpec(cp=C)` each plan unit is C context ranks x plan_ngpus // C
 tensor ranks (the plan pass planned the tensor axis). Every rank of a context group gets the
 unit's whole batch; the program splits the inputs along the sequence (dim 1 of each input
 shaped [batch, seq, ...]) and every token-wise op runs on its rank's T/C positions.
@@ -44,98 +44,14 @@ from .dropped import drop
 from .policies.greedy import Walk, take_best
 
 
-ALLGATHER, ULYSSES = "allgather", "ulysses"       # pas_config["context_parallel_attention"]
-ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"       # pas_config["context_parallel_order"]
+ALLGATHER, ULYSSES = "allgather", "ulysses"       # parallel.cp_attention
+ZIGZAG, CONTIGUOUS = "zigzag", "contiguous"       # parallel.cp_order
 
 
 def order_of(attention: str, order: str | None) -> str:
     """The sequence order along cp: the one asked for, else zigzag under allgather attention
     (balanced causal work) and contiguous under Ulysses."""
     return order or (ZIGZAG if attention == ALLGATHER else CONTIGUOUS)
-
-
-def tensor_config(config, c: int, key: str = "context_parallel"):
-    """The ComputeConfig the policy plans the tensor axis with: plan_ngpus // C ranks, the
-    data-parallel units as many as before (`key`: the pas_config entry of the other axis,
-    context_parallel or expert_parallel)."""
-    pas = {k: v for k, v in config.pas_config.items() if k != key}
-    runtime = (config.runtime_ngpus or config.plan_ngpus) // c
-    return dataclasses.replace(config, plan_ngpus=config.plan_ngpus // c,
-                               runtime_ngpus=runtime, pas_config=pas)
-
-
-def choose_context(graph: Graph, config, policy) -> Graph:
-    """context_parallel="auto": autodist plans the tensor axis for every C dividing
-    plan_ngpus whose pieces divide the sequence, each priced with its sequence split (compute
-    and activations / C, keys and values gathered along cp: cost_model.py), and keeps the
-    fastest plan that fits; the candidates and why are in plan_state.autodist
-    ["context_parallel"]. The graph returned carries axes["cp"] = C (none for C = 1)."""
-    from .autodist import PlanInfeasibleError
-    zigzag = order_of(config.pas_config.get("context_parallel_attention", ALLGATHER),
-                      config.pas_config.get("context_parallel_order")) == ZIGZAG
-    seqs = [v.meta.shape[1] for v in graph.inputs if id(v) in sequence_dims(graph)]
-    rows, planned_at, errors = [], {}, []
-    for c in [d for d in range(1, config.plan_ngpus + 1) if config.plan_ngpus % d == 0]:
-        pieces = 2 * c if zigzag and c > 1 else c
-        if c > 1 and (not seqs or (type(seqs[0]) is int and seqs[0] % pieces)):
-            rows.append({"cp": c, "fits": False, "why": "the sequence does not split"})
-            continue
-        g = graph.clone()
-        if c > 1:
-            g.axes = {CP: c, **g.axes}
-        try:
-            planned = policy(g, tensor_config(config, c))
-        except PlanInfeasibleError as e:
-            rows.append({"cp": c, "fits": False, "why": str(e).splitlines()[0][:200]})
-            errors.append(e)
-            continue
-        data = planned.plan_state.autodist or {}
-        ms, gb = data.get("objective_ms"), data.get("memory_gb")
-        rows.append({"cp": c, "fits": True, "ms": ms, "gb": gb})
-        planned_at[c] = planned
-    if not planned_at:
-        raise errors[-1] if errors else ConfigError(
-            "context_parallel='auto': no context-parallel size fits; give one")
-    c, tie = pick_size(rows)
-    planned = planned_at[c]
-    why = (f"autodist: context_parallel={c} of {[r['cp'] for r in rows]}: "
-           + ("the fastest plan that fits" if not tie else
-              f"of the plans within {TIE:.0%} of the fastest modelled step (a tie at the cost "
-              f"model's resolution) the one with the most memory left")
-           + f" ({'; '.join(_row_text(r) for r in rows)})")
-    planned.plan_state.autodist = {**(planned.plan_state.autodist or {}),
-                                   "context_parallel": {"chosen": c, "candidates": rows,
-                                                        "why": why}}
-    from nncompile.log import log
-    log(why)
-    return planned
-
-
-TIE = 0.01        # modelled step times this close are a tie (the calibrated model's median
-                  # error is 1.4-10 %: docs/autodist.md)
-
-
-def pick_size(rows: list[dict], key: str = "cp") -> tuple[int, bool]:
-    """(the size under `key`, whether a tie decided): the fastest plan that fits; among plans
-    within TIE of it, the one needing the least memory (the most headroom for what the model
-    does not see)."""
-    fits = [r for r in rows if r["fits"]]
-    timed = [r for r in fits if r.get("ms") is not None]
-    if not timed:
-        return fits[0][key], False
-    fastest = min(timed, key=lambda r: r["ms"])
-    close = [r for r in timed if r["ms"] <= fastest["ms"] * (1 + TIE) and r.get("gb") is not None]
-    if not close:
-        return fastest[key], False
-    leanest = min(close, key=lambda r: (r["gb"], r["ms"]))
-    return leanest[key], leanest is not fastest
-
-
-def _row_text(r: dict) -> str:
-    if not r["fits"]:
-        return f"cp {r['cp']}: {r['why']}"
-    return f"cp {r['cp']}: {r['ms']:.1f} ms, {r['gb']:.1f} GB" if r.get("ms") is not None \
-        else f"cp {r['cp']}: fits"
 
 
 def sequence_dims(g: Graph) -> dict[int, int]:
@@ -227,11 +143,11 @@ def _splits_evenly(op, s, pieces: int) -> bool:
     return True
 
 
-def sequence_splits(graph: Graph, c: int, pas_config: dict) -> dict:
+def sequence_splits(graph: Graph, c: int, spec) -> dict:
     """{op name: its strategy along cp} before the tensor plan: what autodist keeps clear of
     (plan_filter) so that every op it prices at 1/C of the sequence does split along cp."""
-    attention = pas_config.get("context_parallel_attention", ALLGATHER)
-    zigzag = order_of(attention, pas_config.get("context_parallel_order")) == ZIGZAG
+    attention = spec.cp_attention
+    zigzag = order_of(attention, spec.cp_order) == ZIGZAG
     scratch = graph.clone()
     for v in scratch.values():
         v.placement, v.axes = Replicate(), {}
@@ -271,13 +187,13 @@ class ContextParallel:
         for v in scratch.values():
             v.placement, v.axes = Replicate(), {}
         if not sequence_dims(scratch):
-            raise ConfigError(f"pas_config['context_parallel']={c} splits the sequence, but "
+            raise ConfigError(f"parallel.cp={c} splits the sequence, but "
                               f"{g.trace_info.model}.forward has no input shaped [batch, seq, "
                               "...]; pass token ids (or embeddings) batch-first")
         seq = next(v.meta.shape[1] for v in scratch.inputs if id(v) in sequence_dims(scratch))
         pieces = 2 * c if self.order == ZIGZAG else c
         if type(seq) is int and seq % pieces:
-            raise ConfigError(f"pas_config['context_parallel']={c} splits the sequence into "
+            raise ConfigError(f"parallel.cp={c} splits the sequence into "
                               f"{pieces} pieces ({self.order} order), but it is {seq} long; use "
                               f"a sequence length that is a multiple of {pieces}")
         if self.order == ZIGZAG:
@@ -316,7 +232,7 @@ def _report_whole_attention(g: Graph, c: int, pieces: int, seq, order: str) -> N
         reason = ("the sequence split does not reach it" + (
             f": {gather.name} ({gather.source}) gathers the sequence" if gather else ""))
         fix = "keep the sequence dim through to attention, or drop context_parallel"
-    drop(g, f"context_parallel={c}",
+    drop(g, f"parallel.cp={c}",
          f"{len(whole)} of {len(attention)} attention op(s) run on the whole sequence on every "
          f"context rank, the first {where}", reason, fix)
 

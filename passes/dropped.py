@@ -3,7 +3,7 @@
 A pass that cannot apply an asked-for parallelism everywhere (cp asked, but no attention layer
 can take the sequence split) does not fail and does not stay silent: it calls
 
-    drop(graph, asked="context_parallel=2", what="attention attn (model.py:14) ...",
+    drop(graph, asked="parallel.cp=2", what="attention attn (model.py:14) ...",
          reason="its sequence is 35 long ...", fix="pad ...")
 
 which logs and warns once, and appends {"asked", "dropped", "reason", "fix"} to

@@ -1,7 +1,7 @@
 """expert_parallel: place the program along the `ep` mesh axis, the batch split between
 ranks whose mixture-of-experts layers dispatch to each other.
 
-With `pas_config={"expert_parallel": E}` and E < plan_ngpus, each plan unit is E expert
+With `parallel=ParallelSpec(ep=E)` and E < plan_ngpus, each plan unit is E expert
 ranks x plan_ngpus // E tensor ranks (the plan pass planned the tensor axis, with every MoE
 layer whole on it). Every rank of the unit gets the unit's whole batch; along ep the program
 splits it (dim 0 of each input) and every op runs on its rank's B/E rows. Parameters stay
@@ -21,7 +21,6 @@ Precondition: plan. Idempotent: yes.
 """
 from __future__ import annotations
 
-import dataclasses
 
 from nncompile.errors import ConfigError
 from nncompile.experts import MOE_EXPERTS
@@ -35,7 +34,7 @@ from .policies.greedy import Walk, take_best
 
 
 def no_experts_error(g: Graph, e: int) -> ConfigError:
-    return ConfigError(f"pas_config['expert_parallel']={e}: {g.trace_info.model} has no "
+    return ConfigError(f"parallel.ep={e}: {g.trace_info.model} has no "
                        "mixture-of-experts layer nncompile recognizes (an experts module of "
                        "Hugging Face's interface: docs/experts.md)")
 
@@ -46,7 +45,7 @@ def dispatch_of(op, e: int):
     s = next((s for s in strategies(op, e) if s.local_target == DISPATCH), None)
     if s is None:
         x, _, _, w_in = op.args[:4]
-        raise ConfigError(f"pas_config['expert_parallel']={e}: {op.module_path} has "
+        raise ConfigError(f"parallel.ep={e}: {op.module_path} has "
                           f"{w_in.meta.shape[0]} experts and {x.meta.shape[0]} tokens per "
                           f"unit; both must divide by {e}")
     return s
@@ -83,55 +82,6 @@ def batch_walk(scratch: Graph, e: int, plan_of) -> dict:
         out[op.name] = take_best(walk, op, candidates, lambda s, op=op, plan=plan: None
                                  if _conflicts(op, plan, s) else _rank(walk, op, s))
     return out
-
-
-def choose_experts(graph: Graph, config, policy) -> tuple[Graph, int]:
-    """expert_parallel="auto": autodist plans every E dividing the plan's ranks that divides
-    every MoE layer's experts and tokens (E = 1: each layer's split free; E = plan_ngpus:
-    dispatch on the plan's ranks; between: an ep axis of E beside plan_ngpus / E tensor
-    ranks, each priced with its batch and experts split: cost_model.py) and keeps the
-    fastest plan that fits (a tie within 1 %: the leanest); the candidates and why are in
-    plan_state.autodist["expert_parallel"]. Returns (the planned graph, E)."""
-    from nncompile.log import log
-    from .autodist import PlanInfeasibleError
-    from .context_parallel import TIE, pick_size, tensor_config
-    n = config.plan_ngpus
-    layers = [op for op in graph.ops if op.target is MOE_EXPERTS]
-    rows, planned, errors = [], {}, []
-    for e in [d for d in range(1, n + 1) if n % d == 0]:
-        if any(op.args[3].meta.shape[0] % e or op.args[0].meta.shape[0] % e for op in layers):
-            rows.append({"ep": e, "fits": False, "why": "the experts or tokens do not split"})
-            continue
-        g = graph.clone()
-        cfg = dataclasses.replace(config, pas_config={**config.pas_config, "expert_parallel": e})
-        if 1 < e < n:
-            cfg = tensor_config(cfg, e, "expert_parallel")
-            g.axes = {EP: e, **g.axes}
-        try:
-            out = policy(g, cfg)
-        except PlanInfeasibleError as err:
-            rows.append({"ep": e, "fits": False, "why": str(err).splitlines()[0][:200]})
-            errors.append(err)
-            continue
-        data = out.plan_state.autodist or {}
-        rows.append({"ep": e, "fits": True, "ms": data.get("objective_ms"),
-                     "gb": data.get("memory_gb")})
-        planned[e] = out
-    if not planned:
-        raise errors[-1] if errors else ConfigError(
-            "expert_parallel='auto': no expert-parallel size fits; give one")
-    e, tie = pick_size(rows, "ep")
-    text = "; ".join(f"ep {r['ep']}: " + (f"{r['ms']:.1f} ms, {r['gb']:.2f} GB" if r["fits"]
-                                          and r.get("ms") is not None else r.get("why", "fits"))
-                     for r in rows)
-    why = (f"autodist: expert_parallel={e} of {[r['ep'] for r in rows]}: "
-           + ("the fastest plan that fits" if not tie else f"of the plans within {TIE:.0%} "
-              "of the fastest modelled step the one with the most memory left") + f" ({text})")
-    out = planned[e]
-    out.plan_state.autodist = {**(out.plan_state.autodist or {}),
-                               "expert_parallel": {"chosen": e, "candidates": rows, "why": why}}
-    log(why)
-    return out, e
 
 
 class ExpertParallel:

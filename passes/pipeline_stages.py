@@ -1,6 +1,6 @@
 """pipeline_stages: cut the forward into S x V pipeline stages at layer boundaries.
 
-Before (pas_config pipeline_stages=2, a 4-block GPT):       After:
+Before (parallel.pp=2, a 4-block GPT):         After:
     wte = aten.embedding(...)          # transformer.wte        stage 0
     ... transformer.h.0 ... h.1 ...                              stage 0
     ... transformer.h.2 ... h.3 ...                              stage 1
@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 
 from nncompile.errors import ConfigError
 from nncompile.ir import Graph, MemoryChoice, PipelinePlan, Replicate, Stage
-from nncompile.pipeline_config import AUTO, PIPELINE_KEYS, PipelineConfig
+from nncompile.pipeline_config import AUTO, PipelineConfig
 
 _INF = float("inf")
 
@@ -63,12 +63,12 @@ def stage_config(config: Any, tp: int, pipeline_ranks: int) -> Any:
     """The ComputeConfig one stage is planned with: its tensor-parallel ranks form the plan
     unit (C context x tp // C tensor ranks under context parallelism); data-parallel units
     stay as many as before."""
-    pas = {k: v for k, v in config.pas_config.items() if k not in PIPELINE_KEYS}
-    c = pas.get("context_parallel", 1)
-    if isinstance(c, int) and tp % c:       # a cost estimate on fewer ranks: without cp
-        pas.pop("context_parallel")
-    runtime = (config.runtime_ngpus or config.plan_ngpus) // pipeline_ranks
-    return dataclasses.replace(config, plan_ngpus=tp, runtime_ngpus=runtime, pas_config=pas)
+    c = config.parallel.cp
+    spec = dataclasses.replace(config.parallel, pp=1, schedule=None, microbatches=1,
+                               stages_per_rank=1,
+                               cp=1 if isinstance(c, int) and tp % c else c)  # a cost estimate
+    runtime = (config.runtime_ngpus or config.plan_ngpus) // pipeline_ranks  # on fewer ranks
+    return dataclasses.replace(config, plan_ngpus=tp, runtime_ngpus=runtime, parallel=spec)
 
 
 @dataclass
@@ -199,7 +199,7 @@ def check_no_buffer_updates(g: Graph) -> None:
     raise ConfigError(
         f"{g.trace_info.model}.forward updates buffers in place ({', '.join(updates[:3])}"
         f"{more}: BatchNorm's running statistics in training mode), which a pipelined plan "
-        "does not support yet; train without pipeline_stages, or call model.eval() before "
+        "does not support yet; train without a pipeline (parallel.pp), or call model.eval() before "
         "parallelize if the statistics are to stay fixed")
 
 
@@ -215,7 +215,7 @@ class PartitionStages:
     def __call__(self, graph: Graph) -> Graph:
         pc = self.config.pipeline
         if pc.stages == AUTO and not self.autodist:
-            raise ConfigError("pas_config['pipeline_stages']='auto' is chosen by autodist; use "
+            raise ConfigError("parallel.pp='auto' is chosen by autodist; use "
                               "pas_policy='autodist' or give the number of stages")
         check_no_buffer_updates(graph)
         g = graph.clone()
@@ -224,13 +224,13 @@ class PartitionStages:
             raise ConfigError(
                 "pipeline stages are cut at layer boundaries (blocks of an nn.ModuleList, "
                 f"module paths like 'layers.3'), but {g.trace_info.model} has none; drop "
-                "pas_config['pipeline_stages'] or keep the repeated blocks in a ModuleList")
+                "parallel.pp or keep the repeated blocks in a ModuleList")
         v = pc.stages_per_rank
         if pc.stages != AUTO and pc.stages * v > len(layers):
             raise ConfigError(
-                f"pipeline_stages={pc.stages} x stages_per_rank={v} = {pc.stages * v} stages, "
+                f"parallel.pp={pc.stages} x stages_per_rank={v} = {pc.stages * v} stages, "
                 f"but {g.trace_info.model} has only {len(layers)} layers ({layers[0].name} ... "
-                f"{layers[-1].name}) to cut between; use pipeline_stages <= {len(layers) // v}"
+                f"{layers[-1].name}) to cut between; use parallel.pp <= {len(layers) // v}"
                 + (f" with stages_per_rank={v}" if v > 1 else ""))
         n = self.config.plan_ngpus
         group = [0] * len(g.ops)
@@ -291,10 +291,10 @@ class PartitionStages:
 
     # ---- costs ----
     def _limit(self) -> float:
-        limit = self.config.pas_config.get("mem_limit_gb")
+        limit = self.config.parallel.mem_limit_gb
         if limit is None and self.autodist:
             from nncompile.passes.autodist import get_profile
-            limit = get_profile(self.config.pas_config.get("device")).mem_capacity_gb
+            limit = get_profile(self.config.parallel.device).mem_capacity_gb
         return _INF if limit is None else float(limit) * 1e9
 
     def _ideal(self, g: Graph, group: list[int], ngroups: int) -> Costs:
@@ -396,7 +396,7 @@ class PartitionStages:
         c.bounds = []
 
     def _solver_limit(self) -> float:
-        return float(self.config.pas_config.get("solver_time_limit", 60.0))
+        return float(self.config.parallel.solver_time_limit)
 
     def _planned(self, g: Graph, c: Cut, prob, group: list[int], layers: list[Layer],
                  bounds: list[int], how: str) -> Cut | None:

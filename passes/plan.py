@@ -6,8 +6,8 @@ Before:                                         After (tp, plan_ngpus=2):
 Every op ends with a legal strategy (ops the policy left alone run replicated) and every op
 output takes the placement its strategy names. Under a pipeline (plan_state.pipeline) the
 policy plans for one stage's tensor-parallel ranks, under context parallelism for the
-plan_ngpus // C tensor ranks of a unit (passes/context_parallel.py; "auto": autodist plans
-each C, choose_context). The eval program (nncompile/modes.py) keeps the training program's
+plan_ngpus // C tensor ranks of a unit, ... : the mesh is searched in passes/planner.py
+(tensor_plan; "auto" cp and ep sizes are each planned and priced there). The eval program (nncompile/modes.py) keeps the training program's
 parameter and buffer placements (plan_state.pinned): autodist prices them fixed, any other
 policy's are overridden and insert_comm converts. Precondition: none. Idempotent: yes, for a
 deterministic policy.
@@ -23,9 +23,8 @@ from nncompile.mesh import EP
 from nncompile.ir import PARAM, Graph, MemoryChoice, Partial, Replicate, Shard, Stage
 from nncompile.rules import replicated, strategies, strided_splits
 
-from .pipeline_stages import stage_config
-from .context_parallel import CP, choose_context, tensor_config
-from .expert_parallel import choose_experts, dispatch_of, no_experts_error
+from .expert_parallel import dispatch_of, no_experts_error
+from .planner import tensor_plan
 
 
 @dataclass
@@ -37,29 +36,7 @@ class Plan:
     produces: ClassVar[tuple] = (Stage.PLANNED,)
 
     def __call__(self, graph: Graph) -> Graph:
-        config = self.config
-        pp = graph.plan_state.pipeline
-        if pp is not None:         # each stage runs on its pp.tp tensor-parallel ranks
-            config = stage_config(config, pp.tp, pp.ranks)
-        experts = config.expert_parallel
-        if config.context_parallel == "auto":       # autodist tries each C (context_parallel.py)
-            g = choose_context(graph, config, self.policy)
-            config = tensor_config(config, g.axes.get(CP, 1))
-        elif experts == "auto":                     # and each E (expert_parallel.py)
-            g, experts = choose_experts(graph, config, self.policy)
-            if EP in g.axes:
-                config = tensor_config(config, experts, "expert_parallel")
-        else:
-            if config.context_parallel > 1:     # the tensor axis: plan_ngpus // C ranks, the
-                config = tensor_config(config, config.context_parallel)     # cp axis priced
-                graph = graph.clone()                                       # by autodist
-                graph.axes = {CP: self.config.context_parallel, **graph.axes}
-            e = config.expert_parallel
-            if e not in (1, "auto") and e < config.plan_ngpus:     # an ep axis beside the
-                config = tensor_config(config, e, "expert_parallel")   # tensor ranks
-                graph = graph.clone()                              # (expert_parallel.py)
-                graph.axes = {EP: e, **graph.axes}
-            g = self.policy(graph, config)
+        g, config, experts = tensor_plan(graph, self.config, self.policy)
         if not isinstance(g, Graph):
             raise PolicyError(f"policy {getattr(self.policy, '__name__', self.policy)!r} "
                               f"returned {type(g).__name__}, not a Graph")
@@ -125,7 +102,7 @@ def whole_experts(g: Graph, mesh) -> None:
 
 
 def dispatch_experts(g: Graph, mesh) -> None:
-    """pas_config["expert_parallel"] = E: every mixture-of-experts layer (moe_experts) takes
+    """parallel.ep = E: every mixture-of-experts layer (moe_experts) takes
     its dispatch strategy (its tokens and experts split over the E tensor ranks, all-to-all
     between them: nncompile/rules/experts.py), whatever the policy chose; insert_comm moves
     its inputs and output to and from the policy's placements."""

@@ -80,7 +80,7 @@ def stage_graphs(g: Graph) -> list[Graph]:
                     f" but its input {v.name} is computed later, in stage {defined[id(v)]} "
                     f"({v.producer.module_path or 'top level'}): the layers do not run in "
                     "order (a block called twice, or blocks interleaved); use fewer "
-                    "pipeline_stages or no pipeline for this model")
+                    "pipeline stages (parallel.pp) or no pipeline for this model")
     out = []
     for s in range(k):
         ops = [op for op in g.ops if op.stage == s]

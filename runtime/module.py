@@ -142,7 +142,7 @@ class ParallelModule(torch.nn.Module):
         if self.PIPELINE is not None:
             raise ConfigError("compile() compiles the generated forward, which a pipelined plan "
                               "does not have (its stages run under torch's pipeline "
-                              "schedules); leave compile off with pipeline_stages")
+                              "schedules); leave compile off with a pipeline (parallel.pp)")
         if self.zero is not None:
             raise ConfigError("compile() cannot trace ZeRO-3's parameter gathers (they swap "
                               "saved tensors through saved_tensors_hooks); run this plan "

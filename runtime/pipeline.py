@@ -392,7 +392,7 @@ def split_check(pm, args: tuple, kwargs: dict) -> list[torch.Tensor]:
                 f"input {name!r} has {x.shape[0]} rows but train_step takes the unit's whole "
                 f"batch: {m} micro-batches of {shape[0]} = {want[0]} rows (traced with "
                 f"{dtype}{list(want)}); pass a batch of {want[0]} rows or compile with "
-                f"another pas_config['microbatches']")
+                f"another parallel.microbatches")
         out.append(pm._check_input(name, x, want, dtype))
     return out
 
@@ -439,7 +439,7 @@ def pipelined_forward(pm, args: tuple, kwargs: dict) -> torch.Tensor:
         raise PipelineError(
             "this model's forward differs in eval mode beyond its dropout (a branch on "
             "self.training, batch statistics), and a pipelined plan's stages hold the "
-            "training-mode forward only; evaluate under a plan without pipeline_stages "
+            "training-mode forward only; evaluate under a plan without a pipeline "
             "(a dcp checkpoint of this plan loads there) or in training mode under "
             "torch.no_grad()")
     pm._legacy_args()

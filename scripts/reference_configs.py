@@ -30,7 +30,7 @@ import models  # noqa: E402
 import nncompile  # noqa: E402
 from nncompile.api import compile_module  # noqa: E402
 
-PP = {"pipeline_stages": 2, "microbatches": 4}
+PP = {"pp": 2, "microbatches": 4}
 CONFIGS = {   # name: (model, policy, plan_ngpus, runtime_ngpus, ComputeConfig keywords)
     "dp": ("gpt", "dp", 1, 2, {}),
     "tp": ("gpt", "tp", 2, 2, {}),
@@ -40,18 +40,18 @@ CONFIGS = {   # name: (model, policy, plan_ngpus, runtime_ngpus, ComputeConfig k
     "zero2": ("gpt", "dp", 1, 2, {"use_zero": 2}),
     "zero3": ("gpt", "dp", 1, 2, {"use_zero": 3}),
     "tp_zero3": ("gpt", "tp", 2, 4, {"use_zero": 3}),
-    "pp_gpipe": ("gpt", "dp", 2, 2, {"pas_config": {**PP, "pipeline_schedule": "gpipe"}}),
-    "pp_1f1b": ("gpt", "dp", 2, 2, {"pas_config": {**PP, "pipeline_schedule": "1f1b"}}),
-    "pp_interleaved": ("llama4", "dp", 2, 2, {"pas_config": {
-        **PP, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2}}),
-    "pp_zero_bubble": ("llama4", "dp", 2, 2, {"pas_config": {
-        **PP, "pipeline_schedule": "zero_bubble", "stages_per_rank": 2}}),
-    "recompute": ("gpt", "tp", 2, 2, {"pas_config": {"recompute_modules": ["h.*"]}}),
-    "cp": ("gpt", "tp", 2, 2, {"pas_config": {"context_parallel": 2}}),
-    "cp_ulysses": ("gpt", "tp", 2, 2, {"pas_config": {
-        "context_parallel": 2, "context_parallel_attention": "ulysses"}}),
-    "ep": ("moe", "data", 2, 2, {"pas_config": {"expert_parallel": 2}}),
-    "ep_tp": ("moe", "tp", 4, 4, {"pas_config": {"expert_parallel": 2}}),
+    "pp_gpipe": ("gpt", "dp", 2, 2, {"parallel": {**PP, "schedule": "gpipe"}}),
+    "pp_1f1b": ("gpt", "dp", 2, 2, {"parallel": {**PP, "schedule": "1f1b"}}),
+    "pp_interleaved": ("llama4", "dp", 2, 2, {"parallel": {
+        **PP, "schedule": "interleaved_1f1b", "stages_per_rank": 2}}),
+    "pp_zero_bubble": ("llama4", "dp", 2, 2, {"parallel": {
+        **PP, "schedule": "zero_bubble", "stages_per_rank": 2}}),
+    "recompute": ("gpt", "tp", 2, 2, {"parallel": {"recompute_modules": ["h.*"]}}),
+    "cp": ("gpt", "tp", 2, 2, {"parallel": {"cp": 2}}),
+    "cp_ulysses": ("gpt", "tp", 2, 2, {"parallel": {
+        "cp": 2, "cp_attention": "ulysses"}}),
+    "ep": ("moe", "data", 2, 2, {"parallel": {"ep": 2}}),
+    "ep_tp": ("moe", "tp", 4, 4, {"parallel": {"ep": 2}}),
 }
 
 

@@ -261,7 +261,7 @@ BY_NAME = {c.name: c for c in CELLS}
 
 
 def compute_config(cell: Cell) -> nncompile.ComputeConfig:
-    pas = {"pipeline_stages": cell.stages, "pipeline_schedule": "1f1b",
+    pas = {"pp": cell.stages, "schedule": "1f1b",
            "microbatches": cell.loop.accum} if cell.stages else {}
     pas.update({k: v for k, v in (("context_parallel", cell.cp), ("expert_parallel", cell.ep))
                 if v > 1})
@@ -269,7 +269,7 @@ def compute_config(cell: Cell) -> nncompile.ComputeConfig:
         pas["recompute_modules"] = list(cell.recompute)
     return nncompile.ComputeConfig(cell.plan, cell.runtime, use_zero=cell.zero,
                                    offload_optimizer=cell.offload, compile=cell.compile,
-                                   pas_config=pas)
+                                   parallel=pas)
 
 
 def parallelize(cell: Cell, model: nn.Module, savedir: Path):

@@ -61,7 +61,7 @@ def _held(m, batch):
 
 
 def _compile(model, batch, tmp_path, inst, n=1, recompute=None, **kw):
-    cfg = ComputeConfig(n, n, pas_config={"recompute_modules": [recompute]} if recompute
+    cfg = ComputeConfig(n, n, parallel={"recompute_modules": [recompute]} if recompute
                         else {}, **kw)
     return nncompile.parallelize(model, batch, cfg, pas_policy="tp" if n > 1 else "dp",
                                  gen_savedir=tmp_path, instance_name=inst)

@@ -50,7 +50,7 @@ class Classifier(MLP):
 
 def compile_plan(tmp_path, module, args, plan=2, name="m", **pas_config):
     pas_config.setdefault("device", "h100-80g")
-    out = nncompile.parallelize(module, args, ComputeConfig(plan, plan, pas_config=pas_config),
+    out = nncompile.parallelize(module, args, ComputeConfig(plan, plan, parallel=pas_config),
                                 gen_savedir=tmp_path, reuse="override", load_module=False,
                                 instance_name=name)
     return out, json.loads((out / "plan.json").read_text())
@@ -132,7 +132,7 @@ def test_identical_layers_share_decisions():
         with torch.device("meta"):
             model = Blocks(depth, 256, 4)
         g = trace(model, (torch.zeros(2, 64, dtype=torch.long, device="meta"),))
-        _, prob = plan_problem(g, ComputeConfig(2, 2, pas_config={"device": "h100-80g"}))
+        _, prob = plan_problem(g, ComputeConfig(2, 2, parallel={"device": "h100-80g"}))
         sizes[depth] = (len(prob.choices), len(prob.pairs), len(prob.syncs))
         assert prob.layers == {"h": depth}
     assert sizes[2] == sizes[6]
@@ -212,7 +212,7 @@ def test_cpu_fallback_is_announced(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     def compile_auto(name, **pas_config):     # no "device" unless given
-        return nncompile.parallelize(*big_mlp(), ComputeConfig(2, 2, pas_config=pas_config),
+        return nncompile.parallelize(*big_mlp(), ComputeConfig(2, 2, parallel=pas_config),
                                      gen_savedir=tmp_path, reuse="override", load_module=False,
                                      instance_name=name)
 
@@ -220,12 +220,12 @@ def test_cpu_fallback_is_announced(tmp_path, capsys, monkeypatch):
     assert json.loads((out / "plan.json").read_text())["autodist"]["device"] == "cpu"
     err = capsys.readouterr().err
     assert f"[nncompile] autodist: {FALLBACK}" in err, err
-    for fix in ('pas_config={"device": "h100-80g"}', "'a100-80g', 'h100-80g', 'h200'",
+    for fix in ('parallel={"device": "h100-80g"}', "'a100-80g', 'h100-80g', 'h200'",
                 "`python -m nncompile profile -o FILE`"):
         assert fix in err, fix
     with pytest.raises(PlanInfeasibleError, match="leanest plan needs") as e:
         compile_auto("auto_infeasible", mem_limit_gb=0.01)
-    assert FALLBACK in str(e.value) and 'pas_config={"device": "h100-80g"}' in str(e.value)
+    assert FALLBACK in str(e.value) and 'parallel={"device": "h100-80g"}' in str(e.value)
     assert "python -m nncompile profile -o FILE" in str(e.value)
     capsys.readouterr()
 
@@ -245,7 +245,7 @@ def test_default_policy_is_autodist(tmp_path):
 
 
 def test_bad_pas_config(tmp_path):
-    with pytest.raises(ConfigError, match="unknown pas_config keys"):
+    with pytest.raises(ConfigError, match="parallel has no field"):
         compile_plan(tmp_path, *big_mlp(), mem_limit=3)
     with pytest.raises(ConfigError, match="neither a built-in profile"):
         compile_plan(tmp_path, *big_mlp(), device="tpu-v9")
@@ -267,7 +267,7 @@ def test_solver_failures_are_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(PolicyError, match=r"ILP solver \(CBC\) failed: cbc exited"):
         compile_plan(tmp_path, *big_mlp())
     monkeypatch.setattr(ilp, "_solver", lambda limit: (_GivesUp(), "CBC"))
-    with pytest.raises(PolicyError, match="without a plan; raise pas_config"):
+    with pytest.raises(PolicyError, match="without a plan; raise parallel"):
         compile_plan(tmp_path, *big_mlp(), solver_time_limit=0.5)
 
 

@@ -55,7 +55,7 @@ def plan(gpt, runtime=4, policy="autodist", plan_ngpus=1, **options):
     for key in ("mem_limit_gb", "recompute_modules", "save_plan_path", "load_plan_path"):
         if key in options:
             pas[key] = options.pop(key)
-    config = ComputeConfig(plan_ngpus, runtime, pas_config=pas, **options)
+    config = ComputeConfig(plan_ngpus, runtime, parallel=pas, **options)
     return run_pipeline(gpt[2], build_pipeline(config, get_policy(policy))).graph
 
 
@@ -224,7 +224,7 @@ def test_zero3_offload_params_on_one_rank(gpt, counts):
 def test_leanest_closed_form_equals_the_ilp(gpt):
     """leanest_picks (no solver) finds the least memory the ILP can reach, ZeRO-3 peaks
     included, on a plan unit of 2 where placements differ in size."""
-    config = ComputeConfig(2, 4, pas_config={"device": "h100-80g"})
+    config = ComputeConfig(2, 4, parallel={"device": "h100-80g"})
     g, prob = plan_problem(gpt[2], config)
     mm = MemoryModel.of(prob.model, config)
     for stage in range(4):
@@ -239,7 +239,7 @@ def test_branch_and_bound_finds_the_exhaustive_optimum(monkeypatch):
     at most the candidate's solved step time (a plan unit of 2: placements trade memory)."""
     model, args = models.build("gpt"), models.batch("gpt", 0)
     small = (model, args, trace(model, args))
-    _, prob = plan_problem(small[2], ComputeConfig(2, 4, pas_config={"device": "h100-80g"}))
+    _, prob = plan_problem(small[2], ComputeConfig(2, 4, parallel={"device": "h100-80g"}))
     lean0 = ilp.memory_of(prob, leanest_picks(prob))      # no ZeRO can fit below this
     options = dict(plan_ngpus=2, use_zero="auto", mem_limit_gb=0.97 * lean0 / 1e9)
     pruned = plan(small, **options).plan_state
@@ -256,7 +256,7 @@ def test_branch_and_bound_finds_the_exhaustive_optimum(monkeypatch):
 
 @pytest.mark.parametrize("policy", ["dp", "tp", lambda graph, config: graph])
 @pytest.mark.parametrize("option", [{"use_zero": "auto"}, {"offload_optimizer": "auto"},
-                                    {"pas_config": {"recompute_modules": "auto"}}])
+                                    {"parallel": {"recompute_modules": "auto"}}])
 def test_auto_under_another_policy_is_a_config_error(policy, option):
     config = ComputeConfig(1, 4, **option)
     with pytest.raises(ConfigError, match="chosen by autodist.*pas_policy='autodist' or a "
@@ -266,7 +266,7 @@ def test_auto_under_another_policy_is_a_config_error(policy, option):
 
 def test_parallelize_writes_the_memory_report(tmp_path, counts):
     model, args = _gpt()
-    config = ComputeConfig(1, 4, pas_config={"device": "h100-80g", "mem_limit_gb": 0.02,
+    config = ComputeConfig(1, 4, parallel={"device": "h100-80g", "mem_limit_gb": 0.02,
                                              "recompute_modules": "auto"})
     out = nncompile.parallelize(model, args, config, gen_savedir=tmp_path, load_module=False,
                                 instance_name="rc")

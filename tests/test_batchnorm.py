@@ -366,7 +366,7 @@ def test_refused_updates_name_the_fix(tmp_path):
                 x = layer(x)
             return x.sum()
 
-    cfg = ComputeConfig(2, 2, pas_config={"pipeline_stages": 2, "microbatches": 2})
+    cfg = ComputeConfig(2, 2, parallel={"pp": 2, "microbatches": 2})
     with pytest.raises(nncompile.NNCompileError, match=r"updates buffers in place "
                        r"\(layers\.0\.1\.running_mean.* and 3 more.*without pipeline_stages"):
         nncompile.parallelize(Deep(), (torch.randn(8, 16),), cfg, pas_policy="tp",

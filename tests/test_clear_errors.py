@@ -234,13 +234,13 @@ def test_micro_batches_split_only_inputs_tied_to_the_batch(tmp_path, lookup, dec
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = nncompile.parallelize(copy.deepcopy(model), batches[0],
-                                   nncompile.ComputeConfig(1, 1, pas_config=pas),
+                                   nncompile.ComputeConfig(1, 1, parallel=pas),
                                    pas_policy="dp", gen_savedir=tmp_path)
     assert pm.BATCHED == ["x", "y"]
     said = [str(w.message) for w in caught if "batched_inputs" in str(w.message)]
     if lookup and not declared:      # ambiguous: passed whole, with a warning naming the fix
         assert len(said) == 1 and "['class_weight']" in said[0], said
-        assert "pas_config['batched_inputs'] = ['x', 'y']" in said[0], said
+        assert "parallel.batched_inputs = ['x', 'y']" in said[0], said
     else:
         assert not said, said
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
@@ -257,8 +257,8 @@ def test_pipeline_stages_pass_a_per_class_input_whole(tmp_path):
     """The same decision for a pipelined plan: its schedule chunks only the batched inputs
     (the multi-rank pipeline parity is tests/workers/pipeline.py's)."""
     out = nncompile.parallelize(ClassWeighted(), _weighted_batch(),
-                                nncompile.ComputeConfig(2, 2, pas_config={
-                                    "pipeline_stages": 2, "microbatches": 2}),
+                                nncompile.ComputeConfig(2, 2, parallel={
+                                    "pp": 2, "microbatches": 2}),
                                 pas_policy="dp", gen_savedir=tmp_path, load_module=False)
     for rank in range(2):
         code = (out / f"gencode{rank}.py").read_text()
@@ -268,7 +268,7 @@ def test_pipeline_stages_pass_a_per_class_input_whole(tmp_path):
 def test_batched_inputs_declaration_is_checked(tmp_path):
     def compile_with(declared):
         nncompile.parallelize(ClassWeighted(), _weighted_batch(),
-                              nncompile.ComputeConfig(1, 1, pas_config={
+                              nncompile.ComputeConfig(1, 1, parallel={
                                   "microbatches": 2, "batched_inputs": declared}),
                               pas_policy="dp", gen_savedir=tmp_path, load_module=False)
     with pytest.raises(nncompile.ConfigError, match=r"names \['labels'\].*\['x', 'y', "

@@ -1,5 +1,6 @@
-"""ComputeConfig checks every field's type and range, pas_config keys are checked under every
-policy (with a close-match suggestion), instance_name is a plain name, and a corrupted
+"""ComputeConfig checks every field's type and range, the old pas_config keys are checked under
+every policy (with a close-match suggestion; ParallelSpec: tests/test_parallel_spec.py),
+instance_name is a plain name, and a corrupted
 manifest.json is handled by the reuse mode."""
 import json
 
@@ -75,13 +76,16 @@ def test_unknown_pas_config_key_suggests_close_one(tmp_path, policy):
     with pytest.raises(nncompile.ConfigError) as e:
         _compile(tmp_path, ComputeConfig(2, pas_config={"recompute_module": ["Block"]}),
                  pas_policy=policy)
+    assert "ComputeConfig(parallel=nncompile.ParallelSpec(...))" in str(e.value)
     msg = str(e.value)
     assert "unknown pas_config keys: ['recompute_module']" in msg
     assert "did you mean 'recompute_modules'?" in msg and "known: [" in msg
 
 
 def test_known_pas_config_keys_compile(tmp_path):
-    out = _compile(tmp_path, ComputeConfig(1, pas_config={"device": "cpu"}))
+    with pytest.warns(FutureWarning, match=r"pas_config\['device'\] -> parallel.device"):
+        config = ComputeConfig(1, pas_config={"device": "cpu"})
+    out = _compile(tmp_path, config)
     assert (out / "gencode0.py").exists()
 
 

@@ -56,8 +56,8 @@ def batch(seq: int, padded: bool = False) -> dict:
 def test_sequence_split_equals_one_device(arch, seq, plan, padded, order, tmp_path):
     """cp 2 alone (plan 2) or with tp 2 (plan 4), in the zigzag (default) or contiguous
     order: loss and every gradient (verify: rtol 1e-5)."""
-    cfg = ComputeConfig(plan, plan, pas_config={"context_parallel": 2,
-                                                "context_parallel_order": order})
+    cfg = ComputeConfig(plan, plan, parallel={"cp": 2,
+                                                "cp_order": order})
     report = nncompile.verify(hf(arch), batch(seq, padded), cfg, "tp",
                               gen_savedir=str(tmp_path))
     assert report.ok, str(report)
@@ -68,8 +68,8 @@ def test_sequence_split_equals_one_device(arch, seq, plan, padded, order, tmp_pa
 
 
 def test_the_plan_splits_the_sequence_and_gathers_only_keys_and_values(tmp_path):
-    out = nncompile.parallelize(hf("llama"), batch(64), ComputeConfig(2, 2, pas_config={
-        "context_parallel": 2}), pas_policy="tp", gen_savedir=str(tmp_path),
+    out = nncompile.parallelize(hf("llama"), batch(64), ComputeConfig(2, 2, parallel={
+        "cp": 2}), pas_policy="tp", gen_savedir=str(tmp_path),
         load_module=False)
     plan = json.loads((out / "plan.json").read_text())
     cp = [r for r in plan["collective_ops"] if r.get("axis") == "cp"]
@@ -92,22 +92,22 @@ def test_the_plan_splits_the_sequence_and_gathers_only_keys_and_values(tmp_path)
 
 
 @pytest.mark.parametrize("pas, match", [
-    ({"context_parallel": 3}, r"divides plan_ngpus=2: one of \[1, 2\]"),
-    ({"context_parallel": 2, "pipeline_stages": 2}, "leaves 1 per stage"),
-    ({"context_parallel": "auto", "pipeline_stages": 2}, "'auto' does not combine"),
-    ({"context_parallel": 2, "context_parallel_attention": "ring"}, "'allgather'"),
-    ({"context_parallel": 2, "context_parallel_attention": "ulysses",
-      "context_parallel_order": "zigzag"}, "the only order 'ulysses' runs"),
+    ({"cp": 3}, r"divides plan_ngpus=2: one of \[1, 2\]"),
+    ({"cp": 2, "pp": 2}, "leaves 1 per stage"),
+    ({"cp": "auto", "pp": 2}, "'auto' does not combine"),
+    ({"cp": 2, "cp_attention": "ring"}, "'allgather'"),
+    ({"cp": 2, "cp_attention": "ulysses",
+      "cp_order": "zigzag"}, "the only order 'ulysses' runs"),
 ])
 def test_bad_context_parallel_is_refused(pas, match):
     with pytest.raises(ConfigError, match=match):
-        ComputeConfig(2, 2, pas_config=pas)
+        ComputeConfig(2, 2, parallel=pas)
 
 
 def test_a_sequence_that_does_not_split_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="multiple of 4"):
-        nncompile.parallelize(hf("llama"), batch(62), ComputeConfig(2, 2, pas_config={
-            "context_parallel": 2}), pas_policy="tp", gen_savedir=str(tmp_path),
+        nncompile.parallelize(hf("llama"), batch(62), ComputeConfig(2, 2, parallel={
+            "cp": 2}), pas_policy="tp", gen_savedir=str(tmp_path),
             load_module=False)
 
 
@@ -115,8 +115,8 @@ def test_a_sequence_that_does_not_split_is_refused(tmp_path):
 def test_ulysses_all_to_all_equals_one_device(padded, tmp_path):
     """context_parallel_attention='ulysses': attention on C-th of the heads over the whole
     sequence (all-to-all from sequence to heads and back)."""
-    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": 2,
-                                          "context_parallel_attention": "ulysses"})
+    cfg = ComputeConfig(2, 2, parallel={"cp": 2,
+                                          "cp_attention": "ulysses"})
     report = nncompile.verify(hf("llama"), batch(64, padded), cfg, "tp",
                               gen_savedir=str(tmp_path))
     assert report.ok, str(report)
@@ -163,8 +163,8 @@ def test_cp_times_data_parallel_on_four_ranks(arch, attention, tmp_path):
     runtime's reduction over cp and dp equal one device, with a padding mask."""
     from nncompile.tools.simulate import run_ranks
     model, data = hf(arch), batch(64, padded=True)
-    cfg = ComputeConfig(2, 4, pas_config={"context_parallel": 2,
-                                          "context_parallel_attention": attention})
+    cfg = ComputeConfig(2, 4, parallel={"cp": 2,
+                                          "cp_attention": attention})
     reports = run_ranks(4, lambda rank: nncompile.verify(model, data, cfg, "tp",
                                                          gen_savedir=str(tmp_path)))
     assert all(r.ok for r in reports), "\n".join(map(str, reports))
@@ -176,14 +176,14 @@ def test_autodist_chooses_the_context_parallel_size(tmp_path):
     """context_parallel='auto' (autodist): every C dividing plan_ngpus is planned, priced with
     its sequence split, and the fastest that fits is kept; plan.json says why; the program
     then runs at that C (here checked against one device)."""
-    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": "auto"})
+    cfg = ComputeConfig(2, 2, parallel={"cp": "auto"})
     out = nncompile.parallelize(hf("llama"), batch(256), cfg, pas_policy="autodist",
                                 gen_savedir=str(tmp_path), load_module=False)
     auto = json.loads((out / "plan.json").read_text())["autodist"]["context_parallel"]
     rows = auto["candidates"]
     assert [r["cp"] for r in rows] == [1, 2] and all(r["fits"] for r in rows)
     fastest = min(rows, key=lambda r: r["ms"])
-    assert auto["chosen"] == fastest["cp"] and f"context_parallel={fastest['cp']}" in auto["why"]
+    assert auto["chosen"] == fastest["cp"] and f"parallel.cp={fastest['cp']}" in auto["why"]
     code = (out / "gencode0.py").read_text()
     assert ("MESH_AXES = {'cp': 2}" in code) == (auto["chosen"] == 2)
     assert nncompile.verify(hf("llama"), batch(256), cfg, "autodist",
@@ -192,8 +192,8 @@ def test_autodist_chooses_the_context_parallel_size(tmp_path):
 
 def test_context_parallel_auto_needs_autodist(tmp_path):
     with pytest.raises(ConfigError, match="'auto' is chosen by autodist"):
-        nncompile.parallelize(hf("llama"), batch(64), ComputeConfig(2, 2, pas_config={
-            "context_parallel": "auto"}), pas_policy="tp", gen_savedir=str(tmp_path),
+        nncompile.parallelize(hf("llama"), batch(64), ComputeConfig(2, 2, parallel={
+            "cp": "auto"}), pas_policy="tp", gen_savedir=str(tmp_path),
             load_module=False)
 
 
@@ -204,7 +204,7 @@ def test_zero_shards_over_the_context_ranks(zero, tmp_path):
     equals one device's."""
     from nncompile.tools.simulate import run_ranks
     model, data = hf("llama"), batch(64)
-    cfg = ComputeConfig(2, 2, use_zero=zero, pas_config={"context_parallel": 2})
+    cfg = ComputeConfig(2, 2, use_zero=zero, parallel={"cp": 2})
     total = sum(p.numel() for p in model.parameters())
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -243,8 +243,8 @@ def test_autodist_picks_context_parallelism_for_llama3_8b_at_128k(tmp_path):
     with torch.device("meta"):
         model = models.HFCausalLM(tf.LlamaForCausalLM(cfg))
     ids = torch.zeros(1, 131072, dtype=torch.long)
-    config = ComputeConfig(8, 8, use_zero="auto", pas_config={
-        "context_parallel": "auto", "device": "h100-80g", "recompute_modules": "auto"})
+    config = ComputeConfig(8, 8, use_zero="auto", parallel={
+        "cp": "auto", "device": "h100-80g", "recompute_modules": "auto"})
     out = nncompile.parallelize(model, {"input_ids": ids, "labels": ids}, config,
                                 pas_policy="autodist", gen_savedir=str(tmp_path),
                                 load_module=False)
@@ -268,8 +268,8 @@ def test_dcp_checkpoint_reshards_across_context_sizes(second, tmp_path):
     from nncompile.tools.simulate import run_ranks
     model, data, nxt = hf("llama"), batch(64), batch(64, padded=False)
     nxt = {"input_ids": nxt["input_ids"].roll(1, 1)}
-    first = ComputeConfig(4, 4, use_zero=1, pas_config={"context_parallel": 2})
-    other = ComputeConfig(4, 4, pas_config={"context_parallel": 4 if second == "cp4" else 1})
+    first = ComputeConfig(4, 4, use_zero=1, parallel={"cp": 2})
+    other = ComputeConfig(4, 4, parallel={"cp": 4 if second == "cp4" else 1})
 
     def step(pm, opt, x):
         pm(**x).backward()
@@ -308,7 +308,7 @@ def test_compiled_context_parallel_program_is_one_graph_and_equal(tmp_path):
     from torch._dynamo.utils import counters
     from nncompile.tools.simulate import run_ranks
     model, data = hf("llama"), batch(64)
-    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": 2})
+    cfg = ComputeConfig(2, 2, parallel={"cp": 2})
 
     def rank_fn(rank):
         out = {}
@@ -335,7 +335,7 @@ def test_inference_only_program_splits_the_sequence_and_equals_the_model(tmp_pat
     model, data = hf("llama").eval(), batch(64, padded=True)
     with torch.no_grad():
         want = model(**data)
-    cfg = ComputeConfig(2, 2, inference_only=True, pas_config={"context_parallel": 2})
+    cfg = ComputeConfig(2, 2, inference_only=True, parallel={"cp": 2})
 
     def rank_fn(rank):
         pm = nncompile.parallelize(copy.deepcopy(model), data, cfg, pas_policy="tp",
@@ -360,8 +360,8 @@ def test_gpt2_flattening_batch_and_sequence_equals_one_device(order, tmp_path):
     g = torch.Generator().manual_seed(1)
     data = {"input_ids": torch.randint(0, 64, (8, 16), generator=g),
             "labels": torch.randint(0, 64, (8, 16), generator=g)}
-    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": 2,
-                                          "context_parallel_order": order})
+    cfg = ComputeConfig(2, 2, parallel={"cp": 2,
+                                          "cp_order": order})
     report = nncompile.verify(model, data, cfg, "tp", gen_savedir=str(tmp_path))
     assert report.ok, report
 
@@ -405,7 +405,7 @@ def test_prompt_tuning_splits_attention_or_says_why_not(tmp_path, n_prompt):
 
     def rank_fn(rank):
         pm = nncompile.parallelize(copy.deepcopy(model), {"ids": ids, "labels": ids},
-                                   ComputeConfig(2, 2, pas_config={"context_parallel": 2}),
+                                   ComputeConfig(2, 2, parallel={"cp": 2}),
                                    pas_policy="tp", gen_savedir=tmp_path)
         loss = pm(ids=ids, labels=ids)
         loss.backward()
@@ -427,7 +427,7 @@ def test_prompt_tuning_splits_attention_or_says_why_not(tmp_path, n_prompt):
         assert "comm.attention_rows(" in sdpa and "@cp=S(2)" in sdpa, sdpa
     else:
         assert "aten.scaled_dot_product_attention" in sdpa and "@cp=" not in sdpa, sdpa
-        assert len(dropped) == 1 and dropped[0]["asked"] == "context_parallel=2", dropped
+        assert len(dropped) == 1 and dropped[0]["asked"] == "parallel.cp=2", dropped
         assert "its sequence is 35 long inside the model (the inputs' is 32)" in \
             dropped[0]["reason"], dropped
         assert "multiple of 4" in dropped[0]["fix"], dropped

@@ -15,7 +15,7 @@ def _graph():
 
 
 def test_full_pipeline_establishes_every_stage():
-    cfg = ComputeConfig(2, pas_config={"recompute_modules": ["Linear"]})
+    cfg = ComputeConfig(2, parallel={"recompute_modules": ["Linear"]})
     result = run_pipeline(_graph(), build_pipeline(cfg, get_policy("tp")), check=True)
     # no pipeline, no ZeRO-3 asked for
     assert result.graph.stages == set(Stage) - {Stage.STAGED, Stage.SPLIT, Stage.ZERO3_LOWERED}

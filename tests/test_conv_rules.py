@@ -167,9 +167,9 @@ def test_cnn_under_a_memory_limit_splits_conv_weights_and_trains_like_one_device
     batches = _batches()
     # the limit: 60 % of what the replicated plan needs per rank
     _, prob = plan_problem(trace(copy.deepcopy(model), batches[0]),
-                           ComputeConfig(2, 2, pas_config={"device": "cpu"}))
+                           ComputeConfig(2, 2, parallel={"device": "cpu"}))
     limit = 0.6 * replicated_memory(prob) / 1e9
-    config = ComputeConfig(2, 2, pas_config={"device": "cpu", "mem_limit_gb": limit})
+    config = ComputeConfig(2, 2, parallel={"device": "cpu", "mem_limit_gb": limit})
 
     ref = copy.deepcopy(model)
     ref_losses = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), batches)

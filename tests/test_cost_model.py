@@ -25,7 +25,7 @@ def gpt_batch(rows=4):
 
 
 def planned(policy, plan, world, rows=4, **pas_config):
-    config = nncompile.ComputeConfig(plan, world, pas_config=pas_config).resolved(world)
+    config = nncompile.ComputeConfig(plan, world, parallel=pas_config).resolved(world)
     model, batch = gpt_batch(rows)
     result = run_pipeline(trace(model, batch), build_pipeline(config, get_policy(policy)))
     return next(g for name, g, _ in result.history if name == "plan"), config
@@ -76,7 +76,7 @@ def test_calibrated_profile_loads_and_round_trips(tmp_path):
 
 def test_ranks_beyond_the_cores_stretch_compute_and_gloo_prices_its_fallbacks():
     def model(plan, world):
-        return cost_model(nncompile.ComputeConfig(plan, world, pas_config={
+        return cost_model(nncompile.ComputeConfig(plan, world, parallel={
             "device": DEVICE}).resolved(world))
     assert model(2, 2).stretch == 1.0 and model(2, 4).stretch == 2.0
     assert model(4, 4).stretch == 2.0

@@ -150,7 +150,7 @@ def test_context_parallel_on_one_gpu_trains_like_one_device(tmp_path):
     every gradient equal one device's."""
     from nncompile.tools.simulate import run_ranks
     model, batch = _llama(seq=128), _batch(128, 2, 128)
-    cfg = ComputeConfig(2, 2, pas_config={"context_parallel": 2})
+    cfg = ComputeConfig(2, 2, parallel={"cp": 2})
     reports = run_ranks(2, lambda rank: nncompile.verify(model, batch, cfg, "tp",
                                                          gen_savedir=str(tmp_path)))
     assert all(r.ok for r in reports), "\n".join(map(str, reports))

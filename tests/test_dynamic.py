@@ -103,7 +103,7 @@ def test_unsplittable_sizes_are_reported(tmp_path):
     assert "[s_batch // 2, 16, 4, 8]" in (out / "gencode0.py").read_text()
     with pytest.raises(nncompile.ConfigError, match="micro-batches or pipeline"):
         nncompile.parallelize(models.build("gpt"), models.batch("gpt", 0),
-                              nncompile.ComputeConfig(2, 2, pas_config={"microbatches": 2}),
+                              nncompile.ComputeConfig(2, 2, parallel={"microbatches": 2}),
                               pas_policy="data", gen_savedir=tmp_path, load_module=False,
                               instance_name="mb", dynamic_dims=dims)
 

@@ -21,7 +21,7 @@ LAYERS = {"mixtral": 2, "qwen3_moe": 2, "deepseek_v3": 1}
 
 
 def ep(e: int, runtime: int | None = None, **kw) -> ComputeConfig:
-    return ComputeConfig(e, runtime or e, pas_config={"expert_parallel": e}, **kw)
+    return ComputeConfig(e, runtime or e, parallel={"ep": e}, **kw)
 
 
 @pytest.mark.parametrize("arch, policy", [("mixtral", "data"), ("qwen3_moe", "tp")])
@@ -52,7 +52,7 @@ def test_five_adamw_steps_train_like_one_device(arch, shape, tmp_path):
     plan, runtime, policy = SHAPES[shape]
     model = moe(arch)
     whole = sum(p.numel() for n, p in model.named_parameters() if n.endswith(EXPERTS))
-    cfg = ComputeConfig(plan, runtime, pas_config={"expert_parallel": 2})
+    cfg = ComputeConfig(plan, runtime, parallel={"ep": 2})
     for pm in train_units_like_one_device(model, cfg, policy, tmp_path):
         assert expert_elements(pm) * 2 == whole
         code = open(pm.gencode_path).read()
@@ -69,7 +69,7 @@ def test_zero_with_expert_parallel_trains_like_one_device(zero, tmp_path):
     """ep 2 x dp 2 with ZeRO-1 or -2 (optimizer state, and gradients, sharded over the two
     units holding the same experts): five AdamW steps like one device (ZeRO-3: the
     conformance cell ep_dp_zero3)."""
-    cfg = ComputeConfig(2, 4, use_zero=zero, pas_config={"expert_parallel": 2})
+    cfg = ComputeConfig(2, 4, use_zero=zero, parallel={"ep": 2})
     train_units_like_one_device(moe("qwen3_moe"), cfg, "data", tmp_path)
 
 
@@ -98,7 +98,7 @@ def test_all_tokens_dispatched_to_one_rank(shape, tmp_path):
     for layer in model.model.model.layers:
         layer.mlp.gate.weight.data.zero_()            # equal scores: top-2 = experts 0, 1
     plan, runtime, policy = SHAPES[shape]
-    cfg = ComputeConfig(plan, runtime, pas_config={"expert_parallel": 2})
+    cfg = ComputeConfig(plan, runtime, parallel={"ep": 2})
     report = nncompile.verify(model, batch(), cfg, policy, gen_savedir=str(tmp_path))
     assert report.ok, report
 
@@ -110,7 +110,7 @@ def test_checkpoints_resume_and_reshard_across_expert_parallel_sizes(tmp_path):
     from nncompile.tools.simulate import run_ranks
     model, data, nxt = moe("qwen3_moe"), batch(), batch_at(7)
     plan, runtime, policy = SHAPES["ep2_tp2"]
-    first = ComputeConfig(plan, runtime, pas_config={"expert_parallel": 2})
+    first = ComputeConfig(plan, runtime, parallel={"ep": 2})
 
     def step(pm, opt, x):
         pm(**x).backward()
@@ -144,19 +144,19 @@ def test_checkpoints_resume_and_reshard_across_expert_parallel_sizes(tmp_path):
 
 
 def test_expert_parallel_errors(tmp_path):
-    with pytest.raises(ConfigError, match="expert_parallel'\\]=3.*one of \\[1, 2, 4\\]"):
-        ComputeConfig(4, 4, pas_config={"expert_parallel": 3})
-    with pytest.raises(ConfigError, match="does not combine with pipeline_stages, ZeRO"):
-        ComputeConfig(4, 8, use_zero=1, pas_config={"expert_parallel": 2})
-    with pytest.raises(ConfigError, match="does not combine with context_parallel"):
-        ComputeConfig(2, 2, pas_config={"expert_parallel": 2, "context_parallel": 2})
+    with pytest.raises(ConfigError, match="parallel.ep=3.*one of \\[1, 2, 4\\]"):
+        ComputeConfig(4, 4, parallel={"ep": 3})
+    with pytest.raises(ConfigError, match="does not combine with a pipeline, ZeRO"):
+        ComputeConfig(4, 8, use_zero=1, parallel={"ep": 2})
+    with pytest.raises(ConfigError, match="does not combine with parallel.cp"):
+        ComputeConfig(2, 2, parallel={"ep": 2, "cp": 2})
     with pytest.raises(ConfigError, match="no mixture-of-experts layer"):
         nncompile.parallelize(models.MLP(), (torch.randn(4, 16), torch.randint(0, 8, (4,))),
                               ep(2), pas_policy="tp",
                               gen_savedir=str(tmp_path), load_module=False)
     with pytest.raises(ConfigError, match="'auto' is chosen by autodist"):
         nncompile.parallelize(moe("mixtral"), batch(), ComputeConfig(
-            2, 2, pas_config={"expert_parallel": "auto"}), pas_policy="tp",
+            2, 2, parallel={"ep": "auto"}), pas_policy="tp",
             gen_savedir=str(tmp_path), load_module=False)
 
 
@@ -175,7 +175,7 @@ def test_autodist_chooses_the_experts_split(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
         num_experts_per_tok=2, output_router_logits=True))
     data = {"input_ids": torch.randint(0, 256, (4, 64)), "labels": torch.randint(0, 256, (4, 64))}
-    cfg = ComputeConfig(4, 4, pas_config={"expert_parallel": "auto", "mem_limit_gb": 0.045})
+    cfg = ComputeConfig(4, 4, parallel={"ep": "auto", "mem_limit_gb": 0.045})
     nncompile.parallelize(models.HFCausalLM(lm).train(), data, cfg, pas_policy="autodist",
                           gen_savedir=str(tmp_path), load_module=False)
     plan = json.loads((tmp_path / "HFCausalLM" / "plan.json").read_text())

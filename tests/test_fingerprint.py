@@ -83,10 +83,10 @@ def test_fingerprint_ignores_line_numbers_and_covers_the_plan(tmp_path):
         "policy": _fp(graphs[0], policy="dp"),
         "plan_ngpus": _fp(graphs[0], nncompile.ComputeConfig(1)),
         "autodist device": _fp(graphs[0], nncompile.ComputeConfig(
-            2, pas_config={"device": "h100-80g"}), "autodist"),
+            2, parallel={"device": "h100-80g"}), "autodist"),
     }
     assert all(fp != base for fp in changed.values()), changed
-    assert _fp(graphs[0], nncompile.ComputeConfig(2, pas_config={"device": "cpu"}),
+    assert _fp(graphs[0], nncompile.ComputeConfig(2, parallel={"device": "cpu"}),
                "autodist") != changed["autodist device"]
 
 

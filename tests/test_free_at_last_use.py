@@ -88,7 +88,7 @@ def _gen(tmp_path, name, model, batch, plan, policy="dp", files=(0,), **cfg):
 PIPE_BATCH = {"idx": torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0)),
               "targets": torch.randint(0, 64, (8, 16),
                                        generator=torch.Generator().manual_seed(1))}
-RECOMPUTE = {"pas_config": {"recompute_modules": ["Block"]}}
+RECOMPUTE = {"parallel": {"recompute_modules": ["Block"]}}
 PLANS = {   # name: (model, batch, plan_ngpus, policy, ranks' files, config)
     "dp_llama": ("hf_llama", None, 1, "dp", (0,), {}),
     "dp_branchy": ("branchy", None, 1, "dp", (0,), {}),            # + forward_eval_impl
@@ -98,10 +98,10 @@ PLANS = {   # name: (model, batch, plan_ngpus, policy, ranks' files, config)
     "zero3_recompute_gpt": ("gpt", None, 1, "dp", (0,), {"use_zero": 3, **RECOMPUTE}),
     "tp2_recompute_gpt": ("gpt", None, 2, "tp", (0,), RECOMPUTE),
     "pipeline_tp_gpt": ("gpt4", PIPE_BATCH, 2, "tp", (0, 1),
-                        {"pas_config": {"pipeline_stages": 2, "microbatches": 2}}),
+                        {"parallel": {"pp": 2, "microbatches": 2}}),
     "pipeline_zero3_recompute": ("gpt4", PIPE_BATCH, 2, "dp", (0, 1),
-                                 {"use_zero": 3, "pas_config": {
-                                     "pipeline_stages": 2, "microbatches": 2,
+                                 {"use_zero": 3, "parallel": {
+                                     "pp": 2, "microbatches": 2,
                                      "recompute_modules": ["Block"]}}),
 }
 

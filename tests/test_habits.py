@@ -55,8 +55,8 @@ PLANS = {
     "tp": ("gpt", 2, dict(plan_ngpus=2), "tp"),
     "zero3": ("gpt", 2, dict(plan_ngpus=1, use_zero=3), "dp"),
     "tp_zero3": ("gpt", 4, dict(plan_ngpus=2, use_zero=3), "tp"),
-    "cp": ("llama", 2, dict(plan_ngpus=2, pas_config={"context_parallel": 2}), "tp"),
-    "ep": ("mixtral", 2, dict(plan_ngpus=2, pas_config={"expert_parallel": 2}), "data"),
+    "cp": ("llama", 2, dict(plan_ngpus=2, parallel={"cp": 2}), "tp"),
+    "ep": ("mixtral", 2, dict(plan_ngpus=2, parallel={"ep": 2}), "data"),
 }
 # (plan, habit) -> what happens instead
 GAPS: dict[tuple[str, str], str] = {}

@@ -237,7 +237,7 @@ def test_an_input_that_needs_a_gradient(tmp_path, policy, overlap):
     ref = copy.deepcopy(model)
     h_ref = h.clone().requires_grad_()
     ref(h_ref).backward()
-    cfg = nncompile.ComputeConfig(2, pas_config={"overlap_grad_sync": overlap})
+    cfg = nncompile.ComputeConfig(2, parallel={"overlap_grad_sync": overlap})
 
     def rank_fn(rank):
         out = {}

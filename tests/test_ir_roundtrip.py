@@ -18,7 +18,7 @@ from nncompile.passes import build_pipeline, get_policy, run_pipeline
 def history(name, policy=split_everything, n=2, **pas):
     """Every pass's graph; by default under a plan that splits every op (every collective)."""
     model, example = models.build(name), models.batch(name, 0)
-    cfg = ComputeConfig(plan_ngpus=n, runtime_ngpus=n, pas_config=dict(pas))
+    cfg = ComputeConfig(plan_ngpus=n, runtime_ngpus=n, parallel=dict(pas))
     return run_pipeline(trace(model, example), build_pipeline(cfg, get_policy(policy)),
                         check=True).history
 

@@ -158,8 +158,8 @@ def test_split_stages_refuses_layers_out_of_order():
 # ---- the last dump is the program: ZeRO-3 + pipeline + recompute ----
 
 def test_last_dump_holds_the_lowering_and_renders_every_rank_file_byte_for_byte(tmp_path):
-    cfg = ComputeConfig(2, 4, use_zero=3, pas_config={
-        "pipeline_stages": 2, "microbatches": 2, "recompute_modules": ["Block"]})
+    cfg = ComputeConfig(2, 4, use_zero=3, parallel={
+        "pp": 2, "microbatches": 2, "recompute_modules": ["Block"]})
     compiled = compile_module(models.build("gpt"), models.batch("gpt", 0), cfg,
                               pas_policy="tp", outdir=tmp_path)
     final = compiled.final

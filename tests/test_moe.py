@@ -52,12 +52,12 @@ def batch() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch, policy, pas", [
     ("mixtral", "tp", {}), ("qwen3_moe", "tp", {}), ("deepseek_v3", "tp", {}),
     ("mixtral", "autodist", {}),
-    ("qwen3_moe", "tp", {"context_parallel": 2}),
+    ("qwen3_moe", "tp", {"cp": 2}),
     # MLA: q and k heads (nope + rope) wider than v's
-    ("deepseek_v3", "tp", {"context_parallel": 2}),
+    ("deepseek_v3", "tp", {"cp": 2}),
 ])
 def test_moe_model_equals_one_device(arch, policy, pas, tmp_path):
-    report = nncompile.verify(moe(arch), batch(), ComputeConfig(2, 2, pas_config=pas), policy,
+    report = nncompile.verify(moe(arch), batch(), ComputeConfig(2, 2, parallel=pas), policy,
                               gen_savedir=str(tmp_path))
     assert report.ok, report
 

@@ -162,11 +162,11 @@ def _grad_case(case: str):
     if case == "ep":
         from test_moe import batch, moe
         return moe("mixtral"), lambda step: batch(), ComputeConfig(
-            2, 2, pas_config={"expert_parallel": 2}), "data"
+            2, 2, parallel={"ep": 2}), "data"
     if case == "cp":
         from test_context_parallel import batch, hf
         return hf("llama"), lambda step: batch(32), ComputeConfig(
-            2, 2, pas_config={"context_parallel": 2}), "tp"
+            2, 2, parallel={"cp": 2}), "tp"
     policy, world = case.split("_w")
     if policy.endswith("zero3"):          # ZeRO-3: Shard(0) DTensors over the flat pieces
         plan = 2 if policy.startswith("tp") else 1

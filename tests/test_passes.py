@@ -48,11 +48,11 @@ def test_pipeline_is_the_documented_list():
     cfg = ComputeConfig(plan_ngpus=2, constant_folding=False)
     assert "constant_fold" not in [getattr(p, "__name__", "") for p in
                                    build_pipeline(cfg, get_policy("tp"))]
-    cfg = ComputeConfig(plan_ngpus=2, pas_config={"overlap_grad_sync": False})
+    cfg = ComputeConfig(plan_ngpus=2, parallel={"overlap_grad_sync": False})
     assert "overlap_grad_sync" not in [getattr(p, "__name__", "") for p in
                                        build_pipeline(cfg, get_policy("tp"))]
     with pytest.raises(ConfigError, match="overlap_grad_sync.*True.*or False"):
-        build_pipeline(ComputeConfig(plan_ngpus=2, pas_config={"overlap_grad_sync": "yes"}),
+        build_pipeline(ComputeConfig(plan_ngpus=2, parallel={"overlap_grad_sync": "yes"}),
                        get_policy("tp"))
 
 

@@ -25,7 +25,7 @@ BATCH = {"idx": torch.randint(0, 64, (8, 16), generator=torch.Generator().manual
 
 def _compile(tmp_path, pas, plan=2, policy="tp", model=None, name="gpt"):
     model = model or GPT(n_layer=4)
-    out = nncompile.parallelize(model, BATCH, ComputeConfig(plan, plan, pas_config=pas),
+    out = nncompile.parallelize(model, BATCH, ComputeConfig(plan, plan, parallel=pas),
                                 pas_policy=policy, gen_savedir=tmp_path, load_module=False,
                                 instance_name=name)
     return model, out
@@ -56,7 +56,7 @@ def test_pipeline_parity_every_schedule(run_ranks, tmp_path):
 
 
 def test_generated_file_holds_its_stages(tmp_path):
-    _, out = _compile(tmp_path, {"pipeline_stages": 2, "microbatches": 4})
+    _, out = _compile(tmp_path, {"pp": 2, "microbatches": 4})
     first, last = (out / "gencode0.py").read_text(), (out / "gencode1.py").read_text()
     assert "pipeline rank 0 of 2" in first and "pipeline rank 1 of 2" in last
     assert "def stage_0(self, idx, targets):" in first and "def stage_1(" not in first
@@ -85,7 +85,7 @@ def test_generated_file_holds_its_stages(tmp_path):
 
 def test_cuts_are_whole_layers_and_balanced(tmp_path):
     model = GPT(n_layer=6)
-    _, out = _compile(tmp_path, {"pipeline_stages": 3, "microbatches": 2}, plan=3, model=model)
+    _, out = _compile(tmp_path, {"pp": 3, "microbatches": 2}, plan=3, model=model)
     texts = [(out / f"gencode{r}.py").read_text() for r in range(3)]
     for r, text in enumerate(texts):
         assert f"layers h.{2 * r} ... h.{2 * r + 1}" in text, text[:3000]
@@ -113,7 +113,7 @@ def test_train_step_without_stages_accumulates_micro_batches(tmp_path):
 
 
 def test_forward_on_a_pipelined_plan_names_train_step(tmp_path):
-    model, out = _compile(tmp_path, {"pipeline_stages": 2, "microbatches": 2})
+    model, out = _compile(tmp_path, {"pp": 2, "microbatches": 2})
     pm = load_rank_module(out, 0, model)
     with pytest.raises(PipelineError, match=r"pm.train_step\(\*args, \*\*kwargs\)"):
         pm(**BATCH)
@@ -121,22 +121,22 @@ def test_forward_on_a_pipelined_plan_names_train_step(tmp_path):
 
 def test_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"= 8 stages, but gpt.GPT has only 4 layers \(h.0 "
-                                          r"... h.3\) .* use pipeline_stages <= 2 with "
+                                          r"... h.3\) .* use parallel.pp <= 2 with "
                                           "stages_per_rank=2"):
-        _compile(tmp_path, {"pipeline_stages": 4, "stages_per_rank": 2,
-                            "pipeline_schedule": "interleaved_1f1b"}, plan=4, name="a")
+        _compile(tmp_path, {"pp": 4, "stages_per_rank": 2,
+                            "schedule": "interleaved_1f1b"}, plan=4, name="a")
     with pytest.raises(ConfigError, match="microbatches.*=3 does not divide the batch"):
-        _compile(tmp_path, {"pipeline_stages": 2, "microbatches": 3}, name="b")
+        _compile(tmp_path, {"pp": 2, "microbatches": 3}, name="b")
     with pytest.raises(ConfigError, match="'dualpipe' is not a schedule torch.distributed."
                                           "pipelining offers here; choose one of"):
-        ComputeConfig(2, pas_config={"pipeline_stages": 2, "pipeline_schedule": "dualpipe"})
-    with pytest.raises(ConfigError, match="runs one stage per rank, but stages_per_rank=2"):
-        ComputeConfig(2, pas_config={"pipeline_stages": 2, "pipeline_schedule": "1f1b",
+        ComputeConfig(2, parallel={"pp": 2, "schedule": "dualpipe"})
+    with pytest.raises(ConfigError, match="runs one stage per rank, but parallel.stages_per_rank=2"):
+        ComputeConfig(2, parallel={"pp": 2, "schedule": "1f1b",
                                      "stages_per_rank": 2})
     with pytest.raises(ConfigError, match="does not divide plan_ngpus=4"):
-        ComputeConfig(4, pas_config={"pipeline_stages": 3})
+        ComputeConfig(4, parallel={"pp": 3})
     with pytest.raises(ConfigError, match="'auto' is chosen by autodist"):
-        _compile(tmp_path, {"pipeline_stages": "auto"}, name="c")
+        _compile(tmp_path, {"pp": "auto"}, name="c")
     with pytest.raises(ConfigError, match="no scalar floating-point tensor"):
         class Logits(torch.nn.Module):
             def __init__(self):
@@ -146,9 +146,9 @@ def test_clear_errors(tmp_path):
             def forward(self, idx, targets):
                 return self.gpt.lm_head(self.gpt.ln_f(self.gpt.h[1](self.gpt.h[0](
                     self.gpt.wte(idx)))))
-        _compile(tmp_path, {"pipeline_stages": 2}, model=Logits(), name="d")
+        _compile(tmp_path, {"pp": 2}, model=Logits(), name="d")
     import models
     with pytest.raises(ConfigError, match="cut at layer boundaries .* has none"):
         nncompile.parallelize(models.build("mlp"), models.batch("mlp", 0),
-                              ComputeConfig(2, 2, pas_config={"pipeline_stages": 2}),
+                              ComputeConfig(2, 2, parallel={"pp": 2}),
                               pas_policy="tp", gen_savedir=tmp_path, load_module=False)

@@ -36,7 +36,7 @@ def llama(tmp_path_factory):
     ids = torch.zeros(M, 512, dtype=torch.long, device="meta")
     out = nncompile.parallelize(
         model, {"input_ids": ids, "labels": ids},
-        ComputeConfig(STAGES * TP, pas_config={"device": "h100-80g", "pipeline_stages": STAGES,
+        ComputeConfig(STAGES * TP, parallel={"device": "h100-80g", "pp": STAGES,
                                                "microbatches": M}),
         gen_savedir=tmp_path_factory.mktemp("llama"), load_module=False, instance_name="llama")
     return out, json.loads((out / "plan.json").read_text())
@@ -122,7 +122,7 @@ def stack_graph():
 
 
 def _cut(graph, pas, plan=4, autodist=True):
-    cfg = ComputeConfig(plan, plan, pas_config={"device": "cpu", **pas})
+    cfg = ComputeConfig(plan, plan, parallel={"device": "cpu", **pas})
     return PartitionStages(cfg, autodist=autodist)(graph)
 
 
@@ -130,13 +130,13 @@ def test_auto_picks_the_stage_count_memory_forces(stack_graph):
     """Nothing splits, so tensor parallelism saves no memory and no time: with room to spare
     one stage on 4 ranks is fastest (no bubble, no sends); a limit below half the model leaves
     only 4 stages."""
-    g = _cut(stack_graph, {"pipeline_stages": "auto"})
+    g = _cut(stack_graph, {"pp": "auto"})
     assert g.plan_state.pipeline is None
     search = g.plan_state.pipeline_search
     assert [(c["stages"], c["status"]) for c in search["candidates"]] == \
         [(1, "chosen"), (2, "fits"), (4, "slower (bound)")]
     whole = search["candidates"][0]["memory_bytes"]
-    g = _cut(stack_graph, {"pipeline_stages": "auto", "mem_limit_gb": whole * 0.4 / 1e9})
+    g = _cut(stack_graph, {"pp": "auto", "mem_limit_gb": whole * 0.4 / 1e9})
     pp = g.plan_state.pipeline
     assert (pp.ranks, pp.tp) == (4, 1)
     assert pp.chosen_by.startswith("autodist: 4 of the stage counts [1, 2, 4]")
@@ -144,13 +144,13 @@ def test_auto_picks_the_stage_count_memory_forces(stack_graph):
         ["too large", "too large", "chosen"]
     with pytest.raises(ConfigError, match=r"no cut of 8 layers into pipeline stages fits .* "
                                           r"4 stage\(s\) x tp 1: the balanced cut's fullest"):
-        _cut(stack_graph, {"pipeline_stages": "auto", "mem_limit_gb": whole * 0.01 / 1e9})
+        _cut(stack_graph, {"pp": "auto", "mem_limit_gb": whole * 0.01 / 1e9})
 
 
 def test_memory_moves_the_cut_off_the_first_stage(stack_graph):
     """1F1B keeps 2 micro-batches in flight on the first of 2 stages and one on the second:
     a limit the balanced cut exceeds moves layers to the second stage."""
-    pas = {"pipeline_stages": 2, "microbatches": 4}
+    pas = {"pp": 2, "microbatches": 4}
     free = _cut(stack_graph, pas, plan=2).plan_state.pipeline
     first = len(free.layers[0])
     assert free.memory_bytes[0] > free.memory_bytes[1]
@@ -166,4 +166,4 @@ def test_memory_moves_the_cut_off_the_first_stage(stack_graph):
 def test_auto_needs_autodist(stack_graph):
     with pytest.raises(ConfigError, match="'auto' is chosen by autodist; use "
                                           "pas_policy='autodist'"):
-        _cut(stack_graph, {"pipeline_stages": "auto"}, autodist=False)
+        _cut(stack_graph, {"pp": "auto"}, autodist=False)

@@ -32,7 +32,7 @@ def compiled(tmp_path_factory):
     torch.manual_seed(0)
     model = models.hf_gpt2(n_layer=4, pdrop=0.3).train()
     out = nncompile.parallelize(
-        model, _batch(), ComputeConfig(2, 2, pas_config={"pipeline_stages": 2,
+        model, _batch(), ComputeConfig(2, 2, parallel={"pp": 2,
                                                          "microbatches": M}),
         pas_policy="tp", gen_savedir=tmp_path_factory.mktemp("pp"), load_module=False,
         instance_name="gpt2_dropout")
@@ -69,7 +69,7 @@ def test_plan_without_random_ops_lists_no_draws(tmp_path):
     torch.manual_seed(0)
     model = models.hf_gpt2(n_layer=4, pdrop=0.0)
     out = nncompile.parallelize(
-        model, _batch(), ComputeConfig(2, 2, pas_config={"pipeline_stages": 2,
+        model, _batch(), ComputeConfig(2, 2, parallel={"pp": 2,
                                                          "microbatches": M}),
         pas_policy="tp", gen_savedir=tmp_path, load_module=False, instance_name="nodrop")
     assert "'draws'" not in (out / "gencode0.py").read_text()
@@ -102,7 +102,7 @@ def test_eval_mode_refused_where_the_eval_forward_differs(tmp_path):
     batch = {"idx": torch.randint(0, 64, (8, 16), generator=g),
              "targets": torch.randint(0, 64, (8, 16), generator=g)}
     out = nncompile.parallelize(
-        model, batch, ComputeConfig(2, 2, pas_config={"pipeline_stages": 2, "microbatches": M}),
+        model, batch, ComputeConfig(2, 2, parallel={"pp": 2, "microbatches": M}),
         pas_policy="tp", gen_savedir=tmp_path, load_module=False, instance_name="branchy")
     pm = load_rank_module(out, 0, model)
     pm.eval()

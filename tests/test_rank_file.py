@@ -13,8 +13,8 @@ from nncompile.runtime.loader import load_rank_module
 
 CONFIGS = {"tp": (nncompile.ComputeConfig(2, 4), "tp"),
            "zero3": (nncompile.ComputeConfig(1, 2, use_zero=3), "dp"),
-           "pipeline": (nncompile.ComputeConfig(2, 2, pas_config={
-               "pipeline_stages": 2, "microbatches": 2}), "dp")}
+           "pipeline": (nncompile.ComputeConfig(2, 2, parallel={
+               "pp": 2, "microbatches": 2}), "dp")}
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def test_autodist_sequence_parallel_traffic_equals_megatron_sp():
         model = models.HFCausalLM(LlamaForCausalLM(cfg))
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
     g = trace(model, {"input_ids": ids, "labels": ids})
-    config = nncompile.ComputeConfig(8, 8, pas_config={"device": "h100-80g"})
+    config = nncompile.ComputeConfig(8, 8, parallel={"device": "h100-80g"})
     res = run_pipeline(g, build_pipeline(config, get_policy("autodist")))
     after = dict((name, gr) for name, gr, _ in res.history)["insert_comm"]
     activation = 1 * 4096 * 4096 * 4

@@ -25,7 +25,7 @@ def test_compile_is_a_runtime_option(tmp_path):
 
 @pytest.mark.parametrize("kw, words", [
     ({"use_zero": 3}, "ZeRO-3"),
-    ({"pas_config": {"pipeline_stages": 2}}, "pipelined plan"),
+    ({"parallel": {"pp": 2}}, "pipelined plan"),
 ])
 def test_compile_refuses_what_it_cannot_trace(kw, words):
     with pytest.raises(nncompile.ConfigError, match=words):

@@ -67,7 +67,7 @@ def test_backward_does_not_keep_the_gathered_weights(tmp_path):
 def test_one_rank_parity_and_plain_adamw(tmp_path, recompute):
     ref = models.build("gpt")
     pm = compile_gpt(tmp_path, name=f"z3rc{int(recompute)}",
-                     pas_config={"recompute_modules": ["Block"]} if recompute else {})
+                     parallel={"recompute_modules": ["Block"]} if recompute else {})
     if recompute:
         code = (tmp_path / "z3rc1" / "gencode0.py").read_text()
         # the block's unit is gathered inside its checkpointed function (gathered again when

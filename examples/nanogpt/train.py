@@ -52,11 +52,11 @@ def int_or_auto(s: str) -> int | str:
     return s if s == "auto" else int(s)
 
 
-def pas_config(args) -> dict:
-    """The pipeline options of the ComputeConfig (none: an unpipelined plan)."""
+def parallel_spec(args) -> dict:
+    """The pipeline options of the ComputeConfig's ParallelSpec (none: an unpipelined plan)."""
     out = {}
     if args.pipeline_stages != 1:
-        out.update(pipeline_stages=args.pipeline_stages, pipeline_schedule=args.pipeline_schedule,
+        out.update(pp=args.pipeline_stages, schedule=args.pipeline_schedule,
                    stages_per_rank=args.stages_per_rank)
     if args.microbatches > 1:
         out["microbatches"] = args.microbatches
@@ -272,12 +272,12 @@ def build_trainer(args, cfg) -> L.Trainer:
         config = nncompile.ComputeConfig(args.plan_ngpus, args.runtime_ngpus or world,
                                          use_zero=args.use_zero,
                                          offload_optimizer=args.offload_optimizer,
-                                         pas_config=pas_config(args))
-        if pas_config(args):
+                                         parallel=parallel_spec(args))
+        if parallel_spec(args):
             # pm.train_step runs forward + backward together: no forward alone to validate with
             kwargs["limit_val_batches"] = 0
             if int(os.environ.get("RANK", 0)) == 0:
-                print(f"nanoGPT: training through pm.train_step ({pas_config(args)}); "
+                print(f"nanoGPT: training through pm.train_step ({parallel_spec(args)}); "
                       f"validation is off (a pipelined plan has no forward alone)", flush=True)
         kwargs["strategy"] = NnCompileStrategy(
             config, pas_policy=args.policy, gen_savedir=str(Path(args.out_dir) / "gen"),

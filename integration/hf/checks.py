@@ -24,7 +24,7 @@ FSDP or DeepSpeed plugins for the same model):
 
     mapped                                   to
     activation_checkpointing (gradient_      the layers the model checkpoints, as the plan's
-      checkpointing)                         pas_config["recompute_modules"] (trainer.py)
+      checkpointing)                         parallel.recompute_modules (trainer.py)
     torch_compile (+ backend, mode)          pm.compile(backend=..., mode=...)
     bf16                                     the forward under torch.autocast(bfloat16)
     max_grad_norm                            nncompile.clip_grad_norm_ (true global norm)

@@ -200,7 +200,7 @@ class NnCompileTrainer(Trainer):
     def _recompute_config(self) -> ComputeConfig:
         """activation_checkpointing: the layers the model checkpoints (all, or every n-th:
         activation_checkpointing_kwargs' every_n_layers) become the plan's recompute regions,
-        pas_config["recompute_modules"]; the generated code recomputes them in backward.
+        parallel.recompute_modules; the generated code recomputes them in backward.
 
             model.layers.0 .. model.layers.{L-1}  ->  recompute_modules=["model.layers.0", ...]
         """
@@ -217,14 +217,14 @@ class NnCompileTrainer(Trainer):
                 f"activation_checkpointing=True, but {type(self.model).__name__} checkpoints "
                 f"no GradientCheckpointingLayer, so there is nothing to map onto the plan's "
                 f"recompute regions. Set activation_checkpointing=False and name the modules "
-                f"to recompute in ComputeConfig(pas_config={{'recompute_modules': [...]}})")
+                f"to recompute in ComputeConfig(parallel={{'recompute_modules': [...]}})")
         config = self.compute_config
-        given = config.pas_config.get("recompute_modules")
+        given = config.parallel.recompute_modules
         if given == "auto":                 # autodist decides
             return config
         merged = list(given or []) + [p for p in paths if p not in (given or [])]
-        return dataclasses.replace(config, pas_config={**config.pas_config,
-                                                       "recompute_modules": merged})
+        return dataclasses.replace(config, parallel=dataclasses.replace(
+            config.parallel, recompute_modules=merged))
 
     def _trace_inputs(self, loader) -> dict:
         """The keyword arguments compute_loss passes the model for a batch like the first one:

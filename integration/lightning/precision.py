@@ -14,7 +14,7 @@ tensors: under ZeRO-1/2 and offload those are copies that get their gradients in
 Gradient clipping goes through nncompile.clip_grad_norm_ (the true global norm, ZeRO pieces
 and pipeline stages included); clipping by value is refused.
 
-Plans that train through pm.train_step (pipeline stages, or pas_config microbatches) run the
+Plans that train through pm.train_step (pipeline stages, or parallel.microbatches) run the
 backward inside train_step, so the mixed modes do not autocast the whole training_step there:
 each stage's forward (a pipelined plan) or the generated forward of each micro-batch is
 wrapped in autocast instead, and the backward runs outside it, as with eager autocast.

@@ -23,7 +23,7 @@ new optimizer:
     after:  ZeroOptimizer(pm, AdamW, the same two groups) + the same LambdaLR, whose
             .optimizer is the ZeroOptimizer (its param_groups are the inner AdamW's)
 
-Pipelined plans (pas_config pipeline_stages, or microbatches > 1 without stages) train through
+Pipelined plans (parallel.pp, or microbatches > 1 without stages) train through
 `pm.train_step`: `forward` runs it and returns the mean loss with a no-op backward, so an
 unchanged `training_step` works; Lightning's zero_grad, clipping, LR schedulers, `sync_dist`
 logging and checkpoints work as for any plan (train_step.py, with what is refused and why).

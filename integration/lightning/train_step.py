@@ -1,4 +1,4 @@
-"""Plans that train through `pm.train_step` (pipeline stages, or pas_config microbatches > 1)
+"""Plans that train through `pm.train_step` (pipeline stages, or parallel.microbatches > 1)
 under NnCompileStrategy.
 
 Such a plan cannot run a forward alone: train_step runs forward and backward of the unit's
@@ -46,9 +46,9 @@ class TrainStepPlans(ParallelStrategy):
     def _describe_plan(self) -> str:
         pipe = self.compute_config.pipeline
         if pipe.enabled:
-            return (f"this plan is pipelined (pas_config pipeline_stages={pipe.stages!r}, "
+            return (f"this plan is pipelined (parallel.pp={pipe.stages!r}, "
                     f"schedule {pipe.schedule!r}, {pipe.microbatches} micro-batches)")
-        return (f"this plan splits each batch into pas_config microbatches="
+        return (f"this plan splits each batch into parallel.microbatches="
                 f"{pipe.microbatches} (traced at one micro-batch)")
 
     def _check_train_step_setup(self, trainer) -> None:
@@ -59,7 +59,7 @@ class TrainStepPlans(ParallelStrategy):
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} with "
                 f"NnCompileStrategy: {what}, and pm.train_step reduces the gradients at the end "
                 f"of every call, so Lightning cannot accumulate over several of them. "
-                f"Accumulate inside the plan instead: pas_config microbatches="
+                f"Accumulate inside the plan instead: parallel.microbatches="
                 f"{m * trainer.accumulate_grad_batches} with a batch "
                 f"{trainer.accumulate_grad_batches}x larger, and accumulate_grad_batches=1")
         plugin = self.precision_plugin
@@ -88,7 +88,7 @@ class TrainStepPlans(ParallelStrategy):
                 f"({stage}): validation, test and predict are not supported under this plan. "
                 f"Turn validation off (Trainer(limit_val_batches=0, num_sanity_val_steps=0)) "
                 f"and evaluate a merged checkpoint (NnCompileStrategy.merge_checkpoint or "
-                f"python -m nncompile merge) under a plan without pipeline_stages/microbatches")
+                f"python -m nncompile merge) under a plan without parallel.pp/microbatches")
         if self.lightning_module.automatic_optimization and not self._zeroed_first:
             raise ConfigError(
                 f"NnCompileStrategy: {self._describe_plan()}: pm.train_step leaves the gradients "

@@ -9,7 +9,7 @@ The recomputation itself is kept as the plan's own: a checkpointed module of the
 function is a submodule, its bound method or a partial of one (also of the unbound forward
 with the module as its first argument), as in Hugging Face's gradient
 checkpointing) is recomputed in backward by the recompute pass, as if it were named in
-`pas_config["recompute_modules"]`:
+`parallel.recompute_modules`:
 
     model:      x = checkpoint(self.h[0], x, use_reentrant=True)
     generated:  def recompute_h0(x): ...          # the block's ops, collectives included
@@ -85,7 +85,7 @@ def checkpointed_modules(module: torch.nn.Module) -> list[str]:
         from ..log import log
         log(f"{other} checkpointed function(s) of the model are no module of it: traced with "
             "their gradients, their activations kept (name a module in "
-            "pas_config['recompute_modules'] to recompute it)")
+            "parallel.recompute_modules to recompute it)")
     _SEEN.clear()
     return out
 
@@ -95,11 +95,11 @@ def with_recompute(config: Any, paths: list[str]) -> Any:
     autodist chooses them: "auto")."""
     if not paths:
         return config
-    given = config.pas_config.get("recompute_modules")
+    given = config.parallel.recompute_modules
     if given == "auto":
         return config
     if "" in paths:                     # the whole model checkpointed: every op
         paths = ["*"]
     merged = list(given or []) + [p for p in paths if p not in (given or [])]
-    return dataclasses.replace(config, pas_config={**config.pas_config,
-                                                   "recompute_modules": merged})
+    return dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, recompute_modules=merged))

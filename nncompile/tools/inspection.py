@@ -249,7 +249,7 @@ def _summary(p: Instance) -> list[str]:
     pp = p.pipeline
     searched = p.plan.get("pipeline") or {}
     if not pp and searched.get("auto"):
-        lines.append(f"  pipeline_stages='auto' chose one stage ({searched.get('chosen_by')});"
+        lines.append(f"  parallel.pp='auto' chose one stage ({searched.get('chosen_by')});"
                      " nncompile.explain(DIR, 'pipeline') lists the stage counts tried")
     if pp:
         step = pp.get("predicted_step_ms")

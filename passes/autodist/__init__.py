@@ -5,7 +5,7 @@
         -> placements on the graph -> explanation data (report.py)
 
 Memory options: with ComputeConfig(use_zero="auto") (a ZeRO stage 0-3),
-offload_optimizer="auto" and/or pas_config recompute_modules="auto", autodist also picks those,
+offload_optimizer="auto" and/or parallel.recompute_modules="auto", autodist also picks those,
 the fastest combination whose plan fits mem_limit_gb (memory_search.py, formulas in
 memory_model.py); explicit values are kept and counted. The result is graph.plan_state.memory
 and plan.json's autodist["memory"] (choice, bytes per rank by kind, host bytes, candidates).
@@ -15,7 +15,7 @@ plan's costs at the stage's tensor-parallel size; autodist then limits memory pe
 rank (one memory_limit per rank, activations times the micro-batches in flight: pipeline.py)
 and records each stage's time and memory under the final plan in plan_state.pipeline.
 
-pas_config keys:
+ParallelSpec fields it reads (ComputeConfig(parallel=...), nncompile/parallel_spec.py):
     device               built-in profile name ('cpu', 'a100-80g', 'h100-80g', 'h200') or a
                          profile .json (`python -m nncompile profile -o FILE`); default: this
                          machine's accelerator, else 'cpu'
@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from nncompile.config import PAS_CONFIG_KEYS
 from nncompile.errors import ConfigError
 from nncompile.experts import MOE_EXPERTS
 from nncompile.ir import Graph
@@ -53,17 +52,17 @@ from .profiles import BUILTIN, DeviceProfile, cpu_fallback_note, get_profile, me
     save_profile
 from .report import explain, explanation_data, report_table
 
-KEYS = PAS_CONFIG_KEYS      # the one list of pas_config keys, checked by ComputeConfig
 
 
 def cost_model(config) -> CostModel:
-    pc = config.pas_config
-    opt = pc.get("optimizer", "adam")
+    pc = config.parallel
+    opt = pc.optimizer
     if opt not in OPTIMIZER_STATE_BYTES:
-        raise ConfigError(f"pas_config optimizer={opt!r}; choose one of "
+        raise ConfigError(f"parallel.optimizer={opt!r}; choose one of "
                           f"{sorted(OPTIMIZER_STATE_BYTES)} or set optimizer_state_bytes")
-    state = float(pc.get("optimizer_state_bytes", OPTIMIZER_STATE_BYTES[opt]))
-    return CostModel(get_profile(pc.get("device")), config.plan_ngpus, config.dp_size,
+    state = float(OPTIMIZER_STATE_BYTES[opt] if pc.optimizer_state_bytes is None
+                  else pc.optimizer_state_bytes)
+    return CostModel(get_profile(pc.device), config.plan_ngpus, config.dp_size,
                      training=not config.inference_only, optimizer_state_bytes=state,
                      bucket_bytes=float(config.reducer_bucket_cap_mb) * 2 ** 20)
 
@@ -71,7 +70,7 @@ def cost_model(config) -> CostModel:
 def plan_problem(graph: Graph, config, recompute: list[str] | None = None, narrow=None
                  ) -> tuple[Graph, Problem]:
     """The graph to place (a copy) and its decision problem; `recompute`: the modules to
-    recompute (default: pas_config's, none for "auto"). Under a pipeline (op.stage set,
+    recompute (default: parallel.recompute_modules, none for "auto"). Under a pipeline (op.stage set,
     plan_state.pipeline) memory is limited per pipeline rank (pipeline.py)."""
     g = graph.clone()
     g.plan_ngpus = config.plan_ngpus
@@ -86,13 +85,9 @@ def plan_problem(graph: Graph, config, recompute: list[str] | None = None, narro
 def problem_of(g: Graph, config, recompute: list[str] | None = None, narrow=None) -> Problem:
     """The decision problem of placing `g` (not modified) for `config`; `narrow`: what
     context_narrow(g, config) gives (computed here when not given)."""
-    pc = config.pas_config
-    unknown = set(pc) - KEYS
-    if unknown:
-        raise ConfigError(f"unknown pas_config keys for autodist: {sorted(unknown)}; "
-                          f"known: {sorted(KEYS)}")
+    pc = config.parallel
     if recompute is None:
-        rc = pc.get("recompute_modules")
+        rc = pc.recompute_modules
         recompute = [] if rc == AUTO else list(rc or [])
     model = cost_model(config)
     model.context = g.axes.get("cp", 1)     # the sequence split (passes/context_parallel.py)
@@ -102,7 +97,7 @@ def problem_of(g: Graph, config, recompute: list[str] | None = None, narrow=None
     if narrow is None:
         narrow = context_narrow(g, config)
     narrow = experts_narrow(g, config, narrow)
-    return build_problem(g, model, parse_constraints(pc.get("constraints")), recompute, narrow)
+    return build_problem(g, model, parse_constraints(pc.constraints), recompute, narrow)
 
 
 def context_narrow(g: Graph, config):
@@ -113,12 +108,12 @@ def context_narrow(g: Graph, config):
     if c == 1:
         return None
     from ..context_parallel import plan_filter, sequence_splits
-    along = sequence_splits(g, c, config.pas_config)
+    along = sequence_splits(g, c, config.parallel)
     return lambda op, cands: plan_filter(op, cands, along.get(op.name))
 
 
 def experts_narrow(g: Graph, config, narrow=None):
-    """`narrow` with each mixture-of-experts layer kept to the split pas_config
+    """`narrow` with each mixture-of-experts layer kept to the split parallel.ep
     ["expert_parallel"] = E gives it (passes/plan.py): dispatch when E is the plan's ranks,
     its tokens split (the experts whole) beside an ep axis (passes/expert_parallel.py)."""
     from nncompile.rules.experts import DISPATCH
@@ -146,21 +141,22 @@ def apply(g: Graph, prob: Problem, picks: list[int]) -> None:
 
 def autodist(graph: Graph, config) -> Graph:
     """Place every op and weight to minimize the modelled step time within the memory limit."""
-    pc = config.pas_config
-    if pc.get("load_plan_path"):
-        g = load_plan(graph, pc["load_plan_path"], config.plan_ngpus)
-        g.plan_state.memory = loaded_memory(g.plan_state.memory, config, pc["load_plan_path"])
-        _log(f"autodist: loaded the plan in {pc['load_plan_path']}")
+    pc = config.parallel
+    if pc.load_plan_path:
+        g = load_plan(graph, pc.load_plan_path, config.plan_ngpus)
+        g.plan_state.memory = loaded_memory(g.plan_state.memory, config, pc.load_plan_path)
+        _log(f"autodist: loaded the plan in {pc.load_plan_path}")
         return g
     start = time.perf_counter()
-    mem = pc.get("mem_limit_gb", get_profile(pc.get("device")).mem_capacity_gb)
-    note = cpu_fallback_note(pc.get("device"))
+    mem = pc.mem_limit_gb if pc.mem_limit_gb is not None else \
+        get_profile(pc.device).mem_capacity_gb
+    note = cpu_fallback_note(pc.device)
     if note:
         _log(f"autodist: {note}")
     try:
         narrow = context_narrow(graph, config)
         found = search(graph, config, lambda rc: plan_problem(graph, config, rc, narrow), mem,
-                       float(pc.get("solver_time_limit", 60.0)))
+                       float(pc.solver_time_limit))
     except PlanInfeasibleError as e:
         if not note:
             raise
@@ -183,8 +179,8 @@ def autodist(graph: Graph, config) -> Graph:
     if len(found.candidates) > 1:
         _log(f"autodist: memory options {label(best.choice)}, the fastest of "
              f"{len(found.candidates)} combinations that fits ({found.solves} ILPs solved)")
-    if pc.get("save_plan_path"):
-        save_plan(g, pc["save_plan_path"])
+    if pc.save_plan_path:
+        save_plan(g, pc.save_plan_path)
     return g
 
 

@@ -1,4 +1,4 @@
-"""Partition constraints a user pins in `pas_config["constraints"]`.
+"""Partition constraints a user pins in `parallel.constraints`.
 
 Each entry selects ops by module path or op name (glob patterns) and limits their strategies:
 
@@ -54,17 +54,17 @@ def parse_constraints(raw) -> list[PartitionConstraint]:
     if raw is None:
         return []
     if not isinstance(raw, (list, tuple)):
-        raise ConfigError("pas_config['constraints'] must be a list of dicts like "
+        raise ConfigError("parallel.constraints must be a list of dicts like "
                           "{'module': 'layers.*.mlp', 'dims': [-1], 'replicate': False}")
     out = []
     for i, entry in enumerate(raw):
         if not isinstance(entry, dict) or not ({"module", "op"} & set(entry)):
-            raise ConfigError(f"pas_config['constraints'][{i}] = {entry!r}: each constraint "
+            raise ConfigError(f"parallel.constraints[{i}] = {entry!r}: each constraint "
                               "is a dict with 'module' or 'op' (a glob) and any of 'dims', "
                               "'partial', 'replicate'")
         unknown = set(entry) - _KEYS
         if unknown:
-            raise ConfigError(f"pas_config['constraints'][{i}] has unknown keys "
+            raise ConfigError(f"parallel.constraints[{i}] has unknown keys "
                               f"{sorted(unknown)}; allowed: {sorted(_KEYS)}")
         dims = entry.get("dims")
         out.append(PartitionConstraint(entry.get("module"), entry.get("op"),
@@ -87,7 +87,7 @@ def allowed_strategies(op: Op, candidates: list[Strategy],
 
     kept = [s for s in candidates if ok(s)]
     if not kept:
-        raise ConfigError(f"pas_config constraints leave no strategy for op {op.name} "
+        raise ConfigError(f"parallel.constraints leave no strategy for op {op.name} "
                           f"({op.target_name}, module {op.module_path!r}); its strategies are "
                           f"{[s.note for s in candidates]}; relax 'dims' or allow 'replicate'")
     return kept

@@ -32,7 +32,7 @@ AdamW; other optimizers scale it by the tensors they read and write (2 + state b
 against Adam's 4.
 
 Memory per rank: parameters, their gradients and optimizer state (Adam: two fp32 moments, 8
-bytes per element; `pas_config["optimizer_state_bytes"]`), at their local size; plus the
+bytes per element; `parallel.optimizer_state_bytes`), at their local size; plus the
 activations saved for backward (every differentiable op output that is not a view, at its
 local size; Partial values are full size); ops inside `recompute_modules` save only what their
 region hands on but run their forward twice. ZeRO stages and offload: memory_model.py.
@@ -420,7 +420,7 @@ def step_cost(g: Graph, model: CostModel, recompute=(), memory=None,
 
 def estimate_step(graph: Graph, config, profile=None) -> StepEstimate:
     """autodist's estimate of one training step of `graph` as planned by any policy: the graph
-    the plan pass returned, costed for `config` (plan_ngpus, dp_size, pas_config's device,
+    the plan pass returned, costed for `config` (plan_ngpus, dp_size, parallel.device,
     optimizer, recompute_modules) or for `profile` (a DeviceProfile or its name/file).
     `estimate_step(g, config).total` equals the ILP objective when g is autodist's plan."""
     from . import cost_model
@@ -434,7 +434,7 @@ def estimate_step(graph: Graph, config, profile=None) -> StepEstimate:
         model.profile = get_profile(profile)
     memory = graph.plan_state.memory
     recompute = memory.recompute if memory is not None and memory.recompute else \
-        config.pas_config.get("recompute_modules") or ()
+        config.parallel.recompute_modules or ()
     if recompute == "auto":
         recompute = ()
     return step_cost(graph, model, tuple(recompute), memory, MemoryModel.of(model, config))

@@ -132,8 +132,8 @@ def solve(prob: Problem, mem_limit_gb: float | None, time_limit: float = 60.0) -
         raise PlanInfeasibleError(
             f"autodist: no plan fits mem_limit_gb={mem_limit_gb:g} GB per rank; the leanest "
             f"plan needs {need} per rank (parameters, gradients, optimizer state and saved "
-            "activations). Raise pas_config['mem_limit_gb'], increase plan_ngpus, shrink the "
-            "batch, or add pas_config['recompute_modules'].")
+            "activations). Raise parallel.mem_limit_gb, increase plan_ngpus, shrink the "
+            "batch, or add parallel.recompute_modules.")
     return sol
 
 
@@ -153,8 +153,8 @@ def solve_within(prob: Problem, mem_limit_gb: float | None,
         if max(vals, default=0.0) < 0.5:
             raise PolicyError(f"autodist: the ILP solver ({name}) stopped with status "
                               f"{status!r} after {secs:.1f} s without a plan; raise "
-                              f"pas_config['solver_time_limit'] (now {time_limit:g} s) or "
-                              "simplify the problem with pas_config['constraints']")
+                              f"parallel.solver_time_limit (now {time_limit:g} s) or "
+                              "simplify the problem with parallel.constraints")
         picks.append(max(range(len(vals)), key=vals.__getitem__))
     return Solution(picks, objective_of(prob, picks), pulp.value(m.objective) / US,
                     memory_of(prob, picks), name, secs, len(m.variables()), len(m.constraints))

@@ -41,7 +41,7 @@ def auto_fields(config) -> list[str]:
         out.append("use_zero")
     if config.offload_optimizer == AUTO:
         out.append("offload_optimizer")
-    if config.pas_config.get("recompute_modules") == AUTO:
+    if config.parallel.recompute_modules == AUTO:
         out.append("recompute_modules")
     return out
 
@@ -71,7 +71,7 @@ def memory_options(graph: Graph, config) -> list[MemoryChoice]:
         stages = [0, 1, 2, 3] if group > 1 else [0]
     offloads = [False, True] if config.offload_optimizer == AUTO else \
         [bool(config.offload_optimizer)]
-    rc = config.pas_config.get("recompute_modules")
+    rc = config.parallel.recompute_modules
     if rc == AUTO:
         blocks = repeated_blocks(graph) if training else ()
         recomputes = [()] + ([blocks] if blocks else [])
@@ -227,7 +227,7 @@ def nothing_fits(s: MemorySearch, mem_limit_gb: float | None, config) -> str:
     if "offload_optimizer" not in s.auto and not c.offload_optimizer:
         fixed.append("offload_optimizer='auto'")
     if "recompute_modules" not in s.auto and not c.recompute:
-        fixed.append("pas_config['recompute_modules']='auto'")
+        fixed.append("parallel.recompute_modules='auto'")
     if c.zero == 3 and not c.offload_params:
         fixed.append("offload_params=True")
     more = f", or let autodist choose more: {', '.join(fixed)}" if fixed else ""
@@ -236,7 +236,7 @@ def nothing_fits(s: MemorySearch, mem_limit_gb: float | None, config) -> str:
             f"{lean.lean / GB:.4g} GB per rank with {label(c)} (use_zero={c.zero}, "
             f"offload_optimizer={c.offload_optimizer}, offload_params={c.offload_params}, "
             f"recompute_modules={list(c.recompute)}): {parts}. Raise "
-            "pas_config['mem_limit_gb'], add data-parallel ranks (runtime_ngpus: ZeRO shards "
+            "parallel.mem_limit_gb, add data-parallel ranks (runtime_ngpus: ZeRO shards "
             f"the training state over them), increase plan_ngpus or shrink the batch{more}.")
 
 

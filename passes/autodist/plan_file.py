@@ -48,7 +48,7 @@ def load_plan(graph: Graph, path: str | Path, n: int) -> Graph:
     try:
         saved = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"pas_config load_plan_path={str(path)!r} cannot be read ({e}); "
+        raise ConfigError(f"parallel.load_plan_path={str(path)!r} cannot be read ({e}); "
                           "give a file written with save_plan_path") from None
     if saved.get("format") != FORMAT:
         raise ConfigError(f"{path} is not an nncompile plan file (no format={FORMAT!r})")
@@ -84,7 +84,7 @@ def loaded_memory(saved: MemoryChoice | None, config, path) -> MemoryChoice:
     """The memory options of a loaded plan: the config's explicit values, the saved plan's
     for those left to autodist ("auto")."""
     auto = "auto"
-    rc = config.pas_config.get("recompute_modules")
+    rc = config.parallel.recompute_modules
     asked = [name for name, v in (("use_zero", config.zero_stage),
                                   ("offload_optimizer", config.offload_optimizer),
                                   ("recompute_modules", rc)) if v == auto]

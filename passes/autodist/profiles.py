@@ -1,7 +1,7 @@
 """Device profiles: what the cost model knows about the hardware.
 
 Built-ins describe one accelerator of a common node (dense peak FLOP/s per dtype, memory
-bandwidth and capacity, intra-node link, inter-node network). `pas_config["device"]` picks one
+bandwidth and capacity, intra-node link, inter-node network). `parallel.device` picks one
 by name or names a JSON file written by `measure_profile` (`python -m nncompile profile`),
 which times this machine's matmuls, memory copies and (inside a process group) all-reduces.
 """
@@ -117,7 +117,7 @@ def default_device() -> str:
 
 
 def cpu_fallback_note(device: str | DeviceProfile | None) -> str:
-    """Why the plan is for the 'cpu' profile when nobody chose it: '' when pas_config names a
+    """Why the plan is for the 'cpu' profile when nobody chose it: '' when parallel.device names a
     device or this machine has a GPU, else a sentence naming the fixes. Compiling on a laptop
     for a GPU cluster (parallelize(..., load_module=False)) otherwise plans for gloo links and
     the cpu profile's memory capacity without saying so."""
@@ -126,9 +126,9 @@ def cpu_fallback_note(device: str | DeviceProfile | None) -> str:
     gpus = ", ".join(f"'{name}'" for name in BUILTIN if not name.startswith("cpu"))
     return (f"no GPU is visible, so autodist plans for the built-in 'cpu' profile (gloo "
             f"links, {BUILTIN['cpu'].mem_capacity_gb:g} GB per rank). To compile for GPUs, name "
-            f"the target: pas_config={{\"device\": \"h100-80g\"}} (built-in GPU profiles: "
+            f"the target: parallel={{\"device\": \"h100-80g\"}} (built-in GPU profiles: "
             f"{gpus}), or run `python -m nncompile profile -o FILE` on the target machine and "
-            "pass pas_config={\"device\": \"FILE\"}.")
+            "pass parallel={\"device\": \"FILE\"}.")
 
 
 def get_profile(device: str | DeviceProfile | None) -> DeviceProfile:
@@ -145,7 +145,7 @@ def get_profile(device: str | DeviceProfile | None) -> DeviceProfile:
         except TypeError as e:
             raise ConfigError(f"device profile {path} is malformed ({e}); write it again with "
                               "`python -m nncompile profile -o FILE`") from e
-    raise ConfigError(f"pas_config device={device!r} is neither a built-in profile "
+    raise ConfigError(f"parallel.device={device!r} is neither a built-in profile "
                       f"({sorted(BUILTIN)}) nor an existing .json profile file")
 
 

@@ -87,7 +87,7 @@ def explain(target: Any, op: str) -> str:
     plan = _load(target)
     if op == "pipeline":
         if not plan.get("pipeline"):
-            raise ConfigError("this plan has no pipeline stages (pas_config['pipeline_stages'])")
+            raise ConfigError("this plan has no pipeline stages (parallel.pp)")
         return explain_pipeline(plan["pipeline"])
     data = plan.get("autodist")
     if not data:
@@ -127,7 +127,7 @@ def explain(target: Any, op: str) -> str:
     if len(ch["options"]) == 1:
         lines.append("    none: no rule splits this op (it runs replicated)"
                      if chosen["label"] == "replicate" else
-                     "    none: pas_config['constraints'] leave this op only this option")
+                     "    none: parallel.constraints leave this op only this option")
     return "\n".join(lines)
 
 

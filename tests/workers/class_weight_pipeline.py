@@ -33,7 +33,7 @@ def main() -> None:
     ref = copy.deepcopy(model)
     batches = [_weighted_batch(s) for s in range(3)]
     pm = nncompile.parallelize(model, batches[0], nncompile.ComputeConfig(
-        2, 2, pas_config={"pipeline_stages": 2, "microbatches": 2}), pas_policy="dp",
+        2, 2, parallel={"pp": 2, "microbatches": 2}), pas_policy="dp",
         gen_savedir=args.savedir)
     assert pm.BATCHED == ["x", "y"], pm.BATCHED
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)

@@ -37,7 +37,7 @@ def main() -> None:
     want = habits_loop(ref, ref, batch_of, block, micro=M)
     want["dcp"] = want["saved"]
     module = copy.deepcopy(base)
-    cfg = ComputeConfig(2, 2, pas_config={"pipeline_stages": 2, "pipeline_schedule": "1f1b",
+    cfg = ComputeConfig(2, 2, parallel={"pp": 2, "schedule": "1f1b",
                                           "microbatches": M})
     pm = nncompile.parallelize(module, batch_of(0), cfg, pas_policy="tp",
                                gen_savedir=savedir / "gen", instance_name="habits_pp")

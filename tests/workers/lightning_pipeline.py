@@ -103,7 +103,7 @@ def fit(lit, savedir, pas, plan=2, precision="32-true", ckpt_path=None, max_step
         **kwargs) -> L.Trainer:
     kwargs.setdefault("enable_checkpointing", False)
     strategy = NnCompileStrategy(nncompile.ComputeConfig(plan, dist.get_world_size(),
-                                                         pas_config=pas),
+                                                         parallel=pas),
                                  pas_policy="tp", gen_savedir=savedir, reuse="moo",
                                  instance_name="pp" + "_".join(f"{v}" for v in pas.values()))
     kwargs.setdefault("limit_val_batches", 0)
@@ -194,7 +194,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     nncompile.init_distributed("gloo")
-    pp2 = {"pipeline_stages": 2, "pipeline_schedule": "1f1b", "microbatches": M}
+    pp2 = {"pp": 2, "schedule": "1f1b", "microbatches": M}
     want, weights = reference(units=1)
     want = [x[0] for x in want]
 

@@ -44,7 +44,7 @@ def batch(rank: int, step: int = 0):
 
 def compile_(d: Path, name: str, **pas):
     cfg = nncompile.ComputeConfig(1, dist.get_world_size(), use_zero="auto",
-                                  pas_config={"device": "cpu", **pas})
+                                  parallel={"device": "cpu", **pas})
     pm = nncompile.parallelize(build(), batch(dist.get_rank()), cfg, pas_policy="autodist",
                                gen_savedir=d, instance_name=name)
     return pm, json.loads((d / name / "plan.json").read_text())["autodist"]["memory"]

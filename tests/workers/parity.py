@@ -69,7 +69,7 @@ def pas_config(name: str, policy: str, plan: int, runtime: int) -> dict:
     from nncompile.passes.autodist import leanest_memory, plan_problem, replicated_memory
     config = {"recompute_modules": RECOMPUTE, **limit}
     g = trace(models.build(name), models.batch(name, 0))
-    _, prob = plan_problem(g, nncompile.ComputeConfig(plan, runtime, pas_config=config))
+    _, prob = plan_problem(g, nncompile.ComputeConfig(plan, runtime, parallel=config))
     config["mem_limit_gb"] = (leanest_memory(prob) + replicated_memory(prob)) / 2 / 1e9
     return config
 
@@ -100,7 +100,7 @@ def check(name: str, policy: str, plan: int, runtime: int, savedir: str,
     unit = rank // plan
     model = models.build(name)
     cfg = nncompile.ComputeConfig(plan_ngpus=plan, runtime_ngpus=runtime,
-                                  pas_config=pas_config(name, policy, plan, runtime),
+                                  parallel=pas_config(name, policy, plan, runtime),
                                   compile=compile)
     from torch._dynamo.utils import counters      # graphs and graph breaks of compile=True
     counters.clear()

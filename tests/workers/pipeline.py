@@ -195,13 +195,13 @@ def check_grads(case: Case, pm, want: dict) -> None:
 def run(case: Case, savedir: str) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     units = world // case.plan
-    pas = {"pipeline_stages": case.stages, "pipeline_schedule": case.schedule,
+    pas = {"pp": case.stages, "schedule": case.schedule,
            "microbatches": M, "stages_per_rank": case.per_rank,
-           **({"context_parallel": case.cp} if case.cp > 1 else {})}
+           **({"cp": case.cp} if case.cp > 1 else {})}
     model = build(case)
     pm = nncompile.parallelize(
         model, unit_batch(case, 0, 0),
-        nncompile.ComputeConfig(case.plan, world, pas_config=pas, use_zero=case.zero),
+        nncompile.ComputeConfig(case.plan, world, parallel=pas, use_zero=case.zero),
         pas_policy=case.policy, gen_savedir=savedir, instance_name=case.name, reuse="override")
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     want_losses, want_state, live, want_grads, want_valid = reference(case, units)

@@ -99,7 +99,7 @@ def build(d: Path, name: str, plan: int, pas: dict, zero: int = 0):
     """A 4-rank plan of the tp policy and its optimizer (build_optimizer: ZeRO under zero)."""
     units = 4 // plan
     dummy = {k: v.chunk(units)[0] for k, v in batch(0).items()}
-    pm = nncompile.parallelize(gpt(), dummy, nncompile.ComputeConfig(plan, 4, pas_config=pas,
+    pm = nncompile.parallelize(gpt(), dummy, nncompile.ComputeConfig(plan, 4, parallel=pas,
                                                                      use_zero=zero),
                                pas_policy="tp", gen_savedir=d / "gen", instance_name=name)
     return pm, optimizer(pm)
@@ -185,7 +185,7 @@ def merge_all(d: Path, prefix: str, ref: Reference, step: int) -> None:
 
 
 def phase_pp_tp(d: Path, ref: Reference) -> tuple:
-    pas = {"pipeline_stages": 2, "pipeline_schedule": "1f1b", "microbatches": M}
+    pas = {"pp": 2, "schedule": "1f1b", "microbatches": M}
     pm, opt = build(d, "gpt_pp2_tp2", 4, pas)
     assert (pm.PIPE_RANKS, pm.PLAN_NGPUS) == (2, 2)
     for step, (max_norm, norm_type) in enumerate(((1.0, 2.0), (0.05, math.inf))):
@@ -252,7 +252,7 @@ def phase_reshard(d: Path, ref: Reference, pp, want: list[float]) -> None:
 
 
 def phase_pp_dp(d: Path, ref: Reference) -> None:
-    pas = {"pipeline_stages": 2, "pipeline_schedule": "1f1b", "microbatches": M // 2}
+    pas = {"pp": 2, "schedule": "1f1b", "microbatches": M // 2}
     pm, opt = build(d, "gpt_pp2_dp2", 2, pas, zero=1)
     assert (pm.PIPE_RANKS, pm.PLAN_NGPUS, type(opt).__name__) == (2, 1, "ZeroOptimizer")
     nncompile.load_checkpoint(d / "pp_dcp", pm, opt)

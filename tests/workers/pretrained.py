@@ -62,12 +62,12 @@ def batch(step: int, vocab: int = 64, rows: int = 4) -> dict:
 CASES = {
     "llama-tp2": ("llama", 2, {}, "tp", "50GB"),
     "llama-zero3": ("llama", 1, {"use_zero": 3}, "data", 20000),
-    "llama-pp2": ("llama", 2, {"pas_config": {"pipeline_stages": 2, "microbatches": 2}},
+    "llama-pp2": ("llama", 2, {"parallel": {"pp": 2, "microbatches": 2}},
                   "tp", "50GB"),
     "mixtral-tp2": ("mixtral", 2, {}, "tp", 20000),
     "mixtral-zero3-offload": ("mixtral", 1, {"use_zero": 3, "offload_params": True}, "data",
                               "50GB"),
-    "mixtral-pp2": ("mixtral", 2, {"pas_config": {"pipeline_stages": 2, "microbatches": 2}},
+    "mixtral-pp2": ("mixtral", 2, {"parallel": {"pp": 2, "microbatches": 2}},
                     "data", 20000),
 }
 
@@ -79,7 +79,7 @@ def save_case(name: str, workdir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = HFCausalLM(build(arch))
     cfg = nncompile.ComputeConfig(plan, world, **kw)
-    pipelined = "pipeline_stages" in kw.get("pas_config", {})
+    pipelined = "pipeline_stages" in kw.get("parallel", {})
     rows = 4 * plan // world                 # each data-parallel unit its share
 
     def unit_batch(step: int, unit: int) -> dict:

@@ -180,7 +180,7 @@ def train(policy: str, plan: int, runtime: int, v: Variant, savedir: str):
     cfg = nncompile.ComputeConfig(plan, runtime, use_async_reducer=v.use_async_reducer,
                                   reducer_bucket_cap_mb=v.bucket_mb, use_zero=v.use_zero,
                                   offload_optimizer=v.offload, offload_params=v.offload_params,
-                                  pas_config={"recompute_modules": ["Block"]} if v.recompute
+                                  parallel={"recompute_modules": ["Block"]} if v.recompute
                                   else {})
     name = f"gpt_{policy}_{plan}x{runtime}" + (f"_z{int(v.use_zero)}" if v.use_zero else "") + \
         ("_off" if v.offload_params else "") + ("_rc" if v.recompute else "")
