@@ -263,7 +263,7 @@ BY_NAME = {c.name: c for c in CELLS}
 def compute_config(cell: Cell) -> nncompile.ComputeConfig:
     pas = {"pp": cell.stages, "schedule": "1f1b",
            "microbatches": cell.loop.accum} if cell.stages else {}
-    pas.update({k: v for k, v in (("context_parallel", cell.cp), ("expert_parallel", cell.ep))
+    pas.update({k: v for k, v in (("cp", cell.cp), ("ep", cell.ep))
                 if v > 1})
     if cell.recompute:
         pas["recompute_modules"] = list(cell.recompute)

@@ -10,6 +10,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("NNCOMPILE_QUIET", "1")
 
 
+# ---- two workers (pyproject's addopts: -n auto --dist loadgroup) -------------------------------
+# A test that launches ranks already runs 2-4 processes, so more workers than two only contend;
+# single-process tests (compiles, threaded ranks, the docs pages) fill the second core.
+CHEAP_SHARED = {"matrix"}          # module fixtures fine to build once per worker
+
+
+def pytest_xdist_auto_num_workers(config):
+    return int(os.environ.get("NNCOMPILE_TEST_WORKERS", min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests of a module that share a module-scoped fixture (one compile, one torchrun launch
+    whose results several tests check) run on one worker, so it is built once; the others
+    spread over the workers one by one."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.items() if info is not None else ()
+        if any(name not in CHEAP_SHARED and fds and fds[-1].scope in ("module", "package",
+                                                                        "class")
+               for name, fds in defs):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,4 +1,4 @@
-"""Context parallelism (pas_config["context_parallel"]): the sequence split along the cp mesh
+"""Context parallelism (parallel.cp): the sequence split along the cp mesh
 axis equals one device on Hugging Face causal LMs (GQA, rotary, labels=input_ids, a padding
 mask), alone and with tensor parallelism; the training loop with data parallelism is in the
 conformance suite (cells cp_dp, cp_tp)."""

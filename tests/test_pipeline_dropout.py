@@ -107,5 +107,5 @@ def test_eval_mode_refused_where_the_eval_forward_differs(tmp_path):
     pm = load_rank_module(out, 0, model)
     pm.eval()
     with pytest.raises(PipelineError, match="differs in eval mode.*plan without "
-                                            "pipeline_stages"):
+                                            "a pipeline"):
         pm(**batch)

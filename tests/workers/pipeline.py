@@ -138,7 +138,7 @@ def validation(pm, batch) -> list[float]:
         try:
             pm(**batch)
         except nncompile.PipelineError as e:
-            assert "plan without pipeline_stages" in str(e), e
+            assert "plan without a pipeline" in str(e), e
         else:
             raise AssertionError("eval mode ran the training-mode stages")
         pm.train()

@@ -79,7 +79,7 @@ def save_case(name: str, workdir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = HFCausalLM(build(arch))
     cfg = nncompile.ComputeConfig(plan, world, **kw)
-    pipelined = "pipeline_stages" in kw.get("parallel", {})
+    pipelined = "pp" in kw.get("parallel", {})
     rows = 4 * plan // world                 # each data-parallel unit its share
 
     def unit_batch(step: int, unit: int) -> dict:
