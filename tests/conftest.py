@@ -8,6 +8,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("NNCOMPILE_QUIET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):      # one of two workers: one intra-op thread each,
+    import torch                               # as the torchrun tests' ranks run
+    torch.set_num_threads(1)
 
 
 # ---- two workers (pyproject's addopts: -n auto --dist loadgroup) -------------------------------
@@ -20,6 +23,7 @@ def pytest_xdist_auto_num_workers(config):
     return int(os.environ.get("NNCOMPILE_TEST_WORKERS", min(2, os.cpu_count() or 1)))
 
 
+@pytest.hookimpl(tryfirst=True)     # before xdist's worker reads the marks into node ids
 def pytest_collection_modifyitems(config, items):
     """Tests of a module that share a module-scoped fixture (one compile, one torchrun launch
     whose results several tests check) run on one worker, so it is built once; the others
