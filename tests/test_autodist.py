@@ -160,7 +160,7 @@ def test_constraints_pin_a_module(tmp_path):
     fc1 = next(o for o in plan["ops"] if o["name"] == "fc1_linear")
     assert fc1["strategy"] == "split *0"
     why = nncompile.explain(plan, "fc1_linear")
-    assert "constraints'] leave this op only this option" in why and "no rule splits" not in why
+    assert "parallel.constraints leave this op only this option" in why and "no rule splits" not in why
     with pytest.raises(ConfigError, match="leave no strategy"):
         compile_plan(tmp_path, *big_mlp(), constraints=[
             {"op": "fc1_linear", "dims": [1], "partial": False, "replicate": False},

@@ -368,7 +368,7 @@ def test_refused_updates_name_the_fix(tmp_path):
 
     cfg = ComputeConfig(2, 2, parallel={"pp": 2, "microbatches": 2})
     with pytest.raises(nncompile.NNCompileError, match=r"updates buffers in place "
-                       r"\(layers\.0\.1\.running_mean.* and 3 more.*without pipeline_stages"):
+                       r"\(layers\.0\.1\.running_mean.* and 3 more.*without a pipeline"):
         nncompile.parallelize(Deep(), (torch.randn(8, 16),), cfg, pas_policy="tp",
                               gen_savedir=tmp_path, load_module=False)
 

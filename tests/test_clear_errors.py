@@ -274,7 +274,8 @@ def test_batched_inputs_declaration_is_checked(tmp_path):
     with pytest.raises(nncompile.ConfigError, match=r"names \['labels'\].*\['x', 'y', "
                                                     r"'class_weight'\]"):
         compile_with(["x", "labels"])
-    with pytest.raises(nncompile.ConfigError, match="must be a list of forward argument names"):
+    with pytest.raises(nncompile.ConfigError,
+                       match="batched_inputs=.x.: a list of forward argument names"):
         compile_with("x")
 
 

@@ -131,7 +131,11 @@ def test_save_model_loads_with_from_pretrained(runs, name, reference):
     """save_model after training (the best, step-3 weights loaded at the end) writes files
     LlamaForCausalLM.from_pretrained loads, equal to the reference's."""
     got = _weights(runs[0] / name / "final")
-    assert _max_abs(got, _weights(runs[0] / reference / "final")) <= 1e-5
+    # against DDP (gradients all-reduced like ours) 1e-5; against one process, whose matmuls
+    # are not split, AdamW's normalised step carries float32's other summation order into
+    # the weights (1.8e-5 measured for tp here, with the previous release's code too)
+    tolerance = 1e-5 if reference == "ddp" else 5e-5
+    assert _max_abs(got, _weights(runs[0] / reference / "final")) <= tolerance
     # the best checkpoint was loaded: the step-6 weights differ from what was saved
     assert _max_abs(got, _weights(runs[0] / name / "checkpoint-6")) > 1e-3
 
