@@ -164,10 +164,14 @@ def test_last_dump_holds_the_lowering_and_renders_every_rank_file_byte_for_byte(
                               pas_policy="tp", outdir=tmp_path)
     final = compiled.final
     dumps = sorted((tmp_path / "graphs").glob("*.py"))
-    assert [re.sub(r"^\d+_", "", p.stem) for p in dumps[-3:]] == [
-        "split_stages", "lower_zero3", "lower_recompute"]
+    assert [re.sub(r"^\d+_", "", p.stem) for p in dumps[-4:]] == [
+        "split_stages", "pipeline_schedule", "lower_zero3", "lower_recompute"]
     text = dumps[-1].read_text()
-    assert text.split("\n", 1)[1] == print_graph(final)          # the dump is this graph
+    head, graph_text = text.split("\n", 1)
+    schedule = [ln for ln in graph_text.splitlines(keepends=True)
+                if ln.startswith(("# the '1f1b' schedule", "#   rank "))]   # the header's
+    assert len(schedule) == 3 and graph_text.startswith("".join(schedule))  # ACTIONS table
+    assert graph_text[len("".join(schedule)):] == print_graph(final)  # the dump is this graph
     for marker in ("pipeline.stage(", "pipeline.send(", "zero.prefetch(", "zero.gather(",
                    "zero.free(", "checkpoint.begin(", "checkpoint.end("):
         assert marker in text, marker
