@@ -122,36 +122,28 @@ def zero_bubble_v(ranks: int, m: int) -> dict[int, list[Action]]:
         cnt = {(a, "F"): 0, (b, "F"): 0, (a, "I"): 0, (b, "I"): 0, (a, "W"): 0, (b, "W"): 0}
         acts: list[Action] = []
 
-        def run(stage, kind):
-            acts.append(Action(stage, kind, cnt[stage, kind]))
-            cnt[stage, kind] += 1
+        def run(*steps):               # (stage, kind) pairs, each on its next micro-batch
+            for stage, kind in steps:
+                acts.append(Action(stage, kind, cnt[stage, kind]))
+                cnt[stage, kind] += 1
         for _ in range(2 * (ranks - p) - 1):
-            run(a, "F")
+            run((a, "F"))
         for _ in range(p):
-            run(b, "F")
-            run(a, "F")
+            run((b, "F"), (a, "F"))
         for _ in range(ranks - p):
-            run(b, "F")
-            run(b, "I")
-            run(b, "W")
+            run((b, "F"), (b, "I"), (b, "W"))
         while cnt[b, "F"] < cnt[a, "F"] or cnt[a, "F"] < n:
             if cnt[a, "F"] < n:
-                run(a, "F")
-            run(a, "I")
-            run(a, "W")
-            run(b, "F")
-            run(b, "I")
-            run(b, "W")
+                run((a, "F"))
+            run((a, "I"), (a, "W"), (b, "F"), (b, "I"), (b, "W"))
         for _ in range(p):
-            run(a, "I")
-            run(b, "I")
+            run((a, "I"), (b, "I"))
         for _ in range(ranks - p):
-            run(a, "I")
-            run(a, "W")
+            run((a, "I"), (a, "W"))
         while cnt[b, "W"] < cnt[b, "I"]:
-            run(b, "W")
+            run((b, "W"))
         while cnt[a, "W"] < cnt[a, "I"]:
-            run(a, "W")
+            run((a, "W"))
         order[p] = [x for x in acts if x.microbatch < m]
     return order
 
