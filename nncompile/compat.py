@@ -187,8 +187,8 @@ def _torch_action(a):
 def add_send_recv(compute: dict, stage_rank: dict, nstages: int) -> dict:
     """Each pipeline rank's compute actions (nncompile.ir.schedule.Action) with the sends and
     receives between ranks, placed by torch.distributed.pipelining's own lowering
-    (`schedules._add_send_recv`, private: the one its action-list schedules use since 2.6;
-    same signature on 2.11 and 2.13). AssertionError when the order cannot be met."""
+    (`schedules._add_send_recv`, private: the one its action-list schedules use; checked on
+    2.13, the suite's torch). AssertionError when the order cannot be met."""
     from torch.distributed.pipelining.schedules import _add_send_recv
     from nncompile.ir.schedule import Action
     lowered = _add_send_recv({r: [_torch_action(a) for a in acts] for r, acts in compute.items()},
@@ -199,7 +199,7 @@ def add_send_recv(compute: dict, stage_rank: dict, nstages: int) -> dict:
 
 def action_list_schedule(stages: list, actions: dict, **kwargs):
     """torch.distributed.pipelining's action-list runtime (`_PipelineScheduleRuntime`,
-    private; its multi-stage schedules subclass it on 2.11 and 2.13) loaded with every
+    private; torch's multi-stage schedules subclass it, checked on 2.13) loaded with every
     pipeline rank's actions, sends and receives included (format "compute_comms"): it runs
     this rank's list as given."""
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
