@@ -52,7 +52,14 @@ ARGS = ["--max_iters=8", "--eval_interval=4", "--log_interval=1", "--eval_iters=
         "--learning_rate=0.01", "--warmup_iters=2", "--weight_decay=0.5",
         "--gradient_accumulation_steps=4", "--dropout=0.1", "--grad_clip=0.5"]
 FP16 = "--dtype=float16"       # autocast + GradScaler (data-parallel runs: no partial sums)
-TOL = 1.01e-4
+TOL = 1.01e-4                  # one unit of the 4 printed decimals
+# ZeRO-3 under float16 autocast: its gradients are reduce-scattered and clipped by a norm summed
+# over the pieces, so its float32 weights differ from DDP's in the last bits; casting to float16
+# for autocast turns such a difference into a whole float16 step (5e-4 relative) of some
+# weights. Measured: 2e-4 printed at step 8 on this CI's machine (the same with the previous
+# release), <= 1e-4 with float32. A missing gradient sync or an ignored weight decay (0.5 here)
+# moves these losses by > 1e-2.
+TOL_ZERO3_FP16 = 5e-4
 
 
 def corpus(rng, n: int) -> np.ndarray:
@@ -126,10 +133,10 @@ def run(data, out_dir, nproc: int, script: str, *args: str) -> list[tuple]:
     return rows
 
 
-def assert_same(got: list[tuple], want: list[tuple], what: str) -> None:
+def assert_same(got: list[tuple], want: list[tuple], what: str, tol: float = TOL) -> None:
     assert [r[:2] for r in got] == [r[:2] for r in want], (what, got, want)
     worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g[2:], w[2:]))
-    assert worst <= TOL, f"{what}: printed losses differ by up to {worst:.4f}\n" + "\n".join(
+    assert worst <= tol, f"{what}: printed losses differ by up to {worst:.4f}\n" + "\n".join(
         f"  {g}   vs   {w}" for g, w in zip(got, want) if g != w)
 
 
@@ -149,11 +156,12 @@ def test_dp_patch_prints_what_ddp_prints_and_resumes(data, scripts, ddp, tmp_pat
     want, want_resumed = ddp
     got = run(data, tmp_path, 2, scripts["dp"], FP16, f"--use_zero={zero}")
     assert [r[:2] for r in want].count(("step", 8)) == 1 and len(want) == 12
-    assert_same(got, want, f"nncompile dp, ZeRO-{zero} vs DDP")
+    tol = TOL if zero == 0 else TOL_ZERO3_FP16
+    assert_same(got, want, f"nncompile dp, ZeRO-{zero} vs DDP", tol)
     got = run(data, tmp_path, 2, scripts["dp"], FP16, f"--use_zero={zero}", *RESUME)
     assert [r[:2] for r in want_resumed] == [("step", 8), ("iter", 8), ("iter", 9),
                                              ("step", 10), ("iter", 10)], want_resumed
-    assert_same(got, want_resumed, f"resumed nncompile dp, ZeRO-{zero} vs resumed DDP")
+    assert_same(got, want_resumed, f"resumed nncompile dp, ZeRO-{zero} vs resumed DDP", tol)
 
 
 def test_tp_patch_prints_what_one_device_prints_and_resumes(data, scripts, tmp_path):
