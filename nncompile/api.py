@@ -159,7 +159,7 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
     experts = experts_forms(module) if config.plan_ngpus > 1 else None
     passes = build_pipeline(config, policy, experts)
-    result = run_pipeline(graph, passes, check=check)
+    result = run_pipeline(graph, passes, check=check, config=config)
     seconds["passes"] = sum(ms for _, _, ms in result.history) / 1e3
     cpu_passed = _cpu()
     seconds["ilp"] = (result.graph.plan_state.autodist or {}).get("solve_s", 0.0)

@@ -18,7 +18,11 @@ cut one. fuse_moe_layers (plan_ngpus > 1) makes each mixture-of-experts layer's 
 one op whose tokens and experts the plan may split, fuse_experts a custom MoE's grouped expert
 products (passes/fuse_experts.py).
 
-Every pass is `Graph -> Graph` with a stable `__name__` and a contract (passes/contract.py):
+Every pass is `Graph -> Graph`: what it reads is in the graph, the compile's request in
+`graph.config` (the user's ComputeConfig, recorded once by run_pipeline and never rewritten)
+and what earlier passes decided in `graph.plan_state`; a pass object holds no config (a few
+take a small option of the request, the policy or the model's experts modules). Each has a
+stable `__name__` and a contract (passes/contract.py):
 the graph stages it `requires` and `produces`. `run_pipeline` checks the contract before and
 after each pass, records `(name, graph, ms)`, runs `verify` between passes when asked, and
 names the failing pass and the ones before it. Under dynamic_dims it ends with `verify_sizes`
@@ -40,7 +44,8 @@ from nncompile.ir import Graph, Stage, verify
 from nncompile.ir.verify_sizes import verify_sizes
 
 from .constant_fold import constant_fold
-from .contract import contract, produces_of, requires_of
+from .contract import config_of, contract, experts_split, produces_of, requires_of, \
+    tensor_ranks
 from .dce import dce
 from .fuse_attention import FuseAttention, fuse_attention
 from .unfuse_projections import UnfuseProjections, unfuse_projections
@@ -86,21 +91,30 @@ def check_auto_memory(config: Any, policy: Callable) -> None:
             "True/False, parallel.recompute_modules a list of module names or globs)")
 
 
-def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -> list[Pass]:
+class Pipeline(list):
+    """The passes build_pipeline chose for a request, in order; `config`, that request, is
+    what run_pipeline records in graph.config (the passes read it there)."""
+
+    def __init__(self, passes, config: Any):
+        super().__init__(passes)
+        self.config = config
+
+
+def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -> Pipeline:
     """The passes, in order, one per line. `experts`: the model's experts modules
     ({FQN: nncompile.experts.ExpertsForm}, experts_forms)."""
     check_auto_memory(config, policy)
     spec = config.parallel
-    return [p for p in [
+    return Pipeline([p for p in [
         constant_fold if config.constant_folding else None,
         dce,
         FuseAttention(config.plan_ngpus),
         UnfuseProjections(config.plan_ngpus) if config.plan_ngpus > 1 else None,
         FuseMoELayers(experts) if experts and config.plan_ngpus > 1 else None,
         FuseExperts() if config.plan_ngpus > 1 else None,
-        PartitionStages(config, autodist=policy is POLICIES["autodist"])
+        PartitionStages(autodist=policy is POLICIES["autodist"])
         if config.pipeline.enabled else None,
-        Plan(policy, config),
+        Plan(policy),
         ContextParallel(config.context_parallel,
                         spec.cp_attention, spec.cp_order)
         if config.context_parallel != 1 else None,
@@ -113,9 +127,9 @@ def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -
         # lowering: what each rank runs, made explicit for codegen to print as it stands
         split_stages if config.pipeline.enabled else None,
         pipeline_schedule if config.pipeline.enabled else None,
-        LowerZero3(config) if config.code_fields else None,
+        LowerZero3() if config.code_fields else None,
         lower_recompute if spec.recompute_modules else None,
-    ] if p is not None]
+    ] if p is not None], config)
 
 
 # passes that change when communication runs or how the program is laid out, not what the
@@ -145,10 +159,18 @@ class PipelineResult:
     eval_history: list[tuple[str, Graph, float]] = field(default_factory=list)
 
 
-def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False) -> PipelineResult:
+def run_pipeline(graph: Graph, passes: list[Pass], check: bool = False,
+                 config: Any = None) -> PipelineResult:
     """The passes over `graph` and, where the forward differs in eval mode (graph.
     eval_program), over its eval program too, pinned to the training placements
-    (eval_program below); one result with both histories."""
+    (eval_program below); one result with both histories. `config` (default: the one
+    build_pipeline made `passes` for): the ComputeConfig the passes read, recorded once in
+    graph.config (and its eval program's) before they run."""
+    config = config if config is not None else getattr(passes, "config", None)
+    if config is not None:
+        for g in (graph, graph.eval_program):
+            if g is not None:
+                g.config = config
     result = run_passes(graph, passes, check)
     result.graph, result.eval_history = eval_program(result.graph, passes, check)
     return result
@@ -237,4 +259,5 @@ __all__ = ["build_pipeline", "check_auto_memory", "run_pipeline", "constant_fold
            "Plan", "ContextParallel", "ExpertParallel", "sink_gathers", "insert_comm", "localize",
            "overlap_grad_sync", "split_stages", "pipeline_schedule", "LowerZero3", "lower_recompute", "plan_graph",
            "SCHEDULE_ONLY", "Recompute", "PartitionStages", "get_policy", "PassError",
-           "PipelineResult", "contract"]
+           "PipelineResult", "Pipeline", "contract", "config_of", "tensor_ranks",
+           "experts_split"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from nncompile.ir import Graph, Op, Stage, Value
+from .contract import config_of
 from .split_stages import SEND, STAGE
 
 
@@ -164,14 +165,11 @@ class LowerZero3:
     produces = (Stage.ZERO3_LOWERED,)
     quiet_when_unchanged = True     # not ZeRO-3 ("auto" chose less): not in the history
 
-    def __init__(self, config: Any):
-        self.config = config
-
     def __call__(self, graph: Graph) -> Graph:
         if Stage.ZERO3_LOWERED in graph.stages:
             return graph
         seeded = graph.plan_state.zero_units
-        if seeded is None and memory_of(graph, self.config).zero != 3:
+        if seeded is None and memory_of(graph, config_of(graph, self.name)).zero != 3:
             return graph
         g = graph.clone()
         by_name = {v.name: v for v in g.params}

@@ -47,6 +47,8 @@ from nncompile.errors import ConfigError
 from nncompile.ir import Graph, MemoryChoice, PipelinePlan, Replicate, Stage
 from nncompile.pipeline_config import AUTO, PipelineConfig
 
+from .contract import config_of
+
 _INF = float("inf")
 
 
@@ -57,18 +59,6 @@ def layer_of(module_path: str) -> str | None:
         if p.isdigit():
             return ".".join(parts[:i + 1])
     return None
-
-
-def stage_config(config: Any, tp: int, pipeline_ranks: int) -> Any:
-    """The ComputeConfig one stage is planned with: its tensor-parallel ranks form the plan
-    unit (C context x tp // C tensor ranks under context parallelism); data-parallel units
-    stay as many as before."""
-    c = config.parallel.cp
-    spec = dataclasses.replace(config.parallel, pp=1, schedule=None, microbatches=1,
-                               stages_per_rank=1,
-                               cp=1 if isinstance(c, int) and tp % c else c)  # a cost estimate
-    runtime = (config.runtime_ngpus or config.plan_ngpus) // pipeline_ranks  # on fewer ranks
-    return dataclasses.replace(config, plan_ngpus=tp, runtime_ngpus=runtime, parallel=spec)
 
 
 @dataclass
@@ -205,14 +195,25 @@ def check_no_buffer_updates(g: Graph) -> None:
 
 @dataclass
 class PartitionStages:
-    """The pass (see the module docstring)."""
-    config: Any
+    """The pass (see the module docstring): cuts the stages graph.config asks for; `autodist`:
+    the policy is autodist (which may choose parallel.pp="auto")."""
     autodist: bool = False
     name: str = "pipeline_stages"
     requires: ClassVar[tuple] = ()
     produces: ClassVar[tuple] = (Stage.STAGED,)
 
     def __call__(self, graph: Graph) -> Graph:
+        return StageSearch(config_of(graph, self.name), self.autodist).cut(graph)
+
+
+@dataclass
+class StageSearch:
+    """One graph's stage search for `config` (graph.config): the candidates, their costs and
+    the cut."""
+    config: Any
+    autodist: bool = False
+
+    def cut(self, graph: Graph) -> Graph:
         pc = self.config.pipeline
         if pc.stages == AUTO and not self.autodist:
             raise ConfigError("parallel.pp='auto' is chosen by autodist; use "
@@ -300,7 +301,8 @@ class PartitionStages:
     def _ideal(self, g: Graph, group: list[int], ngroups: int) -> Costs:
         """Every op replicated on one rank (divided by T later)."""
         from nncompile.passes.autodist import cost_model
-        cm = cost_model(stage_config(self.config, 1, 1))
+        cfg = self.config          # one rank, every rank of the job a data-parallel unit
+        cm = cost_model(cfg, 1, dp_units=cfg.runtime_ngpus or cfg.plan_ngpus)
         out = Costs([0.0] * ngroups, [0.0] * ngroups, [0.0] * ngroups, [0.0] * ngroups)
         seen: set[tuple[int, int]] = set()
         for i, op in enumerate(g.ops):
@@ -354,7 +356,9 @@ class PartitionStages:
         from nncompile.passes.autodist import MemoryModel, problem_of
         from nncompile.passes.autodist.memory_search import memory_options
         from nncompile.passes.autodist.pipeline import layer_costs
-        cfg = stage_config(self.config, c.tp, c.ranks)
+        cfg = self.config
+        g = g.clone()              # planned on the candidate's tensor ranks
+        g.plan_ngpus = g.plan_state.tensor_ranks = c.tp
         opts = memory_options(g, cfg)
         built: dict[tuple, Any] = {}
         for choice in ([opts[0], opts[-1]] if len(opts) > 1 else opts):
@@ -477,7 +481,7 @@ class PartitionStages:
         op = g.ops[layers[0].ops[-1]]
         size = float(sum(math.prod(v.meta.shape) * v.meta.dtype.itemsize
                          for v in op.outputs if v.is_tensor))
-        cm = cost_model(stage_config(self.config, c.tp, c.ranks))
+        cm = cost_model(self.config, c.tp)
         return 2 * cm.p2p(size, span=2 * c.tp)
 
     def _nothing_fits(self, layers: list[Layer], cands: list[Cut]) -> str:

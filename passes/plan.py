@@ -23,27 +23,27 @@ from nncompile.mesh import EP
 from nncompile.ir import PARAM, Graph, MemoryChoice, Partial, Replicate, Shard, Stage
 from nncompile.rules import replicated, strategies, strided_splits
 
+from .contract import config_of
 from .expert_parallel import dispatch_of, no_experts_error
 from .planner import tensor_plan
 
 
 @dataclass
 class Plan:
+    """The pass: `policy` plans the graph for the request in graph.config (the mesh it is
+    cut into: passes/planner.py)."""
     policy: Callable
-    config: Any
     name: str = "plan"
     requires: ClassVar[tuple] = ()
     produces: ClassVar[tuple] = (Stage.PLANNED,)
 
     def __call__(self, graph: Graph) -> Graph:
-        g, config, experts = tensor_plan(graph, self.config, self.policy)
+        g, experts = tensor_plan(graph, config_of(graph, self.name), self.policy)
         if not isinstance(g, Graph):
             raise PolicyError(f"policy {getattr(self.policy, '__name__', self.policy)!r} "
                               f"returned {type(g).__name__}, not a Graph")
         if g is graph:
             g = graph.clone()
-        n = config.plan_ngpus
-        g.plan_ngpus = n
         mesh = g.mesh
         g.plan_state.policy = getattr(self.policy, "__name__", str(self.policy))
         for v in g.params + g.buffers:
@@ -70,7 +70,7 @@ class Plan:
             op.strategy = chosen
             for v, p in zip(op.outputs, chosen.outputs):
                 v.placement = p if v.is_tensor else Replicate()
-        g.plan_state.memory = g.plan_state.memory or decide_memory(g, self.config)
+        g.plan_state.memory = g.plan_state.memory or decide_memory(g, config_of(graph, self.name))
         for v in g.params + g.buffers:      # the eval program reads the training shards:
             if v.fqn in g.plan_state.pinned:    # insert_comm moves them where its ops want
                 v.placement = g.plan_state.pinned[v.fqn]

@@ -1,31 +1,31 @@
 """planner: the mesh a plan unit is cut into, searched in one place, before the policy plans
 the tensor axis.
 
-The plan pass hands its graph and the ComputeConfig here. `tensor_plan` decides, in this
-order, what the policy plans and with which config:
+The plan pass hands its graph and the user's ComputeConfig (graph.config) here. Counts keep
+one meaning: config.plan_ngpus is a plan unit's ranks; the graph the policy gets carries the
+mesh it plans on, its tensor ranks in graph.plan_ngpus and the other axes in graph.axes. The
+config is never rewritten. `tensor_plan` decides, in this order:
 
-    a pipeline (plan_state.pipeline)   each stage on its pp.tp tensor ranks (stage_config)
-    parallel.cp = C                    a cp axis of C; the policy plans plan_ngpus // C ranks
-    parallel.cp = "auto" (autodist)    every C that divides plan_ngpus and the sequence is
+    a pipeline (plan_state.pipeline)   each stage on its pp.tp ranks
+    parallel.cp = C                    a cp axis of C; the policy plans the other ranks // C
+    parallel.cp = "auto" (autodist)    every C that divides those ranks and the sequence is
                                        planned and priced; the fastest that fits (a 1 % tie:
                                        the leanest) wins (choose_context)
-    parallel.ep = E < the tensor ranks an ep axis of E beside plan_ngpus // E tensor ranks
+    parallel.ep = E < the tensor ranks an ep axis of E beside tensor ranks // E
     parallel.ep = "auto" (autodist)    every E that splits the experts and tokens, likewise
                                        (choose_experts)
 
-and returns the planned graph (its mesh axes in graph.axes), the config the tensor axis was
-planned with (its plan_ngpus is the tensor ranks: the only count that config holds) and E.
-The candidates and why one won are in plan_state.autodist["context_parallel"] /
-["expert_parallel"]; a size asked for that the graph cannot use is reported by the cp and ep
-passes (passes/dropped.py).
+and returns the planned graph (its mesh axes in graph.axes, its tensor ranks in
+graph.plan_ngpus) and E, also in plan_state.experts. The candidates and why one won are in
+plan_state.autodist["context_parallel"] / ["expert_parallel"]; a size asked for that the graph
+cannot use is reported by the cp and ep passes (passes/dropped.py).
 
-    before: plan_ngpus=4, parallel.cp="auto"        after: graph.axes={"cp": 2}, the tensor
-                                                    axis planned on 2 ranks, autodist's row
-                                                    per C in plan_state.autodist
+    before: config plan_ngpus=4, parallel.cp="auto"   after: graph.axes={"cp": 2},
+                                                      graph.plan_ngpus=2, autodist's row per
+                                                      C in plan_state.autodist
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 from nncompile.errors import ConfigError
@@ -35,43 +35,38 @@ from nncompile.log import log
 from nncompile.mesh import CP, EP
 
 from .context_parallel import ZIGZAG, order_of, sequence_dims
-from .pipeline_stages import stage_config
 
 
-def tensor_plan(graph: Graph, config: Any, policy: Callable) -> tuple[Graph, Any, int | str]:
-    """(the policy's planned graph, the config of its tensor axis, E): see the module
-    docstring."""
+def tensor_plan(graph: Graph, config: Any, policy: Callable) -> tuple[Graph, int | str]:
+    """(the policy's planned graph, E): see the module docstring."""
     pp = graph.plan_state.pipeline
-    if pp is not None:         # each stage runs on its pp.tp tensor-parallel ranks
-        config = stage_config(config, pp.tp, pp.ranks)
-    experts = config.expert_parallel
-    if config.context_parallel == "auto":
-        g = choose_context(graph, config, policy)
-        return g, tensor_config(config, g.axes.get(CP, 1)), experts
-    if experts == "auto":
-        g, experts = choose_experts(graph, config, policy)
-        return g, (tensor_config(config, experts, "ep") if EP in g.axes else config), experts
+    base = graph.clone()
+    base.plan_ngpus = pp.tp if pp is not None else config.plan_ngpus
+    base.plan_state.tensor_ranks = base.plan_ngpus
     c = config.context_parallel
-    if c > 1:                  # the tensor axis: plan_ngpus // C ranks, the cp axis priced
-        config = tensor_config(config, c)                             # by autodist
-        graph = graph.clone()
-        graph.axes = {CP: c, **graph.axes}
-    e = config.expert_parallel
-    if e not in (1, "auto") and e < config.plan_ngpus:     # an ep axis beside the tensor
-        config = tensor_config(config, e, "ep")            # ranks (passes/expert_parallel.py)
-        graph = graph.clone()
-        graph.axes = {EP: e, **graph.axes}
-    return policy(graph, config), config, experts
+    if pp is not None and isinstance(c, int) and pp.tp % c:
+        c = 1                   # a stage's ranks that cp does not divide: a cost estimate
+    experts = config.expert_parallel
+    if c == "auto":
+        base.plan_state.experts = experts
+        return choose_context(base, config, policy), experts
+    if experts == "auto":
+        return choose_experts(base, config, policy)
+    if c > 1:                   # the tensor axis: the ranks // C, the cp axis priced by autodist
+        base = with_axis(base, CP, c)
+    if experts != 1 and experts < base.plan_ngpus:     # an ep axis beside the tensor ranks
+        base = with_axis(base, EP, experts)            # (passes/expert_parallel.py)
+    base.plan_state.experts = experts
+    return policy(base, config), experts
 
 
-def tensor_config(config, c: int, axis: str = "cp"):
-    """The ComputeConfig the policy plans the tensor axis with: plan_ngpus // C ranks, the
-    data-parallel units as many as before (`axis`: the ParallelSpec field of the other axis,
-    cp or ep, reset to 1)."""
-    runtime = (config.runtime_ngpus or config.plan_ngpus) // c
-    return dataclasses.replace(config, plan_ngpus=config.plan_ngpus // c,
-                               runtime_ngpus=runtime,
-                               parallel=dataclasses.replace(config.parallel, **{axis: 1}))
+def with_axis(graph: Graph, axis: str, size: int) -> Graph:
+    """A copy of `graph` whose mesh has an `axis` of `size` beside (outside) its tensor axis,
+    which keeps plan_ngpus // size ranks."""
+    g = graph.clone()
+    g.plan_ngpus = g.plan_state.tensor_ranks = graph.plan_ngpus // size
+    g.axes = {axis: size, **g.axes}
+    return g
 
 
 def choose_context(graph: Graph, config, policy) -> Graph:
@@ -84,16 +79,15 @@ def choose_context(graph: Graph, config, policy) -> Graph:
     zigzag = order_of(config.parallel.cp_attention, config.parallel.cp_order) == ZIGZAG
     seqs = [v.meta.shape[1] for v in graph.inputs if id(v) in sequence_dims(graph)]
     rows, planned_at, errors = [], {}, []
-    for c in [d for d in range(1, config.plan_ngpus + 1) if config.plan_ngpus % d == 0]:
+    n = graph.plan_ngpus
+    for c in [d for d in range(1, n + 1) if n % d == 0]:
         pieces = 2 * c if zigzag and c > 1 else c
         if c > 1 and (not seqs or (type(seqs[0]) is int and seqs[0] % pieces)):
             rows.append({"cp": c, "fits": False, "why": "the sequence does not split"})
             continue
-        g = graph.clone()
-        if c > 1:
-            g.axes = {CP: c, **g.axes}
+        g = with_axis(graph, CP, c) if c > 1 else graph.clone()
         try:
-            planned = policy(g, tensor_config(config, c))
+            planned = policy(g, config)
         except PlanInfeasibleError as e:
             rows.append({"cp": c, "fits": False, "why": str(e).splitlines()[0][:200]})
             errors.append(e)
@@ -154,20 +148,17 @@ def choose_experts(graph: Graph, config, policy) -> tuple[Graph, int]:
     fastest plan that fits (a tie within 1 %: the leanest); the candidates and why are in
     plan_state.autodist["expert_parallel"]. Returns (the planned graph, E)."""
     from .autodist import PlanInfeasibleError
-    n = config.plan_ngpus
+    n = graph.plan_ngpus
     layers = [op for op in graph.ops if op.target is MOE_EXPERTS]
     rows, planned, errors = [], {}, []
     for e in [d for d in range(1, n + 1) if n % d == 0]:
         if any(op.args[3].meta.shape[0] % e or op.args[0].meta.shape[0] % e for op in layers):
             rows.append({"ep": e, "fits": False, "why": "the experts or tokens do not split"})
             continue
-        g = graph.clone()
-        cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, ep=e))
-        if 1 < e < n:
-            cfg = tensor_config(cfg, e, "ep")
-            g.axes = {EP: e, **g.axes}
+        g = with_axis(graph, EP, e) if 1 < e < n else graph.clone()
+        g.plan_state.experts = e
         try:
-            out = policy(g, cfg)
+            out = policy(g, config)
         except PlanInfeasibleError as err:
             rows.append({"ep": e, "fits": False, "why": str(err).splitlines()[0][:200]})
             errors.append(err)

@@ -99,7 +99,8 @@ def _stage_graph(g: Graph, inputs: list[Value], ops: list[Op], outputs: list[Val
     used = {id(v) for op in ops if not op.is_structural for v in op.inputs()}
     sg = Graph(inputs, [v for v in g.params if id(v) in used],
                [v for v in g.buffers if id(v) in used], ops, outputs, [], g.out_spec,
-               g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state, g.runtime_ngpus, g.axes)
+               g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state, g.runtime_ngpus, g.axes,
+               config=g.config)
     ins = {id(x) for x in inputs}
     sg.relayed = [v for v in outputs if id(v) in ins]
     return sg

@@ -50,5 +50,6 @@ def test_user_pass_without_a_contract_runs_anywhere():
         seen.append(len(graph.ops))
         return graph
     cfg = ComputeConfig(2)
-    run_pipeline(_graph(), [dce, count_ops, Plan(get_policy("tp"), cfg), insert_comm, count_ops])
+    run_pipeline(_graph(), [dce, count_ops, Plan(get_policy("tp")), insert_comm, count_ops],
+                 config=cfg)
     assert len(seen) == 2 and seen[1] > seen[0]        # collectives were inserted

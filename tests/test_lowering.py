@@ -41,6 +41,12 @@ PROGRAM = """
     return (loss,)"""
 
 
+def asked(g, **fields):
+    """`g` carrying the request the passes read (graph.config): one plan rank, two ranks."""
+    g.config = ComputeConfig(1, 2, **fields)
+    return g
+
+
 def check(p, before, expected: str):
     """p(before) equals the graph `expected` prints, verifies, and a second run changes
     nothing."""
@@ -75,8 +81,7 @@ ZERO_TAIL = """
 
 
 def test_lower_zero3_gathers_before_first_use_prefetches_next_frees_after_last():
-    zero3 = LowerZero3(ComputeConfig(1, 2, use_zero=3))
-    got = check(zero3, parse_graph(_ir(BASE, PROGRAM)), _ir(BASE + ",zero3_lowered", """
+    got = check(LowerZero3(), asked(parse_graph(_ir(BASE, PROGRAM)), use_zero=3), _ir(BASE + ",zero3_lowered", """
         zero.prefetch('zero_h_0', 'h.0')
         zero.gather('zero_h_0', 'h.0', [w1])
         zero.prefetch('zero_h_1', 'h.1')
@@ -91,12 +96,12 @@ def test_lower_zero3_gathers_before_first_use_prefetches_next_frees_after_last()
 
 def test_lower_zero3_leaves_a_zero1_plan_alone():
     g = parse_graph(_ir(BASE, PROGRAM))
-    assert LowerZero3(ComputeConfig(1, 2, use_zero=1))(g) is g
+    assert LowerZero3()(asked(g, use_zero=1)) is g
 
 
 def test_a_unit_used_only_in_a_region_is_gathered_inside_it():
     before = mark(parse_graph(_ir(BASE, PROGRAM)), "h.0", ["a", "b"])
-    zeroed = LowerZero3(ComputeConfig(1, 2, use_zero=3))(before)
+    zeroed = LowerZero3()(asked(before, use_zero=3))
     check(lower_recompute, zeroed, _ir(BASE + ",recompute_marked,zero3_lowered,recompute_lowered",
                                        """
         zero.prefetch('zero_h_0', 'h.0')

@@ -97,8 +97,7 @@ def test_localize_with_one_rank_runs_like_eager():
 def test_passes_are_idempotent(name):
     _, _, result = stages(name)
     g = dict((n, gr) for n, gr, _ in result.history)
-    cfg = ComputeConfig(plan_ngpus=2)
-    plan = Plan(get_policy("tp"), cfg)
+    plan = Plan(get_policy("tp"))         # the graphs carry their ComputeConfig
     cases = [(constant_fold, g["constant_fold"]), (dce, g["dce"]),
              (fuse_attention, g["fuse_attention"]), (plan, g["plan"]),
              (insert_comm, g["insert_comm"]), (localize, g["localize"])]

@@ -22,7 +22,8 @@ from parity import late_gather  # noqa: E402
 def test_before_after_on_hf_llama():
     model = models.build("hf_llama")
     g = trace(model, models.batch("hf_llama", 0))
-    planned = Plan(late_gather, nncompile.ComputeConfig(2, 2))(g)
+    g.config = nncompile.ComputeConfig(2, 2)
+    planned = Plan(late_gather)(g)
     before = insert_comm(planned)
     after = insert_comm(sink_gathers(planned))
     kinds = lambda gr: collections.Counter(op.target_name for op in gr.ops  # noqa: E731

@@ -54,7 +54,7 @@ def rank_graph(g: Graph, stages: list[Graph]) -> Graph:
     return Graph(g.inputs, [v for v in g.params if id(v) in params],
                  [v for v in g.buffers if id(v) in buffers], ops, g.outputs, g.const_ops,
                  g.out_spec, g.plan_ngpus, {}, g.stages, g.trace_info, g.plan_state,
-                 g.runtime_ngpus, g.axes)
+                 g.runtime_ngpus, g.axes, config=g.config)
 
 
 def _metas(values, n: int, axes: dict | None = None) -> tuple:

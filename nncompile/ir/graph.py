@@ -368,6 +368,12 @@ class PlanState:
     # autodist's pipeline candidates and why (passes/pipeline_stages.py), for plan.json
     pipeline_search: dict | None = None
     eval_differs: bool = False        # pipelined: the eval forward differs, pm.eval() refused
+    # the mesh the planner (passes/planner.py) hands the policy: its tensor ranks, and the
+    # experts' split: 1, the tensor ranks (each MoE layer dispatches on them) or an ep axis's
+    # size (graph.axes); None outside a compile (a policy called on a traced graph: the
+    # config's plan_ngpus and parallel.ep; passes/contract.py tensor_ranks, experts_split)
+    tensor_ranks: int | None = None
+    experts: int | str | None = None
 
 
 @dataclass
@@ -395,6 +401,11 @@ class Graph:
     eval_program: "Graph | None" = None
     # a pipeline stage's graph (passes/split_stages.py): the inputs it sends on unchanged
     relayed: list = field(default_factory=list)
+    # what the compile was asked for: the user's ComputeConfig (its ParallelSpec in
+    # config.parallel), set once before the passes and never rewritten; passes read it here
+    # (counts keep the meaning the config documents: plan_ngpus is a plan unit's ranks, while
+    # this graph's own plan_ngpus and axes are the mesh the plan is made on)
+    config: Any = None
 
     @property
     def mesh(self) -> "_mesh.Mesh":
@@ -485,4 +496,4 @@ class Graph:
                      replace(self.plan_state,
                              partial_grad_params=list(self.plan_state.partial_grad_params)),
                      self.runtime_ngpus, dict(self.axes), self.eval_program,
-                     list(self.relayed))
+                     list(self.relayed), self.config)

@@ -39,6 +39,7 @@ from nncompile.experts import MOE_EXPERTS
 from nncompile.ir import Graph
 from nncompile.log import log as _log
 
+from ..contract import experts_split, tensor_ranks
 from .constraints import parse_constraints
 from .cost_model import OPTIMIZER_STATE_BYTES, CostModel, StepEstimate, estimate_step
 from .ilp import PlanInfeasibleError, leanest_memory, memory_by_rank, objective_of, \
@@ -54,7 +55,10 @@ from .report import explain, explanation_data, report_table
 
 
 
-def cost_model(config) -> CostModel:
+def cost_model(config, ranks: int | None = None, dp_units: int | None = None) -> CostModel:
+    """The cost model of a plan for `config` over `ranks` tensor-parallel ranks (default: the
+    config's plan_ngpus; a planned graph's are graph.plan_ngpus) and `dp_units` data-parallel
+    units (default: the config's)."""
     pc = config.parallel
     opt = pc.optimizer
     if opt not in OPTIMIZER_STATE_BYTES:
@@ -62,7 +66,8 @@ def cost_model(config) -> CostModel:
                           f"{sorted(OPTIMIZER_STATE_BYTES)} or set optimizer_state_bytes")
     state = float(OPTIMIZER_STATE_BYTES[opt] if pc.optimizer_state_bytes is None
                   else pc.optimizer_state_bytes)
-    return CostModel(get_profile(pc.device), config.plan_ngpus, config.dp_size,
+    return CostModel(get_profile(pc.device), config.plan_ngpus if ranks is None else ranks,
+                     config.dp_size if dp_units is None else dp_units,
                      training=not config.inference_only, optimizer_state_bytes=state,
                      bucket_bytes=float(config.reducer_bucket_cap_mb) * 2 ** 20)
 
@@ -73,7 +78,7 @@ def plan_problem(graph: Graph, config, recompute: list[str] | None = None, narro
     recompute (default: parallel.recompute_modules, none for "auto"). Under a pipeline (op.stage set,
     plan_state.pipeline) memory is limited per pipeline rank (pipeline.py)."""
     g = graph.clone()
-    g.plan_ngpus = config.plan_ngpus
+    g.plan_ngpus = tensor_ranks(graph, config)
     prob = problem_of(g, config, recompute, narrow)
     pp = g.plan_state.pipeline
     if pp is not None:
@@ -89,7 +94,7 @@ def problem_of(g: Graph, config, recompute: list[str] | None = None, narrow=None
     if recompute is None:
         rc = pc.recompute_modules
         recompute = [] if rc == AUTO else list(rc or [])
-    model = cost_model(config)
+    model = cost_model(config, tensor_ranks(g, config))    # (passes/planner.py)
     model.context = g.axes.get("cp", 1)     # the sequence split (passes/context_parallel.py)
     model.experts_split = g.axes.get("ep", 1)   # the batch and experts split along ep
     model.experts = frozenset(v.name for op in g.ops if op.target is MOE_EXPERTS
@@ -115,11 +120,13 @@ def context_narrow(g: Graph, config):
 def experts_narrow(g: Graph, config, narrow=None):
     """`narrow` with each mixture-of-experts layer kept to the split parallel.ep
     ["expert_parallel"] = E gives it (passes/plan.py): dispatch when E is the plan's ranks,
-    its tokens split (the experts whole) beside an ep axis (passes/expert_parallel.py)."""
+    its tokens split (the experts whole) beside an ep axis (passes/expert_parallel.py); the
+    split being planned is plan_state.experts (passes/planner.py)."""
     from nncompile.rules.experts import DISPATCH
     if "ep" in g.axes:
         keep = lambda s: s.note == "split tokens"                    # noqa: E731
-    elif config.expert_parallel not in (1, AUTO) and config.expert_parallel == config.plan_ngpus:
+    elif experts_split(g, config) not in (1, AUTO) and \
+            experts_split(g, config) == tensor_ranks(g, config):
         keep = lambda s: s.local_target == DISPATCH                   # noqa: E731
     else:
         return narrow
@@ -143,7 +150,7 @@ def autodist(graph: Graph, config) -> Graph:
     """Place every op and weight to minimize the modelled step time within the memory limit."""
     pc = config.parallel
     if pc.load_plan_path:
-        g = load_plan(graph, pc.load_plan_path, config.plan_ngpus)
+        g = load_plan(graph, pc.load_plan_path, tensor_ranks(graph, config))
         g.plan_state.memory = loaded_memory(g.plan_state.memory, config, pc.load_plan_path)
         _log(f"autodist: loaded the plan in {pc.load_plan_path}")
         return g

@@ -429,7 +429,7 @@ def estimate_step(graph: Graph, config, profile=None) -> StepEstimate:
     if graph.plan_state.pipeline is not None:
         raise ConfigError("estimate_step costs plans without pipeline stages; a pipelined "
                           "plan's stage times are in plan_state.pipeline.predicted_ms")
-    model = cost_model(config)
+    model = cost_model(config, graph.plan_ngpus)   # the planned graph's tensor ranks
     if profile is not None:
         model.profile = get_profile(profile)
     memory = graph.plan_state.memory

@@ -61,6 +61,7 @@ from nncompile.rules import replicated, strategies, strided_splits
 from nncompile.experts import EXPERTS_MLP, MOE_EXPERTS
 from nncompile.symbolic import warn_unsplit_sequence
 
+from ..contract import tensor_ranks
 from ..pipeline_stages import layer_of
 from .tp_warning import _kind, replicated_warning, split_share  # noqa: F401 (split_share: public)
 
@@ -449,7 +450,7 @@ def _seq_input_ok(v: Value, have, want, free: bool) -> bool:
 
 def megatron(graph: Graph, config, sequence_parallel: bool = False) -> Graph:
     g = graph.clone()
-    n = g.plan_ngpus = config.plan_ngpus
+    n = g.plan_ngpus = tensor_ranks(graph, config)    # (passes/planner.py)
     if n == 1:
         return g
     with strided_splits():                      # heads inside a merged (batch * heads) dim
