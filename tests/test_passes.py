@@ -14,7 +14,7 @@ from nncompile.ir import (Stage, assert_graph_equal, parse_graph, print_graph, r
 from nncompile.passes import (Plan, build_pipeline, constant_fold, dce, fuse_attention,
                               get_policy, insert_comm,
                               overlap_grad_sync,
-                              localize, run_pipeline)
+                              localize, run_pipeline, tensor_ranks)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -396,3 +396,35 @@ OVERLAP = {
 def test_overlap_grad_sync_before_expected(case):
     before, expected = OVERLAP[case]
     check_pass(overlap_grad_sync, before, expected or before)
+
+
+@pytest.mark.parametrize("parallel, ranks, axes", [
+    ({}, 4, {}),                    # the plan unit's ranks: config.plan_ngpus
+    ({"cp": 2}, 2, {"cp": 2}),      # a cp axis takes its share
+    ({"pp": 2}, 2, {}),             # each stage's ranks
+])
+def test_the_policy_gets_the_users_config_and_its_mesh_in_the_graph(parallel, ranks, axes):
+    """The config is never rewritten: the policy receives the very ComputeConfig given, and
+    the graph carries the mesh it plans on (its tensor ranks, the other axes); no pass holds
+    a config, and every graph the passes return carries the same one."""
+    seen = []
+
+    def recording(graph, config):
+        seen.append((config, tensor_ranks(graph, config), dict(graph.axes)))
+        return get_policy("tp")(graph, config)
+    _, _, g = traced("gpt")
+    cfg = ComputeConfig(4, 4, parallel=parallel)
+    passes = build_pipeline(cfg, recording)
+    assert not any(isinstance(v, ComputeConfig) for p in passes
+                   for v in getattr(p, "__dict__", {}).values())
+    result = run_pipeline(g, passes)
+    assert [(c is cfg, n, a) for c, n, a in seen] == [(True, ranks, axes)]
+    assert cfg == ComputeConfig(4, 4, parallel=parallel)
+    assert all(graph.config is cfg for _, graph, _ in result.history)
+    assert result.graph.plan_ngpus == ranks and result.graph.mesh.size("plan") == ranks
+
+
+def test_a_pass_that_needs_the_request_names_itself():
+    _, _, g = traced()
+    with pytest.raises(ConfigError, match="pass 'plan' reads the compile's ComputeConfig"):
+        Plan(get_policy("tp"))(g)
