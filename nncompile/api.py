@@ -318,13 +318,14 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
         try:
             compile_module(module, dummy_args, config, pas_policy=pas_policy, outdir=outdir,
                            reuse=reuse, dynamic_dims=dynamic_dims)
-        except NNCompileError as e:
+        except Exception as e:    # noqa: BLE001 - any error: the other ranks hear of it
             error = e
     if distributed and load_module:
         box = [None if error is None else f"{type(error).__name__}: {error}"]
         dist.broadcast_object_list(box, src=0)
         if error is None and box[0] is not None:
-            raise NNCompileError(f"compilation failed on rank 0: {box[0]}")
+            raise NNCompileError(f"compilation failed on rank 0 (this is rank {rank}, which "
+                                 f"waited for its program): {box[0]}")
     if error is not None:
         raise error
     if not load_module:

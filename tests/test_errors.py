@@ -116,3 +116,80 @@ def test_failed_compile_leaves_nothing_half_written(tmp_path):
         compile_only(Branchy(), (torch.randn(2, 4),), tmp_path, instance_name="b")
     assert not os.path.exists(tmp_path / "b")
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+class ClassicMoE(torch.nn.Module):
+    """The routing loop people write first: torch.where per expert, then index_add_."""
+
+    def __init__(self, d=16, experts=4, k=2):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, experts, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, 32), torch.nn.ReLU(), torch.nn.Linear(32, d))
+            for _ in range(experts))
+        self.k = k
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x.view(-1, d)
+        w, idx = self.gate(x).softmax(-1).topk(self.k, -1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == i)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out.view(b, t, d).pow(2).mean()
+
+
+def test_a_data_dependent_moe_loop_is_a_trace_error_on_every_rank(tmp_path):
+    """Under ep 2 on two ranks: rank 0 raises a TraceError naming torch.where and the source
+    line, rank 1 an error naming rank 0's (no rank waits)."""
+    from nncompile.errors import NNCompileError
+    from nncompile.tools.simulate import run_ranks
+    x = torch.randn(2, 8, 16)
+    models_ = [ClassicMoE() for _ in range(2)]
+
+    def rank_fn(rank):
+        try:
+            nncompile.parallelize(models_[rank], {"x": x},
+                                  nncompile.ComputeConfig(2, 2, parallel={"ep": 2}),
+                                  pas_policy="tp", gen_savedir=str(tmp_path))
+        except NNCompileError as e:
+            return type(e).__name__, str(e)
+        return None, ""
+
+    got = run_ranks(2, rank_fn, timeout_s=300)
+    (kind0, text0), (kind1, text1) = got
+    assert kind0 == "TraceError" and "size depends on the data" in text0
+    assert "aten.where" in text0 and "torch.where(idx == i)" in text0
+    assert kind1 == "NNCompileError" and "compilation failed on rank 0" in text1
+    assert "TraceError" in text1 and "rank 1" in text1
+
+
+def test_any_error_of_rank_0s_compile_reaches_the_other_ranks(tmp_path, monkeypatch):
+    """An error that is not nncompile's (here codegen failing with a RuntimeError, as a bug
+    would): rank 0 raises it, rank 1 an NNCompileError naming it instead of waiting in the
+    broadcast of rank 0's result."""
+    from nncompile import codegen
+    from nncompile.errors import NNCompileError
+    from nncompile.tools.simulate import run_ranks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in code generation")
+    monkeypatch.setattr(codegen, "render_all", broken)
+    mods = [torch.nn.Linear(4, 4) for _ in range(2)]
+
+    def rank_fn(rank):
+        try:
+            nncompile.parallelize(mods[rank], {"input": torch.randn(2, 4)},
+                                  nncompile.ComputeConfig(1, 2), pas_policy="dp",
+                                  gen_savedir=str(tmp_path))
+        except NNCompileError as e:
+            return "nncompile", f"{type(e).__name__}: {e}"
+        except RuntimeError as e:
+            return "raw", f"{type(e).__name__}: {e}"
+        return None, ""
+
+    (k0, t0), (k1, t1) = run_ranks(2, rank_fn, timeout_s=300)
+    assert k0 == "raw" and "a bug in code generation" in t0, t0
+    assert k1 == "nncompile" and "compilation failed on rank 0 (this is rank 1" in t1, t1
+    assert "RuntimeError: a bug in code generation" in t1
