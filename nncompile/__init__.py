@@ -28,8 +28,8 @@ from nncompile.runtime.distributed import init_distributed  # noqa: E402
 from nncompile.runtime.optimizer import build_optimizer, declare_elementwise  # noqa: E402
 from nncompile.runtime.dedup import deduped_state_dict, load_deduped_state_dict  # noqa: E402
 from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  # noqa: E402
-from nncompile.runtime.checkpoint import (load_checkpoint, merge_checkpoint,  # noqa: E402
-                                          save_checkpoint)
+from nncompile.runtime.checkpoint import (latest_checkpoint, load_checkpoint,  # noqa: E402
+                                          merge_checkpoint, save_checkpoint)
 from nncompile.runtime.pretrained import load_pretrained, save_pretrained  # noqa: E402
 from nncompile.runtime.full_state import (full_optimizer_state_dict,  # noqa: E402
                                           full_state_dict)
@@ -38,7 +38,7 @@ from .tools import memory  # noqa: E402,F401  (nncompile.memory.profile: measure
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
            "ParallelSpec",
            "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
-           "save_checkpoint", "load_checkpoint", "merge_checkpoint",
+           "save_checkpoint", "load_checkpoint", "merge_checkpoint", "latest_checkpoint",
            "save_pretrained", "load_pretrained", "full_state_dict", "full_optimizer_state_dict",
            "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",
            "load_merged_state_dict", "CheckpointError", "EditedCodeWarning",

@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -259,6 +260,31 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
                 save_torch({"param_groups": groups, "extra": extra, "plan": plan_info(pm)},
                            staging / "extra.pt")
     return Path(directory).absolute()
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory under `root`, or None when there is none.
+
+    Complete: save_checkpoint finished it (it has checkpoint.json and is no `.NAME.partial`
+    staging directory); an interrupted save is skipped. Newest: the largest number at the
+    end of the name (step_900 < step_1000); among names without one, the last completed
+    (checkpoint.json's time). A resume script calls it on every rank:
+
+        path = nncompile.latest_checkpoint("ckpt")
+        extra = nncompile.load_checkpoint(path, pm, opt) if path else None
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [d for d in root.iterdir()
+            if d.is_dir() and not d.name.startswith(".") and (d / META).is_file()]
+    if not done:
+        return None
+
+    def order(d: Path) -> tuple:
+        m = re.search(r"(\d+)$", d.name)
+        return (m is not None, int(m[1]) if m else 0, (d / META).stat().st_mtime_ns, d.name)
+    return max(done, key=order).absolute()
 
 
 def read_meta(directory: Path) -> dict:

@@ -205,3 +205,29 @@ def test_crafted_dcp_metadata_is_refused_without_running(tmp_path):
     with pytest.raises(nncompile.CheckpointError, match="not checkpoint metadata"):
         nncompile.merge_checkpoint([tmp_path / "ck_dcp"], tmp_path / "merged.pt")
     assert not marker.exists()
+
+
+def test_latest_checkpoint_is_the_newest_complete_save(tmp_path):
+    """latest_checkpoint skips an interrupted save (its staging directory, a directory
+    without checkpoint.json) and orders by the number ending the name, else by completion."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    pm = nncompile.parallelize(torch.nn.Linear(4, 4), {"input": x},
+                               nncompile.ComputeConfig(1, 1), pas_policy="dp",
+                               gen_savedir=str(tmp_path / "gen"))
+    root = tmp_path / "ckpt"
+    assert nncompile.latest_checkpoint(root) is None               # no directory yet
+    root.mkdir()
+    assert nncompile.latest_checkpoint(root) is None               # nothing saved
+    for step in (2, 10, 9):                                         # step_10 > step_9 > step_2
+        nncompile.save_checkpoint(root / f"step_{step}", pm, extra={"step": step})
+    (root / ".step_11.partial").mkdir()                            # a save that was cut off
+    (root / ".step_11.partial" / "rank0.pt").write_bytes(b"partial")
+    (root / "step_12").mkdir()                                     # no checkpoint.json
+    latest = nncompile.latest_checkpoint(root)
+    assert latest == (root / "step_10").absolute()
+    assert nncompile.load_checkpoint(latest, pm)["step"] == 10
+    named = tmp_path / "named"
+    for name in ("best", "last"):                                   # no numbers: the last done
+        nncompile.save_checkpoint(named / name, pm, extra={"name": name})
+    assert nncompile.latest_checkpoint(named).name == "last"
