@@ -2,6 +2,12 @@
 
 When a rank dies, its peers' next collective fails (gloo: the connection drops) or waits at
 most `timeout_s` (NCCL: the watchdog aborts); groups nncompile creates inherit the timeout.
+
+Under `torchrun --max-restarts=N` the job then starts again. torch's own env:// start keeps
+its keys in the agent's store, which outlives the attempt, so the restarted ranks read the
+dead attempt's addresses ("Gloo connectFullMesh failed ... Connection refused"; plain torch
+2.13 here too). init_distributed gives each attempt its own key space in that store
+(`attempt_<TORCHELASTIC_RESTART_COUNT>/`), so a restart connects.
 """
 from __future__ import annotations
 
@@ -47,5 +53,25 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
             local = int(os.environ.get("LOCAL_RANK", 0))
             _check_gpu(local)
             torch.cuda.set_device(local)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """Under torchelastic: the rendezvous store with this attempt's prefix (module
+    docstring); None outside torchrun (init_process_group's own env:// start)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]),
+                          is_master=not agent and int(os.environ["RANK"]) == 0,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt_{attempt}", store)

@@ -45,11 +45,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: int = 900, cwd=None) -> str:
-    """Run `script` on nproc gloo ranks (from `cwd`, default the repository root); fail with the
-    output's tail unless every rank exits 0."""
+def torchrun(script: str, nproc: int, *args: str, timeout: int = 900, cwd=None,
+             launcher: tuple[str, ...] = ()) -> str:
+    """Run `script` on nproc gloo ranks (from `cwd`, default the repository root; `launcher`:
+    more torchrun options, e.g. --max-restarts=1); fail with the output's tail unless every
+    rank exits 0."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", os.path.join(ROOT, script), *args]
+           f"--master_port={_free_port()}", *launcher, os.path.join(ROOT, script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
     proc = subprocess.run(cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
