@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .. import compat, symbolic
 from . import layer_replay, module_paths, user_checkpoint
+from .data_dependent import refuse_data_dependent
 from .function_watch import WatchFunctions, user_frame_from_text
 from .layerdrop import static_layerdrop
 from ..errors import ConfigError, TraceError
@@ -56,35 +57,6 @@ def normalize_args(module: torch.nn.Module, dummy_args: Any) -> tuple[tuple, dic
         return (dummy_args,), {}
     raise ConfigError("dummy_args must be a dict of forward's keyword arguments or a tuple of "
                       f"its positional arguments, not {type(dummy_args).__name__}")
-
-
-def _refuse_data_dependent(module: torch.nn.Module, node: torch.fx.Node, val: Any) -> None:
-    """A TraceError where torch.export traced a size that only the data decides (an unbacked
-    symbol: torch.where, nonzero, a boolean mask, .item()), which the IR cannot hold: every
-    size of the generated program is fixed, or a function of the inputs' (dynamic_dims)."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-    try:
-        unbacked = free_unbacked_symbols(val) if val is not None else set()
-    except Exception:             # noqa: BLE001 - a value torch cannot inspect: not one
-        return
-    if not unbacked:
-        return
-    where = user_frame_from_text(node.meta.get("stack_trace", "")) or "(no source line)"
-    shape = [_shape(v) for v in val] if isinstance(val, (list, tuple)) else _shape(val)
-    raise TraceError(
-        f"{type(module).__name__}.forward makes a value whose size depends on the data: "
-        f"{node.target} at {where} gives {shape}, where {', '.join(sorted(map(str, unbacked)))} "
-        "is known only when it runs. nncompile's generated program fixes every size at trace "
-        "time (or, with dynamic_dims, derives it from the inputs' sizes), so data-dependent "
-        "routing (torch.where / nonzero / boolean-mask indexing, as a classic "
-        "mixture-of-experts loop does with index_add) cannot be compiled. Compute it with "
-        "fixed sizes (every expert on every token, weighted by a dense routing mask, or a "
-        "fixed-capacity dispatch), or use a Hugging Face MoE block (Mixtral, Qwen3-MoE), "
-        "which nncompile fuses into one op it can dispatch along ep (docs/experts.md)")
-
-
-def _shape(v: Any) -> Any:
-    return list(v.shape) if isinstance(v, torch.Tensor) else v
 
 
 def _meta_of(val: Any, sizes: symbolic.SymbolMap | None = None) -> TensorMeta | None:
@@ -292,7 +264,7 @@ class _Lowering:
     def _lower_call(self, gm: torch.fx.GraphModule, node: torch.fx.Node, no_grad: bool) -> None:
         target = node.target
         val = node.meta.get("val")
-        _refuse_data_dependent(self.module, node, val)
+        refuse_data_dependent(self.module, node, val)
         if self.sizes is not None and isinstance(val, (torch.SymInt, torch.SymBool,
                                                        torch.SymFloat)):
             # size arithmetic (sym_size, operator.mul, ...) becomes a literal: a Sym size, or
