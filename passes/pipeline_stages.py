@@ -198,9 +198,14 @@ class PartitionStages:
     """The pass (see the module docstring): cuts the stages graph.config asks for; `autodist`:
     the policy is autodist (which may choose parallel.pp="auto")."""
     autodist: bool = False
-    name: str = "pipeline_stages"
+    name: ClassVar[str] = "pipeline_stages"
     requires: ClassVar[tuple] = ()
     produces: ClassVar[tuple] = (Stage.STAGED,)
+
+    def __post_init__(self):
+        if not isinstance(self.autodist, bool):
+            raise TypeError("PartitionStages(autodist=True/False): the pass reads the "
+                            "ComputeConfig from graph.config, not from its arguments")
 
     def __call__(self, graph: Graph) -> Graph:
         return StageSearch(config_of(graph, self.name), self.autodist).cut(graph)

@@ -33,7 +33,7 @@ class Plan:
     """The pass: `policy` plans the graph for the request in graph.config (the mesh it is
     cut into: passes/planner.py)."""
     policy: Callable
-    name: str = "plan"
+    name: ClassVar[str] = "plan"
     requires: ClassVar[tuple] = ()
     produces: ClassVar[tuple] = (Stage.PLANNED,)
 

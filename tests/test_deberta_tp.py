@@ -207,7 +207,9 @@ def test_insert_comm_chunks_into_and_gathers_from_a_strided_split(tmp_path):
     from nncompile.passes.plan import Plan
     model, x = Merged(), torch.randn(2, 4, 4, 8)
     cfg = ComputeConfig(2, 2)
-    planned = Plan(strided_mul, cfg)(trace(model, (x,)))
+    g = trace(model, (x,))
+    g.config = cfg                       # the request the passes read
+    planned = Plan(strided_mul)(g)
     text = print_graph(planned)
     assert "S(0|2)" in text
     assert_graph_equal(planned, parse_graph(text))      # the printed plan reads back
