@@ -231,3 +231,15 @@ def test_latest_checkpoint_is_the_newest_complete_save(tmp_path):
     for name in ("best", "last"):                                   # no numbers: the last done
         nncompile.save_checkpoint(named / name, pm, extra={"name": name})
     assert nncompile.latest_checkpoint(named).name == "last"
+
+
+def test_accumulation_steps_keep_the_global_batch():
+    """Resuming on half the data-parallel units doubles the accumulation; what does not
+    divide is a ConfigError saying so."""
+    assert nncompile.accumulation_steps(32, 4, 4) == 2
+    assert nncompile.accumulation_steps(32, 4, 2) == 4
+    assert nncompile.accumulation_steps(32, 8, 4) == 1
+    with pytest.raises(nncompile.ConfigError, match="does not split into micro-batches of 3"):
+        nncompile.accumulation_steps(32, 3, 4)
+    with pytest.raises(nncompile.ConfigError, match="dp_units=0 must be a positive integer"):
+        nncompile.accumulation_steps(32, 4, 0)
