@@ -38,7 +38,8 @@ class Plan:
     produces: ClassVar[tuple] = (Stage.PLANNED,)
 
     def __call__(self, graph: Graph) -> Graph:
-        g, experts = tensor_plan(graph, config_of(graph, self.name), self.policy)
+        config = config_of(graph, self.name)
+        g, experts = tensor_plan(graph, config, self.policy)
         if not isinstance(g, Graph):
             raise PolicyError(f"policy {getattr(self.policy, '__name__', self.policy)!r} "
                               f"returned {type(g).__name__}, not a Graph")
@@ -70,7 +71,7 @@ class Plan:
             op.strategy = chosen
             for v, p in zip(op.outputs, chosen.outputs):
                 v.placement = p if v.is_tensor else Replicate()
-        g.plan_state.memory = g.plan_state.memory or decide_memory(g, config_of(graph, self.name))
+        g.plan_state.memory = g.plan_state.memory or decide_memory(g, config)
         for v in g.params + g.buffers:      # the eval program reads the training shards:
             if v.fqn in g.plan_state.pinned:    # insert_comm moves them where its ops want
                 v.placement = g.plan_state.pinned[v.fqn]

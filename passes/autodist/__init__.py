@@ -123,10 +123,10 @@ def experts_narrow(g: Graph, config, narrow=None):
     its tokens split (the experts whole) beside an ep axis (passes/expert_parallel.py); the
     split being planned is plan_state.experts (passes/planner.py)."""
     from nncompile.rules.experts import DISPATCH
+    e = experts_split(g, config)
     if "ep" in g.axes:
         keep = lambda s: s.note == "split tokens"                    # noqa: E731
-    elif experts_split(g, config) not in (1, AUTO) and \
-            experts_split(g, config) == tensor_ranks(g, config):
+    elif e not in (1, AUTO) and e == tensor_ranks(g, config):
         keep = lambda s: s.local_target == DISPATCH                   # noqa: E731
     else:
         return narrow
