@@ -42,6 +42,7 @@ from .dcp import load_dcp, load_state, read_metadata, save_dcp
 from .dedup import deduped_state_dict, load_deduped_state_dict
 from .lockstep import meet
 from .merge import load_merged_state_dict, merge_state_dicts, merged_optimizer
+from .resume_state import gather, restore
 from nncompile.rows import param_rows
 from .state import (GROUP_FQNS, describe, group_fqns, hyper, plan_info, plan_mismatch,
                     with_members, without_members)
@@ -233,13 +234,17 @@ def staged_directory(directory: str | os.PathLike, pm, meta: dict):
 
 
 def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format: str = "sharded",
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, data=None, rng: bool = True) -> Path:
     """Save `pm` (and its optimizer) under `directory`; every rank calls it. `extra` (a step
-    count, RNG state, ...) comes back from load_checkpoint."""
+    count, ...) comes back from load_checkpoint. Every rank's random-number state (rng=True)
+    and the state of `data` (a DataParallelSampler, a StatefulDataLoader) go in too, and
+    load_checkpoint puts them back (resume_state.py)."""
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r}; choose one of {FORMATS}")
     check_extra(extra)
     meet(pm, "save_checkpoint")         # a rank still evaluating alone: its forwards first
+    resume = gather(data, rng)
+    check_extra(resume, "data.state_dict()")
     rank, _ = _rank_world()
     meta = {"format": format, "has_optimizer": optimizer is not None,
             **(_optimizer_layout(pm, optimizer) if optimizer is not None else {})}
@@ -248,17 +253,17 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
             save_torch({"model": pm.state_dict(),
                         "optimizer": with_members(pm, optimizer, optimizer.state_dict())
                         if optimizer is not None else None,
-                        "extra": extra}, staging / f"rank{rank}.pt")
+                        "extra": extra, "resume": resume}, staging / f"rank{rank}.pt")
         elif format == "deduped":
             model, opt = deduped_state_dict(pm, optimizer)
-            save_torch({"model": model, "optimizer": opt, "extra": extra},
+            save_torch({"model": model, "optimizer": opt, "extra": extra, "resume": resume},
                        staging / f"rank{rank}.pt")
         else:
             save_dcp(str(staging), pm, optimizer)
             groups = _all_members(pm, optimizer) if optimizer is not None else []
             if rank == 0:
-                save_torch({"param_groups": groups, "extra": extra, "plan": plan_info(pm)},
-                           staging / "extra.pt")
+                save_torch({"param_groups": groups, "extra": extra, "plan": plan_info(pm),
+                            "resume": resume}, staging / "extra.pt")
     return Path(directory).absolute()
 
 
@@ -299,11 +304,17 @@ def read_meta(directory: Path) -> dict:
     return json.loads(meta.read_text())
 
 
-def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
+def load_checkpoint(path: str | os.PathLike, pm, optimizer=None, *, data=None,
+                    rng: bool = True) -> dict | None:
     """Load a checkpoint directory (any format) or a merged file into `pm` and its optimizer;
-    returns the `extra` it was saved with. Every rank calls it."""
+    returns the `extra` it was saved with. Every rank calls it. A checkpoint directory also
+    restores each rank's random-number state (rng=True) and `data`'s position
+    (resume_state.py); a merged file holds neither."""
     path = Path(path).absolute()
     if path.is_file():
+        if data is not None:
+            raise CheckpointError(f"{path} is a merged checkpoint, which holds no data state; "
+                                  "load the checkpoint directory to restore data=")
         merged = load_torch(path, map_location="cpu")
         if not isinstance(merged, dict) or "model" not in merged:
             raise CheckpointError(f"{path} is not a merged checkpoint (no 'model' entry); "
@@ -326,6 +337,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
         if optimizer is not None:
             for group, saved in zip(optimizer.param_groups, side["param_groups"]):
                 group.update(hyper(saved))
+        restore(side.get("resume"), meta["plan"], plan_info(pm), data, rng, str(path))
         return side["extra"]
     if meta["world_size"] != world:
         _refuse(path, meta, pm, f"it was saved by {meta['world_size']} ranks")
@@ -341,6 +353,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None) -> dict | None:
             optimizer.load_state_dict(without_members(blob["optimizer"]))
     else:
         load_deduped_state_dict(pm, blob["model"], optimizer, blob["optimizer"])
+    restore(blob.get("resume"), meta["plan"], plan_info(pm), data, rng, str(path))
     return blob["extra"]
 
 
