@@ -31,6 +31,7 @@ from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  #
 from nncompile.data import DataParallelSampler, accumulation_steps  # noqa: E402
 from nncompile.runtime.checkpoint import (latest_checkpoint, load_checkpoint,  # noqa: E402
                                           merge_checkpoint, save_checkpoint)
+from nncompile.runtime.async_checkpoint import AsyncCheckpoint  # noqa: E402
 from nncompile.runtime.pretrained import load_pretrained, save_pretrained  # noqa: E402
 from nncompile.runtime.full_state import (full_optimizer_state_dict,  # noqa: E402
                                           full_state_dict)
@@ -40,7 +41,7 @@ __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "Co
            "ParallelSpec",
            "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint", "latest_checkpoint",
-           "accumulation_steps", "DataParallelSampler",
+           "accumulation_steps", "DataParallelSampler", "AsyncCheckpoint",
            "save_pretrained", "load_pretrained", "full_state_dict", "full_optimizer_state_dict",
            "deduped_state_dict", "load_deduped_state_dict", "merge_state_dicts",
            "load_merged_state_dict", "CheckpointError", "EditedCodeWarning",

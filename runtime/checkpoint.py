@@ -38,7 +38,8 @@ import torch.distributed as dist
 from nncompile.errors import CheckpointError
 from nncompile.fileio import replace_dir, write_json
 
-from .dcp import load_dcp, load_state, read_metadata, save_dcp
+from .async_checkpoint import start as start_async, wait_pending
+from .dcp import dcp_state, load_dcp, load_state, read_metadata, save_dcp, save_planner
 from .dedup import deduped_state_dict, load_deduped_state_dict
 from .lockstep import meet
 from .merge import load_merged_state_dict, merge_state_dicts, merged_optimizer
@@ -220,12 +221,7 @@ def staged_directory(directory: str | os.PathLike, pm, meta: dict):
     error = None
     if rank == 0:
         try:
-            info = plan_info(pm)
-            write_json(staging / META, {
-                **meta, "world_size": world,
-                "plan": {k: info[k] for k in ("policy", "plan_ngpus", "runtime_ngpus",
-                                              "pipe_ranks", "fingerprint")}})
-            replace_dir(staging, target)
+            put_in_place(staging, target, pm, meta, world)
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)
             error = (f"moving the finished checkpoint into place failed ({_os_error(e)}); "
@@ -233,21 +229,62 @@ def staged_directory(directory: str | os.PathLike, pm, meta: dict):
     agree(error, what)
 
 
+def put_in_place(staging: Path, target: Path, pm, meta: dict, world: int) -> None:
+    """Rank 0, once every rank has written `staging`: checkpoint.json (`meta`, the world size,
+    the plan), then the rename that makes the checkpoint visible."""
+    info = plan_info(pm)
+    write_json(staging / META, {
+        **meta, "world_size": world,
+        "plan": {k: info[k] for k in ("policy", "plan_ngpus", "runtime_ngpus", "pipe_ranks",
+                                      "fingerprint")}})
+    replace_dir(staging, target)
+
+
+def _start_async_save(directory, pm, optimizer, meta: dict, side: dict):
+    """The async_save=True path of save_checkpoint (async_checkpoint.py)."""
+    rank, world = _rank_world()
+    if not dist.is_initialized():
+        raise CheckpointError("async_save=True writes through torch.distributed.checkpoint's "
+                              "async_save, which needs torch.distributed: launch with torchrun "
+                              "and init_distributed() first, or save synchronously")
+    target = Path(directory).absolute()
+    staging = target.with_name(f".{target.name}.partial")
+    agree(_make_staging(target, staging) if rank == 0 else None,
+          f"cannot save a checkpoint to {target}")
+    state = dcp_state(pm, optimizer)
+
+    def finish() -> None:
+        save_torch(side, staging / "extra.pt")
+        put_in_place(staging, target, pm, meta, world)
+    return start_async(target, staging, state, save_planner(), finish if rank == 0 else None)
+
+
 def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format: str = "sharded",
-                    extra: dict | None = None, data=None, rng: bool = True) -> Path:
+                    extra: dict | None = None, data=None, rng: bool = True,
+                    async_save: bool = False):
     """Save `pm` (and its optimizer) under `directory`; every rank calls it. `extra` (a step
     count, ...) comes back from load_checkpoint. Every rank's random-number state (rng=True)
     and the state of `data` (a DataParallelSampler, a StatefulDataLoader) go in too, and
-    load_checkpoint puts them back (resume_state.py)."""
+    load_checkpoint puts them back (resume_state.py). Returns the directory; with
+    async_save=True (format="dcp") it returns once the state is copied, and the
+    AsyncCheckpoint it returns is written in the background (async_checkpoint.py)."""
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r}; choose one of {FORMATS}")
+    if async_save and format != "dcp":
+        raise CheckpointError(f"async_save=True writes through torch.distributed.checkpoint: "
+                              f"pass format=\"dcp\" (not {format!r}), or async_save=False")
     check_extra(extra)
+    wait_pending()                      # one save in flight at a time
     meet(pm, "save_checkpoint")         # a rank still evaluating alone: its forwards first
     resume = gather(data, rng)
     check_extra(resume, "data.state_dict()")
     rank, _ = _rank_world()
     meta = {"format": format, "has_optimizer": optimizer is not None,
             **(_optimizer_layout(pm, optimizer) if optimizer is not None else {})}
+    if async_save:
+        groups = _all_members(pm, optimizer) if optimizer is not None else []
+        side = {"param_groups": groups, "extra": extra, "plan": plan_info(pm), "resume": resume}
+        return _start_async_save(directory, pm, optimizer, meta, side)
     with staged_directory(directory, pm, meta) as staging:
         if format == "sharded":
             save_torch({"model": pm.state_dict(),
@@ -260,7 +297,7 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
                        staging / f"rank{rank}.pt")
         else:
             save_dcp(str(staging), pm, optimizer)
-            groups = _all_members(pm, optimizer) if optimizer is not None else []
+            groups = _all_members(pm, optimizer) if optimizer is not None else []  # collective
             if rank == 0:
                 save_torch({"param_groups": groups, "extra": extra, "plan": plan_info(pm),
                             "resume": resume}, staging / "extra.pt")

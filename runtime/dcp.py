@@ -215,16 +215,24 @@ def _optimizer_state(pm, local: dict[str, dict[str, Any]]) -> dict[str, dict[str
     return optim
 
 
-def save_dcp(directory: str, pm, optimizer=None) -> None:
-    """Write this job's state into `directory` (every rank calls it)."""
+def dcp_state(pm, optimizer=None) -> dict[str, Any]:
+    """This rank's part of the job's state, as the DTensors DCP saves."""
     state: dict[str, Any] = {"model": _model_state(pm)}
     if optimizer is not None:
         local = local_optimizer_state(pm, optimizer)["state"]
         state["optim"] = _optimizer_state(pm, local)
+    return state
+
+
+def save_planner() -> DefaultSavePlanner:
     # a tensor several ranks hold alike is stored from the lowest of them: data-parallel units'
     # buffers (BatchNorm statistics) may differ, and the checkpoint keeps the first unit's
-    dcp.save(state, checkpoint_id=directory,
-             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+def save_dcp(directory: str, pm, optimizer=None) -> None:
+    """Write this job's state into `directory` (every rank calls it)."""
+    dcp.save(dcp_state(pm, optimizer), checkpoint_id=directory, planner=save_planner())
 
 
 def load_dcp(directory: str, pm, optimizer=None) -> None:

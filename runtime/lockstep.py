@@ -424,6 +424,8 @@ def _at_exit() -> None:
 
 def _destroy_process_group(group=None):
     if group is None or group == dist.GroupMember.WORLD:
+        from .async_checkpoint import wait_pending
+        wait_pending()                  # a checkpoint still being written is finished first
         _meet_all("exit")
     return _TORCH_DESTROY(group)
 
