@@ -6,10 +6,13 @@ is written, through torch.distributed.checkpoint.async_save.
             ...                                           # training goes on
             pending.wait()                                # optional: every rank, when needed
 
-The call blocks only while DCP copies the state into CPU memory (its stager; the copy is what
-the write reads, so the next optimizer step may change the weights). The files are then
-written by a background thread that talks over a gloo group of its own, so its collectives
-never mix with training's. Visibility stays atomic: everything goes into `.<name>.partial/`,
+The call blocks for the buffers' copy only (a forward updates BatchNorm statistics). DCP's
+stager copies the weights and the optimizer state into CPU memory in a thread of its own while
+the next forward and backward run (they read the weights; nothing else of nncompile's changes
+them), and every optimizer's next `step()` waits until that copy is made. So change weights in
+place only through an optimizer step, or after `pending.wait()`. A second background thread
+writes the copy, talking over a gloo group of its own, so its collectives never mix with
+training's. Visibility stays atomic: everything goes into `.<name>.partial/`,
 and when rank 0's write completes (DCP's last step gathers every rank's result, so every rank
 has written) its thread adds `extra.pt` and `checkpoint.json` and renames the directory into
 place. A process killed before then leaves the previous checkpoint as the latest
@@ -29,7 +32,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nncompile.errors import CheckpointError
 
@@ -45,6 +50,36 @@ def checkpoint_group():
     if "async_checkpoint" not in cache:
         cache["async_checkpoint"] = dist.new_group(backend="gloo", timeout=default_timeout())
     return cache["async_checkpoint"]
+
+
+def _stager():
+    """One DCP stager per job, copying in a thread of its own (the training thread goes on);
+    it keeps the copy's storages from one save to the next, so later saves copy into memory
+    already allocated."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    cache = _CACHE.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if "async_stager" not in cache:
+        cache["async_stager"] = DefaultStager(StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+            use_async_staging=True, use_non_blocking_copy=torch.cuda.is_available()))
+    return cache["async_stager"]
+
+
+_copying: list[Future] = []             # the copy in progress, if any
+_step_hook: list = []
+
+
+def _hold_steps_until(staged: Future) -> None:
+    """Every optimizer's next step() waits until the copy is made (the step changes what is
+    being copied). One global step pre-hook, installed once and never removed (torch runs
+    the hooks from the live dict, which must not change while it does)."""
+    _copying[:] = [staged]
+    if not _step_hook:
+        def wait_for_copy(*_):
+            if _copying:
+                _copying[0].exception()         # waits; an error is reported by wait()
+                _copying.clear()
+        _step_hook.append(register_optimizer_step_pre_hook(wait_for_copy))
 
 
 class AsyncCheckpoint:
@@ -102,11 +137,10 @@ def start(target: Path, staging: Path, state: dict, planner, finish) -> AsyncChe
     """DCP's async_save of `state` into `staging`; `finish` (rank 0's, else None) runs once
     this rank's write completed."""
     import torch.distributed.checkpoint as dcp
-    upload = dcp.async_save(state, checkpoint_id=str(staging), planner=planner,
-                            process_group=checkpoint_group())
-    if not isinstance(upload, Future):          # a stager that stages in the background
-        upload = upload.upload_completion
-    handle = AsyncCheckpoint(target, staging, upload, finish)
+    response = dcp.async_save(state, checkpoint_id=str(staging), planner=planner,
+                              process_group=checkpoint_group(), async_stager=_stager())
+    _hold_steps_until(response.staging_completion)
+    handle = AsyncCheckpoint(target, staging, response.upload_completion, finish)
     _pending.append(handle)
     return handle
 

@@ -251,7 +251,7 @@ def _start_async_save(directory, pm, optimizer, meta: dict, side: dict):
     staging = target.with_name(f".{target.name}.partial")
     agree(_make_staging(target, staging) if rank == 0 else None,
           f"cannot save a checkpoint to {target}")
-    state = dcp_state(pm, optimizer)
+    state = dcp_state(pm, optimizer, snapshot_buffers=True)
 
     def finish() -> None:
         save_torch(side, staging / "extra.pt")
@@ -347,6 +347,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None, *, data=None,
     returns the `extra` it was saved with. Every rank calls it. A checkpoint directory also
     restores each rank's random-number state (rng=True) and `data`'s position
     (resume_state.py); a merged file holds neither."""
+    wait_pending()                      # a save in flight finishes before state changes
     path = Path(path).absolute()
     if path.is_file():
         if data is not None:

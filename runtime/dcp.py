@@ -49,7 +49,7 @@ from nncompile.mesh import PP, param_placements
 from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
 
 from .parts import assemble_sources, sources_of
-from nncompile.rows import BufferRow, ParamRow, param_rows, state_rows, take
+from nncompile.rows import BufferRow, ParamRow, buffer_rows, param_rows, state_rows, take
 from .state import load_local_optimizer_state, local_optimizer_state
 
 _SAFE_GLOBALS = {
@@ -215,11 +215,22 @@ def _optimizer_state(pm, local: dict[str, dict[str, Any]]) -> dict[str, dict[str
     return optim
 
 
-def dcp_state(pm, optimizer=None) -> dict[str, Any]:
-    """This rank's part of the job's state, as the DTensors DCP saves."""
-    state: dict[str, Any] = {"model": _model_state(pm)}
+def dcp_state(pm, optimizer=None, snapshot_buffers: bool = False) -> dict[str, Any]:
+    """This rank's part of the job's state, as the DTensors DCP saves: views of the live
+    tensors (DCP writes them, or copies them before the next step changes them). With
+    snapshot_buffers, buffers are copied now: a forward updates them (BatchNorm statistics)
+    while a background copy of the rest runs."""
+    model = _model_state(pm)
+    if snapshot_buffers:
+        for row in buffer_rows(pm):
+            if row.fqn in model:
+                t = model[row.fqn]
+                model[row.fqn] = DTensor.from_local(
+                    t.to_local().clone(), t.device_mesh, t.placements, run_check=False,
+                    shape=t.shape, stride=t.stride())
+    state: dict[str, Any] = {"model": model}
     if optimizer is not None:
-        local = local_optimizer_state(pm, optimizer)["state"]
+        local = local_optimizer_state(pm, optimizer, copy=False)["state"]
         state["optim"] = _optimizer_state(pm, local)
     return state
 

@@ -291,9 +291,10 @@ def hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k not in ("params", GROUP_FQNS)}
 
 
-def local_optimizer_state(pm, opt) -> dict[str, Any]:
+def local_optimizer_state(pm, opt, copy: bool = True) -> dict[str, Any]:
     """{"state": {local name: {key: value}}, "param_groups": [hyperparameters and the group's
-    FQNs]} (for ZeRO a collective over the ZeRO group)."""
+    FQNs]} (for ZeRO a collective over the ZeRO group). copy=False: a plain optimizer's own
+    state tensors, not copies (for a writer that copies or writes before the next step)."""
     fqns = group_fqns(pm, opt)
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                **({GROUP_FQNS: fqns[i]} if fqns is not None else {})}
@@ -317,8 +318,8 @@ def local_optimizer_state(pm, opt) -> dict[str, Any]:
             raise CheckpointError("the optimizer holds a tensor that is not a parameter of this "
                                   "ParallelModule; build it with nncompile.build_optimizer(pm, "
                                   "...) or over pm.parameters()")
-        state[names[id(p)]] = {k: _local(v).clone() if torch.is_tensor(v) else v
-                               for k, v in st.items()}
+        state[names[id(p)]] = {k: (_local(v).clone() if copy else _local(v))
+                               if torch.is_tensor(v) else v for k, v in st.items()}
     return {"state": state, "param_groups": groups}
 
 
