@@ -2,6 +2,8 @@
 
 When a rank dies, its peers' next collective fails (gloo: the connection drops) or waits at
 most `timeout_s` (NCCL: the watchdog aborts); groups nncompile creates inherit the timeout.
+Each rank also starts a watch (hang_report.py) that says where every rank was when they stop
+agreeing.
 
 Under `torchrun --max-restarts=N` the job then starts again. torch's own env:// start keeps
 its keys in the agent's store, which outlives the attempt, so the restarted ranks read the
@@ -60,6 +62,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         else:
             dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        from .hang_report import start as watch_hangs
+        watch_hangs(timeout_s)          # where each rank is, if they stop agreeing
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -1,0 +1,218 @@
+"""Where every rank is when the ranks stop agreeing: a report on each rank whose collective
+fails or times out, naming each rank's collective, its generated-code line and source line.
+
+    before: rank 0: RuntimeError: [gloo] Timed out waiting 10000ms for recv operation
+            rank 1: RuntimeError: [gloo] Timed out waiting 10000ms for recv operation
+    after:  nncompile: the ranks stopped agreeing (rank 0 waited 5 s in a collective):
+              rank 0: all_reduce, forward #3 (eval), gencode0.py:142
+                      `comm.all_reduce(h0_attn_c_proj_linear, group=PLAN_GROUP)`, source
+                      examples/gpt.py:29 `return self.c_proj(y)`; script train.py:40
+              rank 1: barrier; script train.py:44 `dist.barrier()`
+            followed by each rank's own error and traceback.
+
+init_distributed starts one daemon thread per rank (a "watch"). Twice a second it looks at the
+main thread's Python stack (sys._current_frames: readable while the main thread waits inside
+a C++ collective). When the main thread has waited in the same torch.distributed call for half
+the timeout (at most timeout - 2 s), the watch asks every rank, through the process group's
+store, to say where it is; every watch then keeps its answer current with its main thread's
+position, whatever it does (waiting, computing, or in the script's own code). When the
+collective fails (gloo and NCCL raise once the timeout passes), an exception that ends the
+program prints the report first (an ask older than the timeout + 10 s is not reported), with
+the ranks that did not answer (dead, or stuck where Python cannot run) named as such. No
+collective is added and nothing runs in the training thread; a rank checks one store key
+twice a second. NNCOMPILE_HANG_WATCH=0 turns the watch off.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from types import FrameType
+
+import torch.distributed as dist
+
+KEY = "nncompile_hang"
+POLL_S = 0.5
+_started: list[threading.Thread] = []
+_SOURCE = re.compile(r"^\s*# (\S+:\d+)  (.*)$")
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # runtime/..
+
+
+def _gencode_line(path: str, lineno: int) -> tuple[str, str | None]:
+    """The statement at `lineno` of a generated file and the source line it came from (the
+    nearest `# file:line  code` comment above it)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "", None
+    stmt = lines[lineno - 1].split("  # ")[0].strip() if 0 < lineno <= len(lines) else ""
+    for i in range(lineno - 2, -1, -1):
+        m = _SOURCE.match(lines[i])
+        if m:
+            return stmt, f"{m[1]} `{m[2].strip()}`"
+        if lines[i].lstrip().startswith("def "):
+            break
+    return stmt, None
+
+
+def _short(s: str, n: int = 90) -> str:
+    return s if len(s) <= n else s[:n - 3] + "..."
+
+
+def _in_collective(frame: FrameType | None) -> int | None:
+    """The id of the torch.distributed call the thread at `frame` waits in, or None."""
+    f = frame
+    while f is not None:
+        path = f.f_code.co_filename
+        if "distributed_c10d" in path and "torch" in path:
+            return id(f)
+        f = f.f_back
+    return None
+
+
+def position(frame: FrameType | None) -> tuple[str, int | None]:
+    """(where a thread is, in words; the id of the torch.distributed call it waits in, or
+    None)."""
+    collective, call_id, gen, source, script, forward = None, None, None, None, None, None
+    ours = None
+    main_file = os.path.abspath(getattr(sys.modules.get("__main__"), "__file__", "") or "")
+    f = frame
+    while f is not None:
+        path = f.f_code.co_filename
+        if ours is None and collective is not None and os.path.dirname(
+                os.path.dirname(os.path.abspath(path))) == _PACKAGE_ROOT:
+            ours = f"in {os.path.basename(path)[:-3]}.{f.f_code.co_name} " \
+                   f"({os.path.relpath(path, _PACKAGE_ROOT)}:{f.f_lineno})"
+        if collective is None and "distributed_c10d" in path and "torch" in path:
+            collective, call_id = f.f_code.co_name, id(f)
+        base = os.path.basename(path)
+        if forward is None and f.f_code.co_name == "_run" and \
+                os.path.basename(path) == "module.py":
+            owner = f.f_locals.get("self")              # the ParallelModule's forward
+            count = getattr(owner, "__dict__", {}).get("_calls")
+            if count is not None:
+                forward = f"forward call #{count}" + ("" if getattr(owner, "training", True)
+                                                       else " (eval)")
+        if gen is None and base.startswith("gencode") and base.endswith(".py"):
+            stmt, source = _gencode_line(path, f.f_lineno)
+            gen = f"{base}:{f.f_lineno} `{_short(stmt)}`"
+        if script is None and main_file and os.path.abspath(path) == main_file:
+            script = f"{os.path.basename(path)}:{f.f_lineno}"
+            line = _line_of(path, f.f_lineno)
+            if line:
+                script += f" `{_short(line)}`"
+        f = f.f_back
+    parts = [collective or "not in a torch.distributed collective"]
+    if ours and not (gen and ours.startswith("in gencode")):
+        parts.append(ours)
+    if forward:
+        parts.append(forward)
+    if gen:
+        parts.append(gen)
+    if source:
+        parts.append(f"source {source}")
+    if script:
+        parts.append(f"script {script}")
+    return ", ".join(parts), call_id
+
+
+def _line_of(path: str, lineno: int) -> str:
+    try:
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if i == lineno:
+                    return line.strip()
+    except OSError:
+        pass
+    return ""
+
+
+class Watch(threading.Thread):
+    """The per-rank watch (module docstring)."""
+
+    def __init__(self, store, rank: int, world: int, timeout_s: float):
+        super().__init__(name="nncompile-hang-watch", daemon=True)
+        self.store, self.rank, self.world = store, rank, world
+        self.patience = max(POLL_S, min(timeout_s / 2, timeout_s - 2))
+        self.main = threading.main_thread().ident
+        self.waiting: tuple[int | None, float] = (None, 0.0)
+        self.answered: str | None = None
+        self.asked: int | None = None
+        self.fresh_s = timeout_s + 10       # an ask older than that is another episode
+
+    def run(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending
+                return
+
+    def tick(self) -> None:
+        frame = sys._current_frames().get(self.main)
+        call = _in_collective(frame)
+        now = time.monotonic()
+        if call is None or call != self.waiting[0]:
+            self.waiting = (call, now)
+        elif now - self.waiting[1] >= self.patience and self.asked != call:
+            self.asked = call               # one ask per wait: the answers are refreshed
+            self.store.set(f"{KEY}/ask", f"{time.time()}|rank {self.rank} waited "
+                                         f"{now - self.waiting[1]:.0f} s in a collective")
+        if self.store.check([f"{KEY}/ask"]):
+            where = position(frame)[0]
+            if where != self.answered:      # what the others read is where this rank is now
+                self.store.set(f"{KEY}/{self.rank}", where)
+                self.answered = where
+
+    def report(self, wait_s: float = 3.0) -> str | None:
+        """Every rank's answer (waiting up to wait_s for the missing), or None when no rank
+        asked."""
+        try:
+            if not self.store.check([f"{KEY}/ask"]):
+                return None
+            asked_at, asked = self.store.get(f"{KEY}/ask").decode().split("|", 1)
+            if time.time() - float(asked_at) > self.fresh_s:
+                return None
+            deadline = time.monotonic() + wait_s
+            rows = {}
+            while True:
+                for r in range(self.world):
+                    if r not in rows and self.store.check([f"{KEY}/{r}"]):
+                        rows[r] = self.store.get(f"{KEY}/{r}").decode()
+                if len(rows) == self.world or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store went away with the job
+            return None
+        lines = [f"nncompile: the ranks stopped agreeing ({asked}); where each rank is:"]
+        for r in range(self.world):
+            lines.append(f"  rank {r}: " + rows.get(
+                r, "no answer (the process is gone, or stuck where Python cannot run)"))
+        return "\n".join(lines)
+
+
+def start(timeout_s: float) -> None:
+    """Start this rank's watch (once per process; init_distributed calls it)."""
+    if _started or not dist.is_initialized() or dist.get_world_size() < 2 or \
+            os.environ.get("NNCOMPILE_HANG_WATCH", "1") == "0":
+        return
+    store = dist.distributed_c10d._get_default_store()
+    watch = Watch(store, dist.get_rank(), dist.get_world_size(), timeout_s)
+    watch.start()
+    _started.append(watch)
+    previous = sys.excepthook
+
+    def report_then(kind, value, tb):
+        text = watch.report()
+        if text:
+            print(text, file=sys.stderr, flush=True)
+        previous(kind, value, tb)
+    sys.excepthook = report_then
+
+
+def report() -> str | None:
+    """The report of this process's watch (None: none started, or no rank asked)."""
+    return _started[0].report() if _started else None

@@ -1,0 +1,34 @@
+"""Ranks that stop agreeing say where each one is (runtime/hang_report.py; tests/workers/
+hang.py): under tp 2, rank 0 evaluating alone waits in the generated code's all_reduce while
+rank 1 waits in a barrier; both fail within the timeout + 5 s, and the error of each names
+both ranks, the collective each waits in, rank 0's generated-code and source line and each
+rank's line of the script."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, _free_port
+
+WORKER = "tests/workers/hang.py"
+TIMEOUT_S = 8                           # the worker's
+
+
+def test_every_rank_reports_where_each_rank_waits(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={_free_port()}", os.path.join(ROOT, WORKER), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "did not fail" not in out, out[-3000:]
+    assert out.count("nncompile: the ranks stopped agreeing") == 2, out[-3000:]  # each rank
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["error"] - got["diverged"] <= TIMEOUT_S + 5, got
+        lines = got["report"].splitlines()
+        assert lines[0].startswith("nncompile: the ranks stopped agreeing"), got["report"]
+        zero, one = lines[1], lines[2]
+        assert zero.startswith("  rank 0: all_reduce, ") and "forward call #2 (eval)" in zero, zero
+        assert "gencode0.py:" in zero and "comm.all_reduce(" in zero, zero
+        assert "source examples/gpt.py:" in zero and "hang.py:" in zero, zero
+        assert one.startswith("  rank 1: barrier, ") and "`dist.barrier()" in one, one
