@@ -18,7 +18,10 @@ store, to say where it is; every watch then keeps its answer current with its ma
 position, whatever it does (waiting, computing, or in the script's own code). When the
 collective fails (gloo and NCCL raise once the timeout passes), an exception that ends the
 program prints the report first (an ask older than the timeout + 10 s is not reported), with
-the ranks that did not answer (dead, or stuck where Python cannot run) named as such. No
+the ranks that did not answer (dead, or stuck where Python cannot run) named as such. An
+exception that ends a rank's program is put in the store too, so the other ranks' errors
+(their next collective fails: the connection drops, or the timeout passes) name the rank and
+its error (`rank 0: raised ValueError: ...`). No
 collective is added and nothing runs in the training thread; a rank checks one store key
 twice a second. NNCOMPILE_HANG_WATCH=0 turns the watch off.
 """
@@ -167,17 +170,31 @@ class Watch(threading.Thread):
                 self.store.set(f"{KEY}/{self.rank}", where)
                 self.answered = where
 
-    def report(self, wait_s: float = 3.0) -> str | None:
-        """Every rank's answer (waiting up to wait_s for the missing), or None when no rank
-        asked."""
+    def publish_error(self, kind, value) -> None:
+        """An exception ending this rank: the others' reports name it."""
         try:
-            if not self.store.check([f"{KEY}/ask"]):
+            text = f"{kind.__name__}: {value}".strip().splitlines()[0][:300]
+            self.store.set(f"{KEY}/error/{self.rank}", text)
+        except Exception:  # noqa: BLE001 - the store went away with the job
+            pass
+
+    def _errors(self) -> dict[int, str]:
+        return {r: self.store.get(f"{KEY}/error/{r}").decode() for r in range(self.world)
+                if self.store.check([f"{KEY}/error/{r}"])}
+
+    def report(self, wait_s: float = 3.0) -> str | None:
+        """Every rank's answer (waiting up to wait_s for the missing) and the errors other
+        ranks ended with; None when no rank asked recently and no other rank failed."""
+        try:
+            asked = None
+            if self.store.check([f"{KEY}/ask"]):
+                asked_at, text = self.store.get(f"{KEY}/ask").decode().split("|", 1)
+                asked = text if time.time() - float(asked_at) <= self.fresh_s else None
+            errors = self._errors()
+            if asked is None and not (errors.keys() - {self.rank}):
                 return None
-            asked_at, asked = self.store.get(f"{KEY}/ask").decode().split("|", 1)
-            if time.time() - float(asked_at) > self.fresh_s:
-                return None
-            deadline = time.monotonic() + wait_s
             rows = {}
+            deadline = time.monotonic() + (wait_s if asked is not None else 0)
             while True:
                 for r in range(self.world):
                     if r not in rows and self.store.check([f"{KEY}/{r}"]):
@@ -187,10 +204,17 @@ class Watch(threading.Thread):
                 time.sleep(0.2)
         except Exception:  # noqa: BLE001 - the store went away with the job
             return None
-        lines = [f"nncompile: the ranks stopped agreeing ({asked}); where each rank is:"]
+        if asked is None:
+            rows = {}                       # no recent ask: positions would be stale
+        why = asked or "rank " + ", ".join(str(r) for r in sorted(errors)) + " failed"
+        lines = [f"nncompile: the ranks stopped agreeing ({why}); where each rank is:"]
         for r in range(self.world):
-            lines.append(f"  rank {r}: " + rows.get(
-                r, "no answer (the process is gone, or stuck where Python cannot run)"))
+            row = rows.get(r, "no answer (the process is gone, or stuck where Python cannot "
+                              "run)" if asked else "")
+            if r in errors:
+                row = (f"{row}; then raised " if rows.get(r) else "raised ") + errors[r]
+            if row:
+                lines.append(f"  rank {r}: {row}")
         return "\n".join(lines)
 
 
@@ -206,6 +230,7 @@ def start(timeout_s: float) -> None:
     previous = sys.excepthook
 
     def report_then(kind, value, tb):
+        watch.publish_error(kind, value)
         text = watch.report()
         if text:
             print(text, file=sys.stderr, flush=True)

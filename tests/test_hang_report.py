@@ -2,7 +2,7 @@
 hang.py): under tp 2, rank 0 evaluating alone waits in the generated code's all_reduce while
 rank 1 waits in a barrier; both fail within the timeout + 5 s, and the error of each names
 both ranks, the collective each waits in, rank 0's generated-code and source line and each
-rank's line of the script."""
+rank's line of the script; an exception of the script on rank 0 is named in rank 1's error."""
 import json
 import os
 import subprocess
@@ -32,3 +32,15 @@ def test_every_rank_reports_where_each_rank_waits(tmp_path):
         assert "gencode0.py:" in zero and "comm.all_reduce(" in zero, zero
         assert "source examples/gpt.py:" in zero and "hang.py:" in zero, zero
         assert one.startswith("  rank 1: barrier, ") and "`dist.barrier()" in one, one
+
+
+def test_an_error_of_the_script_on_one_rank_is_named_on_the_others(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={_free_port()}", os.path.join(ROOT, WORKER), str(tmp_path), "--raise"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "did not fail" not in out, out[-3000:]
+    got = json.loads((tmp_path / "rank1.json").read_text())
+    assert got["error"] - got["diverged"] <= TIMEOUT_S + 5, got        # not only at the timeout
+    assert "rank 0: raised ValueError: a bad batch on rank 0" in got["report"], got["report"]

@@ -4,7 +4,9 @@ waits in a barrier (the lockstep exchange and the input check off, so rank 0 wai
 generated code's first collective). Each rank writes when it stopped agreeing and when its error came, then lets
 the error end the program.
 
-    torchrun --nproc_per_node=2 tests/workers/hang.py WORKDIR
+With --raise, rank 0 raises a ValueError of its own instead, while rank 1 trains on.
+
+    torchrun --nproc_per_node=2 tests/workers/hang.py WORKDIR [--raise]
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ TIMEOUT_S = 8
 
 def main() -> None:
     work = Path(sys.argv[1])
+    fail = "--raise" in sys.argv
     nncompile.init_distributed(timeout_s=TIMEOUT_S)
     rank = dist.get_rank()
     pm = nncompile.parallelize(models.build("gpt"), models.batch("gpt", 0),
@@ -36,7 +39,11 @@ def main() -> None:
     dist.barrier()
     start = time.time()
     try:
-        if rank == 0:
+        if fail:                                    # rank 0's own error; rank 1 trains on
+            if rank == 0:
+                raise ValueError("a bad batch on rank 0")
+            pm(**models.batch("gpt", 1)).backward()
+        elif rank == 0:
             pm.eval()
             with torch.no_grad():
                 pm(**models.batch("gpt", 1))        # rank 0 alone: waits in a collective
