@@ -56,7 +56,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
             _check_gpu(local)
             torch.cuda.set_device(local)
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = _attempt_store(timeout)
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "256")   # torch's Flight Recorder, which
+        store = _attempt_store(timeout)                        # hang reports read
         if store is None:
             dist.init_process_group(backend, timeout=timeout)
         else:

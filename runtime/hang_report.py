@@ -76,6 +76,28 @@ def _in_collective(frame: FrameType | None) -> int | None:
     return None
 
 
+def _flight_recorder(thread_id: int | None) -> str | None:
+    """The newest collective this thread launched, from torch's Flight Recorder (on when
+    TORCH_FR_BUFFER_SIZE > 0, which init_distributed sets): its kind, its number on its
+    process group (ranks at different numbers of one group disagree) and the group."""
+    if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) <= 0:
+        return None
+    try:
+        import pickle
+
+        import torch
+        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("entries", [])
+    except Exception:  # noqa: BLE001 - not available in this build
+        return None
+    mine = [e for e in entries if str(e.get("thread_id")) == str(thread_id)] or entries
+    if not mine:
+        return None
+    e = mine[-1]
+    pg_id, desc = (tuple(e.get("process_group", ("?", ""))) + ("",))[:2]
+    named = f" ({desc})" if desc and desc != "undefined" else ""
+    return f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id')} of group {pg_id}{named}"
+
+
 def position(frame: FrameType | None) -> tuple[str, int | None]:
     """(where a thread is, in words; the id of the torch.distributed call it waits in, or
     None)."""
@@ -109,6 +131,9 @@ def position(frame: FrameType | None) -> tuple[str, int | None]:
                 script += f" `{_short(line)}`"
         f = f.f_back
     parts = [collective or "not in a torch.distributed collective"]
+    recorded = _flight_recorder(threading.main_thread().ident) if collective else None
+    if recorded:
+        parts.append(f"flight recorder: {recorded}")
     if ours and not (gen and ours.startswith("in gencode")):
         parts.append(ours)
     if forward:

@@ -32,6 +32,9 @@ def test_every_rank_reports_where_each_rank_waits(tmp_path):
         assert "gencode0.py:" in zero and "comm.all_reduce(" in zero, zero
         assert "source examples/gpt.py:" in zero and "hang.py:" in zero, zero
         assert one.startswith("  rank 1: barrier, ") and "`dist.barrier()" in one, one
+        # torch's Flight Recorder: each one's collective and its number on its group
+        assert "flight recorder: gloo:all_reduce #" in zero, zero
+        assert "flight recorder: gloo:barrier #" in one and "(default_pg)" in one, one
 
 
 def test_an_error_of_the_script_on_one_rank_is_named_on_the_others(tmp_path):
