@@ -272,3 +272,22 @@ def will_engine_execute_node():
     """torch._C._will_engine_execute_node (private, torch >= 2.0) or None where absent: whether
     the running backward reaches a node (the reducer skips parameters it will not reach)."""
     return getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def default_store():
+    """The default process group's key-value store (hang reports talk through it)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def flight_recorder_entries() -> list[dict]:
+    """torch's Flight Recorder entries of this process (a list of dicts: profiling_name,
+    collective_seq_id, process_group, thread_id, ...); [] where this build has no recorder
+    or it is off (TORCH_FR_BUFFER_SIZE unset or 0)."""
+    import pickle
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return []
+    try:
+        return pickle.loads(dump()).get("entries", [])    # bytes torch made in this process
+    except Exception:  # noqa: BLE001 - off, or another layout of the dump
+        return []

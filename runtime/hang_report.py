@@ -27,6 +27,7 @@ twice a second. NNCOMPILE_HANG_WATCH=0 turns the watch off.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import sys
@@ -35,6 +36,8 @@ import time
 from types import FrameType
 
 import torch.distributed as dist
+
+from nncompile.compat import default_store, flight_recorder_entries
 
 KEY = "nncompile_hang"
 POLL_S = 0.5
@@ -82,13 +85,7 @@ def _flight_recorder(thread_id: int | None) -> str | None:
     process group (ranks at different numbers of one group disagree) and the group."""
     if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) <= 0:
         return None
-    try:
-        import pickle
-
-        import torch
-        entries = pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("entries", [])
-    except Exception:  # noqa: BLE001 - not available in this build
-        return None
+    entries = flight_recorder_entries()
     mine = [e for e in entries if str(e.get("thread_id")) == str(thread_id)] or entries
     if not mine:
         return None
@@ -243,12 +240,26 @@ class Watch(threading.Thread):
         return "\n".join(lines)
 
 
+def _own_store():
+    """A client of the job's store of its own, with a short timeout: a report must not wait
+    out the process group's timeout on a store whose host died with its rank. torchrun's
+    MASTER_ADDR:MASTER_PORT (this attempt's keys), else the default group's store."""
+    prefix = f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{KEY}"
+    try:
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               is_master=False, timeout=datetime.timedelta(seconds=5),
+                               wait_for_workers=False)
+    except (KeyError, ValueError, RuntimeError):
+        client = default_store()
+    return dist.PrefixStore(prefix, client)
+
+
 def start(timeout_s: float) -> None:
     """Start this rank's watch (once per process; init_distributed calls it)."""
     if _started or not dist.is_initialized() or dist.get_world_size() < 2 or \
             os.environ.get("NNCOMPILE_HANG_WATCH", "1") == "0":
         return
-    store = dist.distributed_c10d._get_default_store()
+    store = _own_store()
     watch = Watch(store, dist.get_rank(), dist.get_world_size(), timeout_s)
     watch.start()
     _started.append(watch)
