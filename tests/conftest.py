@@ -2,6 +2,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -72,8 +74,6 @@ def _launch_ranks(script, nproc, args, env, cwd, timeout) -> tuple[int, str]:
     per launch. When a rank fails, the others get 30 s to fail on their own (their next
     collective breaks), then are stopped, as torchrun stops them. Returns (the first non-zero
     exit code or 0, every rank's output, rank by rank)."""
-    import tempfile
-    import time
     port = _free_port()
     common = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
               "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
