@@ -23,10 +23,12 @@ exception that ends a rank's program is put in the store too, so the other ranks
 (their next collective fails: the connection drops, or the timeout passes) name the rank and
 its error (`rank 0: raised ValueError: ...`). No
 collective is added and nothing runs in the training thread; a rank checks one store key
-twice a second. NNCOMPILE_HANG_WATCH=0 turns the watch off.
+twice a second, and the watch ends at exit, before the interpreter does (Watch.stop).
+NNCOMPILE_HANG_WATCH=0 turns the watch off.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
@@ -167,14 +169,24 @@ class Watch(threading.Thread):
         self.answered: str | None = None
         self.asked: int | None = None
         self.fresh_s = timeout_s + 10       # an ask older than that is another episode
+        self.stopping = threading.Event()
 
     def run(self) -> None:
-        while True:
-            time.sleep(POLL_S)
+        while not self.stopping.wait(POLL_S):
             try:
                 self.tick()
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
+
+    def stop(self) -> None:
+        """End the thread before the interpreter does. A daemon thread still inside a store
+        call when Python finalizes is ended by pthread_exit, whose unwinding through torch's
+        C++ frames aborts the process ("terminate called without an active exception",
+        SIGABRT) after the script has finished; so the watch is stopped at exit and joined
+        (a store call gives up after 5 s)."""
+        self.stopping.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=10)
 
     def tick(self) -> None:
         frame = sys._current_frames().get(self.main)
@@ -263,6 +275,7 @@ def start(timeout_s: float) -> None:
     watch = Watch(store, dist.get_rank(), dist.get_world_size(), timeout_s)
     watch.start()
     _started.append(watch)
+    atexit.register(watch.stop)
     previous = sys.excepthook
 
     def report_then(kind, value, tb):

@@ -1,8 +1,13 @@
+import atexit
+import itertools
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -15,16 +20,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):      # one of two workers: one intra-o
     torch.set_num_threads(1)
 
 
-# ---- workers: python -m pytest -n auto --dist loadgroup (pytest-xdist) ---------------------------
-# A test that launches ranks already runs 2-4 processes: on this project's 2-core CI machine the
-# suite saturates both cores without workers (measured: the same test rate with two), so the
-# default run has none; on more cores, `-n auto` takes one worker per two cores, or
-# NNCOMPILE_TEST_WORKERS.
+# ---- workers: pyproject's addopts run `-n auto --dist loadgroup` (pytest-xdist) -------------------
+# Two workers even on 2 cores: a rank launch leaves a core idle while rank 0 compiles and the
+# others wait, and the other worker's tests fill it (README gives the suite's time both ways).
+# On more cores one worker per two cores, or NNCOMPILE_TEST_WORKERS; `-n 0` runs everything in
+# this process.
 CHEAP_SHARED = {"matrix"}          # module fixtures fine to build once per worker
 
 
 def pytest_xdist_auto_num_workers(config):
-    return int(os.environ.get("NNCOMPILE_TEST_WORKERS", max(1, (os.cpu_count() or 2) // 2)))
+    return int(os.environ.get("NNCOMPILE_TEST_WORKERS", max(2, (os.cpu_count() or 2) // 2)))
 
 
 @pytest.hookimpl(tryfirst=True)     # before xdist's worker reads the marks into node ids
@@ -68,24 +73,140 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 540, cwd=None,
     return out
 
 
+_RANK_KEYS = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+              "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_WORLD_SIZE", "RANK", "LOCAL_RANK",
+              "ROLE_RANK", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}   # per rank or per test
+
+
+class _Forked:
+    """A rank forked by tests/rank_server.py, with the Popen calls _launch_ranks makes."""
+
+    def __init__(self, server: "_RankServer", key: int, pid: int):
+        self.server, self.key, self.pid, self.returncode = server, key, pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.server.code(self.key)
+        return self.returncode
+
+    def kill(self):
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float = 60):
+        end = time.monotonic() + timeout
+        while self.poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        return self.returncode
+
+
+class _RankServer:
+    """The client of tests/rank_server.py: one server per pytest process, started at its
+    first launch with that launch's environment; launches with another environment (a test
+    that set a variable) start plain processes instead."""
+
+    def __init__(self, env: dict):
+        self.env = {k: v for k, v in env.items() if k not in _RANK_KEYS}
+        self.proc = subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, "tests",
+                                                                         "rank_server.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
+                                     env={**env, "PYTHONUNBUFFERED": "1"})
+        self.lock = threading.Condition()
+        self.pids: dict[int, int] = {}
+        self.codes: dict[int, int] = {}
+        self.keys = itertools.count()
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(180):
+            self.proc.kill()
+            raise RuntimeError("tests/rank_server.py did not start")
+
+    def _read(self):
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.lock:
+                if "ready" in msg:
+                    self.ready.set()
+                elif "started" in msg:
+                    self.pids[msg["started"]] = msg["pid"]
+                elif "ended" in msg:
+                    self.codes[msg["ended"]] = msg["code"]
+                self.lock.notify_all()
+        with self.lock:                   # the server is gone: its ranks are too
+            self.dead = True
+            self.lock.notify_all()
+
+    def serves(self, env: dict) -> bool:
+        return self.proc.poll() is None and \
+            {k: v for k, v in env.items() if k not in _RANK_KEYS} == self.env
+
+    def code(self, key: int):
+        with self.lock:
+            if key not in self.codes and getattr(self, "dead", False):
+                return -signal.SIGKILL
+            return self.codes.get(key)
+
+    def start(self, script: str, args, env: dict, cwd: str, log: str) -> _Forked:
+        key = next(self.keys)
+        req = {"id": key, "script": script, "args": list(args), "env": env, "cwd": cwd,
+               "log": log}
+        with self.lock:
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+            if not self.lock.wait_for(lambda: key in self.pids or getattr(self, "dead", False),
+                                      60):
+                raise RuntimeError("tests/rank_server.py did not fork a rank")
+        return _Forked(self, key, self.pids.get(key, -1))
+
+    def close(self):
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+_SERVER: list = []
+
+
+def _rank_server(env: dict):
+    """The server for a launch with this environment, or None (start plain processes)."""
+    if os.environ.get("NNCOMPILE_TEST_FORK", "1") == "0":
+        return None
+    if not _SERVER:
+        _SERVER.append(_RankServer(env))
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0] if _SERVER[0].serves(env) else None
+
+
 def _launch_ranks(script, nproc, args, env, cwd, timeout) -> tuple[int, str]:
     """The ranks as torchrun starts them (its environment variables; rank 0 hosts the store,
-    as env:// does without an agent), without torchrun's agent process: one interpreter less
-    per launch. When a rank fails, the others get 30 s to fail on their own (their next
-    collective breaks), then are stopped, as torchrun stops them. Returns (the first non-zero
-    exit code or 0, every rank's output, rank by rank)."""
+    as env:// does without an agent), without torchrun's agent process, forked from a server
+    that has imported torch and nncompile once (tests/rank_server.py; NNCOMPILE_TEST_FORK=0:
+    fresh interpreters). When a rank fails, the others get 30 s to fail on their own (their
+    next collective breaks), then are stopped, as torchrun stops them. Returns (the first
+    non-zero exit code or 0, every rank's output, rank by rank)."""
     port = _free_port()
     common = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
               "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
               "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc),
               "PYTHONUNBUFFERED": "1"}
+    server = _rank_server(common)
     with tempfile.TemporaryDirectory() as logs:
-        files = [open(os.path.join(logs, f"rank{r}.log"), "w+") for r in range(nproc)]
-        procs = [subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, script), *args],
-                                  cwd=cwd, stdout=files[r], stderr=subprocess.STDOUT,
-                                  env={**common, "RANK": str(r), "LOCAL_RANK": str(r),
-                                       "ROLE_RANK": str(r)})
-                 for r in range(nproc)]
+        names = [os.path.join(logs, f"rank{r}.log") for r in range(nproc)]
+        procs = []
+        for r in range(nproc):
+            rank_env = {**common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+            if server is not None:
+                procs.append(server.start(os.path.join(ROOT, script), args, rank_env, cwd,
+                                          names[r]))
+            else:
+                with open(names[r], "w") as f:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-u", os.path.join(ROOT, script), *args], cwd=cwd,
+                        stdout=f, stderr=subprocess.STDOUT, env=rank_env))
         deadline, failed_at = time.monotonic() + timeout, None
         try:
             while any(p.poll() is None for p in procs):
@@ -103,10 +224,9 @@ def _launch_ranks(script, nproc, args, env, cwd, timeout) -> tuple[int, str]:
         if time.monotonic() > deadline and failed_at is None:
             raise subprocess.TimeoutExpired(script, timeout)
         out = []
-        for f in files:
-            f.seek(0)
-            out.append(f.read())
-            f.close()
+        for name in names:
+            with open(name) as f:
+                out.append(f.read())
     codes = [p.returncode for p in procs]
     return next((c for c in codes if c != 0), 0), "".join(out)
 

@@ -47,3 +47,32 @@ def test_an_error_of_the_script_on_one_rank_is_named_on_the_others(tmp_path):
     got = json.loads((tmp_path / "rank1.json").read_text())
     assert got["error"] - got["diverged"] <= TIMEOUT_S + 5, got        # not only at the timeout
     assert "rank 0: raised ValueError: a bad batch on rank 0" in got["report"], got["report"]
+
+
+EXIT_SCRIPT = '''
+import atexit, threading
+import torch.distributed as dist
+import nncompile
+
+def after_nncompile_exit_handlers():      # registered first, so atexit runs it last
+    alive = [t.name for t in threading.enumerate() if t.name == "nncompile-hang-watch"]
+    print(f"rank {dist.get_rank()} watch threads alive at exit: {alive}", flush=True)
+
+atexit.register(after_nncompile_exit_handlers)
+nncompile.init_distributed("gloo", timeout_s=60)
+assert any(t.name == "nncompile-hang-watch" for t in threading.enumerate())
+dist.barrier()
+'''
+
+
+def test_the_watch_ends_before_the_interpreter(tmp_path, run_ranks):
+    """A daemon watch still inside a store call when Python finalizes is ended by
+    pthread_exit, which aborts the process after the script has finished (SIGABRT,
+    "terminate called without an active exception"): the watch is stopped and joined at
+    exit, so none is left when the interpreter ends."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    out = run_ranks(str(script), 2)
+    for rank in (0, 1):
+        assert f"rank {rank} watch threads alive at exit: []" in out, out[-2000:]
+    assert "terminate called" not in out, out[-2000:]

@@ -17,7 +17,7 @@ from nncompile.distribute import require_rank_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "multinode.py")
 INSTANCE = "gpt_tp"         # tests/workers/multinode.py's instance_name
-TIMEOUT_S = 120
+TIMEOUT_S = 420          # two agents and four ranks, also beside another test worker
 
 
 def _free_port() -> int:

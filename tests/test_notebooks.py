@@ -26,7 +26,7 @@ def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")          # the kernel inherits the environment
     monkeypatch.setenv("NNCOMPILE_QUIET", "1")
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = NotebookClient(nb, timeout=120, kernel_name="python3",
+    client = NotebookClient(nb, timeout=400, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
     start = time.perf_counter()
     error = None

@@ -48,7 +48,7 @@ def reference(n_units: int):
 
 
 def main() -> None:
-    nncompile.init_distributed("gloo", timeout_s=120)
+    nncompile.init_distributed("gloo", timeout_s=400)
     rank, node = dist.get_rank(), os.environ["GROUP_RANK"]
     unit = rank // PLAN
     cfg = nncompile.ComputeConfig(plan_ngpus=PLAN, runtime_ngpus=RUNTIME)
