@@ -150,8 +150,8 @@ class _RankServer:
 
     def start(self, script: str, args, env: dict, cwd: str, log: str) -> _Forked:
         key = next(self.keys)
-        req = {"id": key, "script": script, "args": list(args), "env": env, "cwd": cwd,
-               "log": log}
+        req = {"id": key, "script": str(script), "args": [str(a) for a in args], "env": env,
+               "cwd": str(cwd), "log": str(log)}
         with self.lock:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
