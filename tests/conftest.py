@@ -73,9 +73,14 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 540, cwd=None,
     return out
 
 
-_RANK_KEYS = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+_PER_LAUNCH = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_WORLD_SIZE", "RANK", "LOCAL_RANK",
               "ROLE_RANK", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}   # per rank or per test
+
+
+def _job_env(env: dict) -> dict:
+    """What a launch's environment shares with the server's: all but _PER_LAUNCH."""
+    return {k: v for k, v in env.items() if k not in _PER_LAUNCH}
 
 
 class _Forked:
@@ -108,7 +113,7 @@ class _RankServer:
     that set a variable) start plain processes instead."""
 
     def __init__(self, env: dict):
-        self.env = {k: v for k, v in env.items() if k not in _RANK_KEYS}
+        self.env = _job_env(env)
         self.proc = subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, "tests",
                                                                          "rank_server.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
@@ -117,6 +122,7 @@ class _RankServer:
         self.pids: dict[int, int] = {}
         self.codes: dict[int, int] = {}
         self.keys = itertools.count()
+        self.dead = False                 # the server's output ended: its ranks are gone
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         if not self.ready.wait(180):
@@ -134,17 +140,16 @@ class _RankServer:
                 elif "ended" in msg:
                     self.codes[msg["ended"]] = msg["code"]
                 self.lock.notify_all()
-        with self.lock:                   # the server is gone: its ranks are too
+        with self.lock:
             self.dead = True
             self.lock.notify_all()
 
     def serves(self, env: dict) -> bool:
-        return self.proc.poll() is None and \
-            {k: v for k, v in env.items() if k not in _RANK_KEYS} == self.env
+        return self.proc.poll() is None and _job_env(env) == self.env
 
     def code(self, key: int):
         with self.lock:
-            if key not in self.codes and getattr(self, "dead", False):
+            if key not in self.codes and self.dead:
                 return -signal.SIGKILL
             return self.codes.get(key)
 
@@ -155,10 +160,10 @@ class _RankServer:
         with self.lock:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
-            if not self.lock.wait_for(lambda: key in self.pids or getattr(self, "dead", False),
-                                      60):
+            if not self.lock.wait_for(lambda: key in self.pids or self.dead, 60) \
+                    or key not in self.pids:      # never a made-up pid: kill(-1) is everyone
                 raise RuntimeError("tests/rank_server.py did not fork a rank")
-        return _Forked(self, key, self.pids.get(key, -1))
+        return _Forked(self, key, self.pids[key])
 
     def close(self):
         try:

@@ -5,7 +5,7 @@ libraries before its first line ran; on a 2-core machine that was a large part o
 The tests' launcher (conftest.py) starts this server once per pytest process and sends it one
 JSON line per rank:
 
-    {"script": ..., "args": [...], "env": {...}, "cwd": ..., "log": ...}
+    {"id": ..., "script": ..., "args": [...], "env": {...}, "cwd": ..., "log": ...}
 
 The server forks; the child becomes what `python -u script args...` would be (its environment,
 working directory, argv, sys.path[0], stdout and stderr to `log`, stdin from /dev/null, fresh
