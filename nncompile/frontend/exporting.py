@@ -1,0 +1,143 @@
+"""torch.export, as the frontend calls it: with errors translated into TraceError naming the
+user's file:line (export), with a run of identical layers replayed from one traced layer
+(_export_replaying, layer_replay.py), and functionalized where the program writes in place
+(functionalize)."""
+from __future__ import annotations
+
+import re
+import traceback
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.utils import _pytree as pytree
+
+from .. import compat
+from ..errors import TraceError
+from . import layer_replay, user_checkpoint
+from .function_watch import WatchFunctions, user_frame_from_text
+
+# Ops that only assert facts about their input: dropped.
+_DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range",
+            "sym_constrain_range_for_size"}
+
+
+def _move_to(obj: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
+
+
+def _mutations(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes that write in place (asserts and detach_ aside)."""
+    out = []
+    for mod in gm.modules():
+        for node in getattr(mod, "graph", torch.fx.Graph()).nodes:
+            t = node.target
+            if isinstance(t, torch._ops.OpOverload) and t._opname not in _DROPPED \
+                    and t._opname != "detach_" and t._schema.is_mutable:
+                out.append(node)
+    return out
+
+
+def _mutates(gm: torch.fx.GraphModule) -> bool:
+    return bool(_mutations(gm))
+
+
+def functionalize(ep: ExportedProgram) -> ExportedProgram:
+    """In-place ops (`z[:, 1:] = y`, `masked_fill_`) become functional ones (`slice_scatter`,
+    `masked_fill`) through torch.export's own functionalization; high-level ops (linear,
+    layer_norm, sdpa) are kept. Passes may then convert any value without breaking an alias:
+    a collective between a view and its base would otherwise write into a copy."""
+    return ep.run_decompositions({}) if _mutates(ep.graph_module) else ep
+
+
+def _meta_args(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if any(p.is_meta for p in module.parameters()):
+        return _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
+    return args, kwargs
+
+
+def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
+                      runs: list[layer_replay.Run]) -> tuple[ExportedProgram, bool] | None:
+    """torch.export with the runs' layers replayed (nncompile/frontend/layer_replay.py) and
+    functionalized, and whether functionalizing ran (dead code eliminated: the caller checks
+    the lowered graph has none, as a full trace would not). None where it fails, or a
+    template writes in place: the caller exports without replay."""
+    args, kwargs = _meta_args(module, args, kwargs)
+    watch = WatchFunctions()
+    try:
+        with watch, user_checkpoint.traced(), layer_replay.installed(runs), \
+                compat.export_leaves_no_hooks():
+            ep = torch.export.export(module, args, kwargs, strict=False)
+        if watch.found:
+            return None
+        mutations = _mutations(ep.graph_module)
+        if not mutations:
+            return ep, False
+        if any(layer_replay.in_template(path, runs) for node in mutations
+               for path, _ in (node.meta.get("nn_module_stack") or {}).values()):
+            return None
+        with layer_replay.active(runs):
+            return ep.run_decompositions({}), True
+    except Exception:  # noqa: BLE001 - the full export reports it
+        return None
+
+
+def export(module: torch.nn.Module, args: tuple, kwargs: dict,
+           dynamic_shapes: dict | None = None) -> ExportedProgram:
+    """torch.export with errors translated into TraceError naming the user's file:line."""
+    args, kwargs = _meta_args(module, args, kwargs)
+    watch = WatchFunctions()
+    try:
+        with watch, user_checkpoint.traced(), compat.export_leaves_no_hooks():
+            try:
+                ep = torch.export.export(module, args, kwargs, strict=False,
+                                         dynamic_shapes=dynamic_shapes)
+            except Exception as e:  # noqa: BLE001 - a guard this torch cannot prove: again
+                retry = compat.export_dynamic_options() if dynamic_shapes else {}
+                if not retry or "Constraints violated" not in str(e):
+                    raise
+                ep = torch.export.export(module, args, kwargs, strict=False,
+                                         dynamic_shapes=dynamic_shapes, **retry)
+    except Exception as e:  # noqa: BLE001 - translated below
+        text = str(e) + "\n" + "".join(traceback.format_exception(e))
+        if dynamic_shapes and ("Constraints violated" in text or "specializ" in text
+                               or "ConstraintViolation" in type(e).__name__):
+            detail = "\n".join(str(e).strip().splitlines()[:12])
+            raise TraceError(
+                f"{type(module).__name__}.forward does not work for every size dynamic_dims "
+                f"allows; narrow the ranges (min/max/multiple_of) or drop the dim. "
+                f"torch.export says:\n{detail}") from e
+        where = user_frame_from_text(text)
+        data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(e).__name__
+        at = f" at {where.file}:{where.line}: `{where.code}`" if where else ""
+        if data_dependent and "float(self.num_batches_tracked)" in text:
+            raise TraceError(
+                f"a BatchNorm layer of {type(module).__name__}{at} has momentum=None (a "
+                "cumulative average), which divides by num_batches_tracked read as a Python "
+                "number, a value nncompile cannot trace; give it a number (momentum=0.1 is "
+                "PyTorch's default)") from e
+        if data_dependent:
+            raise TraceError(
+                f"forward branches on a tensor's value{at}. nncompile traces one program for "
+                "all inputs, so Python control flow may depend on shapes and constants but not "
+                "on tensor data. Rewrite it with torch.where / torch.cond, or compute the "
+                "condition outside the module.") from e
+        unknown = re.search(r"Found <class '([\w.]+)'> in output", text)
+        if unknown:
+            cls = unknown.group(1)
+            if "Cache" in cls.rsplit(".", 1)[-1]:
+                raise TraceError(
+                    f"{type(module).__name__}.forward returns a {cls} (a Hugging Face key/value "
+                    "cache: the model runs with use_cache=True), which training does not use. "
+                    "Pass use_cache=False in the model call (or as a dummy_args value), or set "
+                    "model.config.use_cache = False before parallelize.") from e
+            raise TraceError(
+                f"{type(module).__name__}.forward returns a {cls}, which cannot be flattened "
+                "into tensors; return tensors (or dicts/tuples/dataclasses of them), or register "
+                "the type with torch.utils._pytree.register_pytree_node") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TraceError(f"torch.export could not trace {type(module).__name__}.forward{at}: "
+                         f"{type(e).__name__}: {first}") from e
+    watch.check()
+    return functionalize(ep)
