@@ -259,7 +259,7 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
     mode, all of them in training mode when it is not) and, where it may depend on its mode,
     in eval mode. The graph returned is the training program; its `eval_program` the
     eval program where that differs beyond mode arguments. The module's modes are restored."""
-    from .frontend import trace
+    from .frontend import _trace     # each mode traced afresh: merge compares the two
     from .errors import NNCompileError
     from .log import log
     from .frontend import layer_replay
@@ -268,7 +268,7 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
         if not module.training:
             module.train()
         try:
-            graph = trace(module, dummy_args, dynamic_dims, modes=False)
+            graph = _trace(module, dummy_args, dynamic_dims)
         except NNCompileError as e:
             if modes[module]:               # compiled for training: the refusal stands
                 raise
@@ -279,7 +279,7 @@ def trace_modes(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any = No
             stats = dict(layer_replay.last)
             module.eval()
             try:
-                ev = trace(module, dummy_args, dynamic_dims, modes=False)
+                ev = _trace(module, dummy_args, dynamic_dims)
             except NNCompileError as e:     # said when the module runs in eval mode
                 graph.trace_info.eval_error = str(e)
                 log(f"the forward could not be traced in eval mode; the parallel module "
@@ -306,10 +306,10 @@ def _eval_only(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any,
         before: parallelize(bart.eval(), ...)  -> TraceError (layerdrop=0.1 in training)
         after:  the eval program; pm.train(); pm(...)  -> ConfigError naming the fix
     """
-    from .frontend import trace
+    from .frontend import _trace     # each mode traced afresh: merge compares the two
     from .log import log
     module.eval()
-    graph = trace(module, dummy_args, dynamic_dims, modes=False)
+    graph = _trace(module, dummy_args, dynamic_dims)
     graph.trace_info.train_error = str(train_error)
     log(f"the forward could not be traced in training mode; the parallel module runs in eval "
         f"mode only: {str(train_error).splitlines()[0]}")

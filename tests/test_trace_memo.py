@@ -177,3 +177,13 @@ def test_parallelize_generates_the_same_code_from_a_kept_trace(tmp_path, monkeyp
     for r in range(2):
         codes = [(tmp_path / d / "GPT" / f"gencode{r}.py").read_text() for d in "abc"]
         assert codes[0] == codes[1] == codes[2]
+
+
+def test_a_one_mode_trace_then_both_modes_equals_a_fresh_two_mode_trace(monkeypatch):
+    """trace_modes compares its two traces (modes.merge): each is traced afresh, so a kept
+    one-mode trace cannot stand in for one of them."""
+    model = build("hf_gpt2")
+    trace(model, batch("hf_gpt2", 0))                       # the training mode only
+    both = _text(trace(model, batch("hf_gpt2", 0), modes=True))
+    monkeypatch.setenv("NNCOMPILE_TRACE_MEMO", "0")
+    assert both == _text(trace(model, batch("hf_gpt2", 0), modes=True))

@@ -278,7 +278,7 @@ def key(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any, modes: bool
         k.expand()
         k.parts.append(("env", sorted((n, v) for n, v in os.environ.items()
                                       if n.startswith("NNCOMPILE_"))))
-        k.parts.append(("torch", os.getcwd(), torch.__version__, torch.is_grad_enabled(),
+        k.parts.append(("torch", os.getcwd(), torch.is_grad_enabled(),
                         str(torch.get_default_dtype()), _autocast(),
                         torch.are_deterministic_algorithms_enabled()))
         text = repr(k.parts)
