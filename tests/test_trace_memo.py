@@ -3,6 +3,8 @@ is a copy of the first trace only when nothing a trace depends on changed, and t
 the graph a fresh trace gives, independent of the one handed out before."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn as nn
@@ -187,3 +189,11 @@ def test_a_one_mode_trace_then_both_modes_equals_a_fresh_two_mode_trace(monkeypa
     both = _text(trace(model, batch("hf_gpt2", 0), modes=True))
     monkeypatch.setenv("NNCOMPILE_TRACE_MEMO", "0")
     assert both == _text(trace(model, batch("hf_gpt2", 0), modes=True))
+
+
+def test_a_namespace_config_is_compared_by_content():
+    m = Scaled()
+    m.cfg = types.SimpleNamespace(act="relu")
+    k = trace_memo.key(m, (X,), None, False)
+    m.cfg.act = "tanh"
+    assert trace_memo.key(m, (X,), None, False) != k

@@ -29,6 +29,7 @@ may edit it freely.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -71,7 +72,7 @@ class _Key:
 
     def __init__(self) -> None:
         self.seen: dict[int, int] = {}       # id(object) -> its index (cycles, sharing)
-        self.keep: list[Any] = []            # objects whose ids are in the key stay alive
+        self.keep: list[Any] = []            # alive while the key is built: ids unique
         self.code_seen: set[int] = set()
         self.parts: list[Any] = []
         self.todo: list[Any] = []
@@ -106,21 +107,22 @@ class _Key:
                     tuple((self.value(k, depth + 1), self.value(x, depth + 1))
                           for k, x in v.items()))
         if isinstance(v, torch.nn.Module):
-            return ("module", id(v))             # described by the module walk
+            return ("module", _name(type(v)))    # described by the module walk
         if isinstance(v, type):
             self.cls(v)
-            return ("class", id(v))
+            return ("class", _name(v))
         if isinstance(v, (types.FunctionType, types.MethodType, functools.partial)):
             return self.function(v, depth)
-        if isinstance(v, (types.BuiltinFunctionType, types.ModuleType)) or _library(type(v)):
-            return ("object", id(v))             # a logger, a lock, torch's objects
+        if isinstance(v, (types.BuiltinFunctionType, types.ModuleType)) or _library(type(v)) \
+                and not isinstance(v, types.SimpleNamespace) and not dataclasses.is_dataclass(v):
+            return ("object", _name(v))          # a logger, a lock, torch's objects
         if hasattr(v, "__dict__"):               # a config, the model's own objects
             return ("object", self.cls(type(v)), self.value(dict(vars(v)), depth + 1))
         if hasattr(type(v), "__slots__"):
             return ("object", self.cls(type(v)), tuple(
                 (s, self.value(getattr(v, s, None), depth + 1))
                 for s in getattr(type(v), "__slots__", ())))
-        return ("object", id(v))
+        return ("object", _name(v))
 
     def tensor(self, t: torch.Tensor, by_value: bool) -> tuple:
         desc = (tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad,
@@ -129,33 +131,33 @@ class _Key:
             return ("tensor",) + desc
         if t.numel() > _SMALL_TENSOR or type(t) not in (torch.Tensor, torch.nn.Parameter) \
                 or t.is_sparse:          # too large to be traced as a constant: this tensor
-            return ("tensor",) + desc + (id(t), t._version)
+            return ("tensor",) + desc
         data = t.detach().cpu().contiguous()
         return ("tensor",) + desc + (hashlib.sha256(data.view(torch.uint8).numpy()
                                                     if data.numel() else b"").hexdigest(),)
 
     def function(self, f: Any, depth: int = 0) -> tuple:
         if isinstance(f, types.MethodType):
-            return ("method", self.function(f.__func__), id(f.__self__))
+            return ("method", self.function(f.__func__), _name(type(f.__self__)))
         if isinstance(f, functools.partial):
             return ("partial", self.function(f.func), self.value(f.args, depth + 1),
                     self.value(f.keywords, depth + 1))
         code = getattr(f, "__code__", None)
         if code is None:                     # a builtin, a callable object
-            return ("object", id(f))
+            return ("object", _name(f))
         if _user_code(f) and id(code) not in self.code_seen:
             self.code_seen.add(id(code))
             self.keep.append(f)
             self.todo.append(f)          # walked by expand(): no deep recursion
-        return ("function", id(f), id(code))
+        return ("function", _name(f), _code(code))
 
-    def cls(self, c: type) -> int:
+    def cls(self, c: type) -> str:
         """The class's own code (its functions), once; torch's classes by identity."""
         if id(c) not in self.code_seen:
             self.code_seen.add(id(c))
             self.keep.append(c)
             self.todo.append(c)
-        return id(c)
+        return _name(c)
 
     def expand(self) -> None:
         """Describe the code of every function and class met so far, and what it names."""
@@ -180,7 +182,7 @@ class _Key:
         """A function's code, defaults, closure and the globals it names; `shallow`: those
         globals by identity (a library's function: what the model's class calls is checked,
         the library's own insides are not walked)."""
-        self.parts.append(("code", f.__qualname__, id(f.__code__),
+        self.parts.append(("code", _name(f), _code(f.__code__),
                            self.value(f.__defaults__), self.value(f.__kwdefaults__),
                            tuple(self.value(c.cell_contents) if _filled(c) else None
                                  for c in f.__closure__ or ())))
@@ -188,7 +190,7 @@ class _Key:
             if name in f.__globals__:
                 g = f.__globals__[name]
                 self.parts.append(("global", f.__module__, name, self.value(g) if not
-                                   shallow or _simple(g) else ("object", id(g))))
+                                   shallow or _simple(g) else ("object", _name(g))))
 
     def module(self, root: torch.nn.Module) -> None:
         tensors: dict[int, int] = {}
@@ -216,6 +218,22 @@ def _autocast() -> tuple:
         except (RuntimeError, TypeError, AttributeError):   # a torch without the device
             out.append((device, None))
     return tuple(out)
+
+
+def _name(obj: Any) -> str:
+    """What identifies a function, class or library object across objects (ids are reused once
+    an object dies, and keeping objects alive to pin them costs every garbage collection)."""
+    named = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
+
+
+def _code(code: types.CodeType) -> str:
+    """A code object by content: its bytecode, constants (nested code too), names, file."""
+    consts = tuple(_code(c) if isinstance(c, types.CodeType) else repr(c)
+                   for c in code.co_consts)
+    text = repr((code.co_filename, code.co_qualname if hasattr(code, "co_qualname")
+                 else code.co_name, code.co_code, consts, code.co_names, code.co_varnames))
+    return hashlib.sha1(text.encode()).hexdigest()
 
 
 def _simple(v: Any) -> bool:
@@ -284,12 +302,7 @@ def key(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any, modes: bool
         text = repr(k.parts)
     except Exception:   # noqa: BLE001 - anything the key cannot describe: no memo
         return None
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    _alive[digest] = k.keep          # ids in the key stay valid while the entry lives
-    return digest
-
-
-_alive: dict[str, list] = {}
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def get(digest: str | None):
@@ -309,11 +322,7 @@ def put(digest: str | None, graph, notes: dict) -> None:
     _memo[digest] = (_copy(graph), dict(notes))
     _memo.move_to_end(digest)
     while len(_memo) > KEEP:
-        old, _ = _memo.popitem(last=False)
-        _alive.pop(old, None)
-    for d in list(_alive):
-        if d not in _memo:
-            del _alive[d]
+        _memo.popitem(last=False)
 
 
 def _copy(graph):
