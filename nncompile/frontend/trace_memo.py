@@ -138,7 +138,7 @@ class _Key:
 
     def function(self, f: Any, depth: int = 0) -> tuple:
         if isinstance(f, types.MethodType):
-            return ("method", self.function(f.__func__), _name(type(f.__self__)))
+            return ("method", self.function(f.__func__), self.value(f.__self__, depth + 1))
         if isinstance(f, functools.partial):
             return ("partial", self.function(f.func), self.value(f.args, depth + 1),
                     self.value(f.keywords, depth + 1))
