@@ -13,14 +13,14 @@ equal model on equal dummy args returns a copy of that graph.
   configs, containers and the objects they hold, small tensors by value), its hooks;
 - parameters and buffers: names, shapes, dtypes, devices, requires_grad, and which are tied;
 - the code: every function of the model's own classes (not torch's) and, transitively, the
-  functions, classes and module-level values of their globals that they name, by identity;
+  functions, classes and module-level values of their globals that they name, by module, qualified name and bytecode;
   a redefined helper or a changed global flag is a different key;
 - the dummy args (structure, shapes, dtypes, devices, non-tensor values), dynamic_dims,
   torch's global modes (grad mode, default dtype, autocast), the NNCOMPILE_* environment
   variables and the working directory (the graph's source comments name files relative to
   it).
 
-Objects of torch's and Python's own types (a logger, a lock) are compared by identity, other
+Objects of torch's and Python's own types (a logger, a lock) are compared by their type's name, other
 objects by their attributes; a value the key cannot describe (nested too deep) makes the trace
 unkeyed: traced as always, not kept. NNCOMPILE_TRACE_MEMO=0 turns the
 memo off. A copy is a deep copy of the graph's structure (Graph.clone), so passes and callers
@@ -62,7 +62,7 @@ def clear() -> None:
 
 
 def _library(obj: Any) -> bool:
-    """torch's and Python's own code and objects: compared by identity, not walked."""
+    """torch's and Python's own code and objects: compared by name, not walked."""
     mod = (getattr(obj, "__module__", None) or "").split(".")[0]
     return mod == "torch" or mod in sys.stdlib_module_names or mod == "builtins"
 
@@ -130,7 +130,7 @@ class _Key:
         if not by_value or t.is_meta:
             return ("tensor",) + desc
         if t.numel() > _SMALL_TENSOR or type(t) not in (torch.Tensor, torch.nn.Parameter) \
-                or t.is_sparse:          # too large to be traced as a constant: this tensor
+                or t.is_sparse:          # too large to be traced as a constant: by shape
             return ("tensor",) + desc
         data = t.detach().cpu().contiguous()
         return ("tensor",) + desc + (hashlib.sha256(data.view(torch.uint8).numpy()
@@ -152,7 +152,7 @@ class _Key:
         return ("function", _name(f), _code(code))
 
     def cls(self, c: type) -> str:
-        """The class's own code (its functions), once; torch's classes by identity."""
+        """The class's own code (its functions), once; torch's classes by name."""
         if id(c) not in self.code_seen:
             self.code_seen.add(id(c))
             self.keep.append(c)
@@ -180,7 +180,7 @@ class _Key:
 
     def describe(self, f: types.FunctionType, shallow: bool = False) -> None:
         """A function's code, defaults, closure and the globals it names; `shallow`: those
-        globals by identity (a library's function: what the model's class calls is checked,
+        globals by name (a library's function: what the model's class calls is checked,
         the library's own insides are not walked)."""
         self.parts.append(("code", _name(f), _code(f.__code__),
                            self.value(f.__defaults__), self.value(f.__kwdefaults__),
