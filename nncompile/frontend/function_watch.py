@@ -11,6 +11,7 @@ raises a TraceError naming the first and how to register it:
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import re
@@ -35,11 +36,30 @@ _OWN_DIRS = tuple(d + os.sep for d in (
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    """Where these packages are installed (without importing them)."""
+    found = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            found.append(os.path.abspath(loc) + os.sep)
+    return tuple(found)
+
+
+# dispatchers that call the model's own function: never the model's line (Hugging Face's
+# kernel hub wraps `apply_rotary_pos_emb` and others in a module whose forward calls them)
+_WRAPPER_DIRS = _package_dirs("kernels")
+
+
 def is_user_file(path: str) -> bool:
-    """Model code: not torch, not nncompile, not the standard library (packages such as
-    transformers count as model code)."""
+    """Model code: not torch, not nncompile, not the standard library, not a dispatcher of
+    _WRAPPER_DIRS (packages such as transformers count as model code)."""
     path = os.path.abspath(path)
-    if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or "<" in path:
+    if path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIRS) or "<" in path \
+            or (_WRAPPER_DIRS and path.startswith(_WRAPPER_DIRS)):
         return False
     return not path.startswith(_STDLIB) or "site-packages" in path
 

@@ -114,7 +114,22 @@ def same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.nn.Module):
+        return _same_stateless_module(a, b)
     return False
+
+
+def _same_stateless_module(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Two modules of one class kept as plain attributes (not submodules), with no
+    parameters, buffers, submodules or hooks and equal other attributes: they compute the
+    same. Hugging Face's kernel hub gives each attention layer its own such wrapper of a
+    function (`_kernel_funcs = {"rotary_pos_emb": Func()}`)."""
+    da, db = vars(a), vars(b)
+    if any(da.get(k) or db.get(k) for k in _HOOKS + ("_parameters", "_buffers", "_modules")):
+        return False
+    rest = [k for k in da if k not in _STRUCTURAL]
+    return rest == [k for k in db if k not in _STRUCTURAL] and all(same(da[k], db[k])
+                                                                  for k in rest)
 
 
 def _tmeta(t: torch.Tensor | None) -> tuple | None:

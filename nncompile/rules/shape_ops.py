@@ -219,6 +219,16 @@ def select(op: Op, n: int):
                         if i != cut}, n)
 
 
+@register("unbind")
+def unbind(op: Op, n: int):
+    """`x.unbind(d)`: every part keeps x's other dims, so a split on one of them follows
+    (Falcon's `qkv.unflatten(-2, (heads, 3)).unbind(-2)` keeps its heads split)."""
+    x = op.args[0]
+    cut = _cut_dim(op, 1)
+    return _follow(op, {i: (i if i < cut else i - 1) for i in range(len(x.meta.shape))
+                        if i != cut}, n)
+
+
 @register("cat")
 def cat(op: Op, n: int):
     """Every part split alike on a dim other than the cut, or all partial. A 1-D empty part

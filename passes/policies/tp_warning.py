@@ -38,6 +38,16 @@ def _head_counts(g: Graph, layer: str) -> list[int]:
     return attention or reshapes
 
 
+def _parts_of_heads(op: Op) -> list[int]:
+    """The head counts a split of `[b, t, H, d]` along H cuts it into (multi-query Falcon's
+    `qkv.split([heads, 1, 1], dim=-2)`: 4 / 1 / 1)."""
+    if getattr(op.target, "_opname", None) not in ("split", "split_with_sizes") \
+            or not op.args or len(op.args[0].meta.shape) != 4:
+        return []
+    cut = (op.args[2] if len(op.args) > 2 else op.kwargs.get("dim", 0)) % 4
+    return [v.meta.shape[cut] for v in op.outputs if v.is_tensor] if cut == 2 else []
+
+
 def _numel(shape) -> int:
     total = 1
     for d in shape:
@@ -83,7 +93,8 @@ def _why(g: Graph, n: int, col: Op, stop: Op | None, replicated_linears: dict[in
                 f"{where}")
     shapes = [v.meta.shape for v in stop.tensor_inputs() + stop.outputs if v.is_tensor]
     layer = layer_of(col.module_path)
-    heads = sorted(set(_head_counts(g, layer)), reverse=True) if layer else []
+    heads = sorted(set(_head_counts(g, layer)) | set(_parts_of_heads(stop)), reverse=True) \
+        if layer else []
     if any(len(sh) >= 4 for sh in shapes) and any(h % n for h in heads):
         return (f"heads not divisible by {n} ({' / '.join(map(str, heads))} heads in "
                 f"{layer}); its split stopped at {where}")
