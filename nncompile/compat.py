@@ -181,7 +181,16 @@ def pipeline_stage_class():
 
 def _torch_action(a):
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
+    if a.parts:              # OVERLAP_F_B: torch's container action (stage -1, no micro-batch)
+        return _Action(-1, _ComputationType(a.kind), None, tuple(map(_torch_action, a.parts)))
     return _Action(a.stage, _ComputationType(a.kind), a.microbatch)
+
+
+def _our_action(a):
+    from nncompile.ir.schedule import Action
+    if a.sub_actions:
+        return Action(-1, a.computation_type.value, -1, tuple(map(_our_action, a.sub_actions)))
+    return Action(a.stage_index, a.computation_type.value, a.microbatch_index)
 
 
 def add_send_recv(compute: dict, stage_rank: dict, nstages: int) -> dict:
@@ -190,11 +199,9 @@ def add_send_recv(compute: dict, stage_rank: dict, nstages: int) -> dict:
     (`schedules._add_send_recv`, private: the one its action-list schedules use; checked on
     2.13, the suite's torch). AssertionError when the order cannot be met."""
     from torch.distributed.pipelining.schedules import _add_send_recv
-    from nncompile.ir.schedule import Action
     lowered = _add_send_recv({r: [_torch_action(a) for a in acts] for r, acts in compute.items()},
                              stage_to_rank=lambda s: stage_rank[s], num_stages=nstages)
-    return {r: [Action(a.stage_index, a.computation_type.value, a.microbatch_index)
-                for a in acts] for r, acts in sorted(lowered.items())}
+    return {r: [_our_action(a) for a in acts] for r, acts in sorted(lowered.items())}
 
 
 def action_list_schedule(stages: list, actions: dict, **kwargs):

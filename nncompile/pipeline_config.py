@@ -8,7 +8,8 @@ place against plan_ngpus.
 
 The plan unit's plan_ngpus ranks become S pipeline ranks of plan_ngpus // S tensor-parallel
 ranks each; with V > 1 the model is cut into S * V stages and pipeline rank p holds stages
-p, p + S, ... (loop placement), or p and 2S - 1 - p for the V-shaped zero-bubble schedule.
+p, p + S, ... (loop placement), or p and 2S - 1 - p for the V-shaped schedules (zero_bubble
+with V = 2, and dualpipev, which always holds two stages per rank).
 `microbatches` without stages makes `train_step` accumulate over M micro-batches.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ SCHEDULES = {
     "1f1b": ("Schedule1F1B", (1,)),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", None),      # any V
     "zero_bubble": ("ScheduleInterleavedZeroBubble", None),     # V = 2: ScheduleZBVZeroBubble
+    "dualpipev": ("ScheduleDualPipeV", (2,)),
 }
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")     # rank p holds p and 2S - 1 - p
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class PipelineConfig:
     def stage_ids(self, pipe_rank: int, stages: int) -> list[int]:
         """The stage indices pipeline rank `pipe_rank` of `stages` holds."""
         v = self.stages_per_rank
-        if self.torch_schedule() == "ScheduleZBVZeroBubble":
+        if self.torch_schedule() in V_SHAPED:
             return [pipe_rank, 2 * stages - 1 - pipe_rank]
         return [pipe_rank + k * stages for k in range(v)]
 
@@ -62,7 +65,13 @@ def pipeline_config(spec, plan_ngpus: int) -> PipelineConfig:
                           f"stage runs on plan_ngpus // pp tensor-parallel ranks; pick one of "
                           f"{[d for d in range(1, plan_ngpus + 1) if plan_ngpus % d == 0]}")
     allowed = SCHEDULES[schedule][1]
+    if allowed == (2,) and v == 1:         # dualpipev: always two stages per rank (a V)
+        v = 2
     if allowed is not None and v not in allowed:
+        if allowed == (2,):
+            raise ConfigError(f"parallel.schedule={schedule!r} places two stages on every "
+                              f"pipeline rank (a V), but parallel.stages_per_rank={v}; leave "
+                              "stages_per_rank out or set it to 2")
         raise ConfigError(f"parallel.schedule={schedule!r} runs one stage per rank, but "
                           f"parallel.stages_per_rank={v}; use 'interleaved_1f1b' or "
                           "'zero_bubble' for several stages per rank")

@@ -13,6 +13,10 @@ below that yields the order torch's schedule class of that name runs:
     interleaved_1f1b    Megatron's interleaving over V stages per rank, depth first
     zero_bubble         the same with the backward split (I then W, W deferred), V stages in
                         loop placement; with V = 2 the V-shaped ZB-V order
+    dualpipev           DeepSeek's DualPipe folded into a V (2 stages per rank): in the
+                        steady state each step is one stage's forward overlapped with the
+                        other stage's backward (OVERLAP_F_B), so on a GPU each hides the
+                        other's communication (MoE all-to-alls)
 
 Before (plan_state.pipeline: S=2, V=1, M=2, "1f1b", no actions):
 After  (plan_state.pipeline.actions):
@@ -148,6 +152,80 @@ def zero_bubble_v(ranks: int, m: int) -> dict[int, list[Action]]:
     return order
 
 
+def dualpipe_v(ranks: int, m: int) -> dict[int, list[Action]]:
+    """DualPipeV: rank p holds stages a = p and b = 2S - 1 - p (a V). Warm-up: 2(S - 1 - p)
+    forwards on a, then p + 1 pairs (a, b), then S - 1 - p times b's input gradient, a
+    deferred W, b's forward. Main: M - 2S + p + 1 rounds of two overlapped steps (a's
+    forward with b's backward, then b's forward with a's backward; the last rank runs its
+    first a-forward and b-backward apart). Then S - 1 - p times b's backward with an
+    overlapped (b forward, a backward); p + 1 pairs of backwards on b and a, whose second half
+    splits into I (W deferred); S - 1 - p (W, a backward); and the deferred Ws. Needs
+    M >= 2S."""
+    if m < 2 * ranks:
+        raise ConfigError(f"the 'dualpipev' schedule needs at least as many micro-batches as "
+                          f"stages (2 per pipeline rank): microbatches={m} on {ranks} pipeline "
+                          f"ranks; use microbatches >= {2 * ranks}")
+    order = {}
+    for p in range(ranks):
+        a, b = p, 2 * ranks - 1 - p
+        fwd = {a: 0, b: 0}
+        bwd = {a: 0, b: 0}
+        deferred: list[Action] = []         # weight gradients owed, oldest first
+        acts: list[Action] = []
+
+        def step(stage: int, kind: str) -> Action:
+            counter = fwd if kind == "F" else bwd
+            act = Action(stage, kind, counter[stage])
+            counter[stage] += 1
+            if kind == "I":
+                deferred.append(Action(stage, "W", act.microbatch))
+            return act
+
+        def run(stage: int, kind: str) -> None:
+            acts.append(step(stage, kind))
+
+        def overlap(f_stage: int, b_stage: int) -> None:
+            acts.append(Action.overlap(step(f_stage, "F"), step(b_stage, "B")))
+
+        def owed_w() -> None:
+            if deferred:
+                acts.append(deferred.pop(0))
+        for _ in range(2 * (ranks - 1 - p)):
+            run(a, "F")
+        for _ in range(p + 1):
+            run(a, "F")
+            run(b, "F")
+        for _ in range(ranks - 1 - p):
+            run(b, "I")
+            owed_w()
+            run(b, "F")
+        for i in range(m - 2 * ranks + p + 1):
+            if i == 0 and p == ranks - 1:       # not overlapped: a smaller bubble
+                run(a, "F")
+                run(b, "B")
+            else:
+                overlap(a, b)
+            overlap(b, a)
+        for _ in range(ranks - 1 - p):
+            run(b, "B")
+            overlap(b, a)
+        split = False
+        for i in range(p + 1):
+            if i == (p + 1) // 2 and p % 2 == 1:
+                split = True
+            run(b, "I" if split else "B")
+            if i == (p + 1) // 2 and p % 2 == 0:
+                split = True
+            run(a, "I" if split else "B")
+        for _ in range(ranks - 1 - p):
+            owed_w()
+            run(a, "I" if split else "B")
+        for _ in range(p + 1):
+            owed_w()
+        order[p] = acts
+    return order
+
+
 def compute_order(schedule: str, ranks: int, v: int, m: int) -> dict[int, list[Action]]:
     """Each pipeline rank's compute actions for one step of `schedule`."""
     if schedule == "gpipe":
@@ -158,13 +236,15 @@ def compute_order(schedule: str, ranks: int, v: int, m: int) -> dict[int, list[A
         return interleaved(ranks, v, m)
     if schedule == "zero_bubble":
         return zero_bubble_v(ranks, m) if v == 2 else interleaved(ranks, v, m, True)
+    if schedule == "dualpipev":
+        return dualpipe_v(ranks, m)
     raise ConfigError(f"no action order for pipeline schedule {schedule!r}")
 
 
 def schedule_actions(schedule: str, ranks: int, v: int, m: int) -> PipelineActions:
     """The schedule's compute order and, with its sends and receives, what each rank runs."""
     compute = compute_order(schedule, ranks, v, m)
-    placed = {a.stage: r for r, acts in compute.items() for a in acts}
+    placed = {a.stage: r for r, acts in compute.items() for x in acts for a in x.steps()}
     try:
         actions = compat.add_send_recv(compute, placed, ranks * v)
     except AssertionError as e:

@@ -45,33 +45,40 @@ def format_matrix(rows: dict[str, dict], times: dict[str, float] | None = None) 
 
 
 # ---- the torchrun launch ----------------------------------------------------------------------
-def launch(workdir: Path, names: list[str], timeout: int = 600) -> tuple[dict, str]:
-    """Run the process cells, one torchrun launch per world size (their runtime ranks), cell
-    `name` in workdir / name; ({cell: [records per rank]}, the launches' output)."""
+def launch(workdir: Path, names: list[str], timeout: int = 600, ranks=None
+           ) -> tuple[dict, str]:
+    """Run the process cells, one launch per world size (their runtime ranks), cell `name` in
+    workdir / name; ({cell: [records per rank]}, the launches' output). `ranks(script, nproc,
+    *args, timeout=)` starts the ranks and returns (exit code, output): the test suite's
+    launcher (tests/conftest.py, ranks forked from a server), else torchrun."""
     results, outs = {}, []
     for world in sorted({BY_NAME[n].runtime for n in names}):
         got, out = _launch(workdir, [n for n in names if BY_NAME[n].runtime == world], world,
-                           timeout)
+                           timeout, ranks or _torchrun)
         results.update(got)
         outs.append(out)
     return results, "\n".join(outs)
 
 
-def _launch(workdir: Path, names: list[str], world: int, timeout: int) -> tuple[dict, str]:
+def _torchrun(script: str, nproc: int, *args: str, timeout: int) -> tuple[int, str]:
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={port}", script, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _launch(workdir: Path, names: list[str], world: int, timeout: int, ranks
+            ) -> tuple[dict, str]:
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           f"--master_port={port}", str(HERE / "workers" / "conformance.py"),
-           "--workdir", str(workdir), "--cells", ",".join(names)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1",
-           "NNCOMPILE_TIMEOUT_S": "120"}
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-        out = proc.stdout + proc.stderr
+        _, out = ranks(str(HERE / "workers" / "conformance.py"), world, "--workdir",
+                       str(workdir), "--cells", ",".join(names), timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = f"timed out after {timeout}s\n{e.stdout or ''}{e.stderr or ''}"
     results = {}

@@ -59,7 +59,7 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 540, cwd=None,
     the output's tail unless every rank exits 0."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
     if not launcher:
-        code, out = _launch_ranks(script, nproc, args, env, cwd or ROOT, timeout)
+        code, out = launch_ranks(script, nproc, *args, timeout=timeout, cwd=cwd)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={_free_port()}", *launcher, os.path.join(ROOT, script), *args]
@@ -71,6 +71,14 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 540, cwd=None,
         pytest.fail(f"{script} on {nproc} ranks exited {code}\n"
                     + "\n".join(lines[-20:]) + "\n---- tail ----\n" + out[-4000:])
     return out
+
+
+def launch_ranks(script: str, nproc: int, *args: str, timeout: int = 540, cwd=None
+                 ) -> tuple[int, str]:
+    """`script` on nproc gloo ranks as torchrun starts them (below); (the first non-zero exit
+    code or 0, every rank's output), whatever the ranks did."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
+    return _launch_ranks(script, nproc, args, env, cwd or ROOT, timeout)
 
 
 _PER_LAUNCH = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",

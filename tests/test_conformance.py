@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import conformance as c
 import conformance_run as run
+from conftest import launch_ranks
 import nncompile
 
 THREADED = [cell for cell in c.CELLS if not cell.process]
@@ -46,7 +47,7 @@ def launched(tmp_path_factory):
     """Every process cell, one torchrun launch per world size."""
     root = tmp_path_factory.mktemp("conformance_launch")
     t0 = time.time()
-    results, out = run.launch(root, [cell.name for cell in PROCESS])
+    results, out = run.launch(root, [cell.name for cell in PROCESS], ranks=launch_ranks)
     return root, results, out, time.time() - t0
 
 

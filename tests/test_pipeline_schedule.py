@@ -67,7 +67,8 @@ def test_single_stage_schedules_are_the_order_torch_runs(run_ranks, tmp_path):
 
 def test_sends_meet_receives_and_every_rank_runs_each_step_once():
     for name, ranks, v, m in [("gpipe", 4, 1, 4), ("1f1b", 4, 1, 6), ("interleaved_1f1b", 2, 2, 4),
-                              ("zero_bubble", 2, 2, 4), ("zero_bubble", 2, 3, 6)]:
+                              ("zero_bubble", 2, 2, 4), ("zero_bubble", 2, 3, 6),
+                              ("dualpipev", 2, 2, 4), ("dualpipev", 3, 2, 9)]:
         acts = schedule_actions(name, ranks, v, m)
         every = [a for r in acts.actions.values() for a in r]
         placed = acts.stage_rank()
@@ -77,15 +78,17 @@ def test_sends_meet_receives_and_every_rank_runs_each_step_once():
                 assert Action(peer, "RECV" + a.kind[4:], a.microbatch) in \
                     acts.actions[placed[peer]], (name, a)
         for r, line in acts.compute.items():
-            assert len(line) == len(set(line)), (name, r)
-            kinds = "BIW" if name != "zero_bubble" else "IW"
-            for s in {a.stage for a in line}:
-                for kind in "F" + kinds:
-                    if kind == "B" and name == "zero_bubble" or kind in "IW" and \
-                            name != "zero_bubble":
-                        continue
-                    assert sorted(a.microbatch for a in line if a.stage == s and
-                                  a.kind == kind) == list(range(m)), (name, s, kind)
+            steps = [x for a in line for x in a.steps()]      # overlapped pairs: both parts
+            assert len(steps) == len(set(steps)), (name, r)
+            for s in {a.stage for a in steps}:
+                mine = [a for a in steps if a.stage == s]
+                # each micro-batch: one forward, and one full backward or its two halves
+                assert sorted(a.microbatch for a in mine if a.kind == "F") == list(range(m))
+                full = {a.microbatch for a in mine if a.kind == "B"}
+                halves = [a.microbatch for a in mine if a.kind == "I"]
+                assert sorted(halves) == sorted(a.microbatch for a in mine if a.kind == "W")
+                assert sorted(full | set(halves)) == list(range(m)) and not full & set(halves)
+                assert (name == "zero_bubble") <= (not full), (name, s)
         # the rank file's form parses back to the same lists
         table = {p: acts.text(p) for p in range(ranks)}
         assert parse_actions(table) == acts.actions
@@ -96,3 +99,46 @@ def test_bad_orders_are_config_errors():
         schedule_actions("interleaved_1f1b", 2, 2, 5)
     with pytest.raises(ValueError, match="not a pipeline action"):
         Action.parse("0X1")
+
+
+def _torch_order_with_overlaps(ranks: int, m: int) -> dict[int, list[str]]:
+    """ScheduleDualPipeV's pipeline_order, compute actions (overlapped pairs included)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        n = 2 * ranks
+        stages = [pipelining.PipelineStage(torch.nn.Linear(2, 2), s, n, "cpu")
+                  for s in (0, n - 1)]
+        schedule = pipelining.ScheduleDualPipeV(stages, n_microbatches=m,
+                                                loss_fn=lambda o, t: o.sum())
+        return {p: [str(a) for a in acts if a is not None and a.computation_type.value in
+                    ("F", "B", "I", "W", "OVERLAP_F_B")]
+                for p, acts in schedule.pipeline_order.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ranks,m", [(2, 4), (2, 5), (2, 8), (3, 6), (4, 8), (4, 11)])
+def test_dualpipev_is_torchs_order(ranks, m):
+    ours = _ours("dualpipev", ranks, 2, m)
+    assert ours == _torch_order_with_overlaps(ranks, m)
+    assert any("OVERLAP_F_B" in a for a in ours[0])       # the steady state overlaps
+
+
+def test_dualpipev_actions_print_and_parse_back():
+    acts = schedule_actions("dualpipev", 2, 2, 8)
+    for p in range(2):
+        line = acts.text(p)
+        assert "(0F" in line or "(1F" in line or "(2F" in line or "(3F" in line
+        assert " ".join(map(str, parse_actions({p: line})[p])) == line
+        # every (stage, kind, micro-batch) step runs once, overlapped or not
+        steps = [str(x) for a in acts.compute[p] for x in a.steps()]
+        assert len(steps) == len(set(steps)) == 2 * 8 * 2 + sum(
+            x.kind == "I" for a in acts.compute[p] for x in a.steps())
+    with pytest.raises(ValueError, match="a forward then a backward"):
+        Action.parse("(0B1;1F0)OVERLAP_F_B")
+
+
+def test_dualpipev_needs_two_micro_batches_per_stage():
+    with pytest.raises(ConfigError, match="microbatches >= 4"):
+        compute_order("dualpipev", 2, 2, 3)

@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--cells", required=True)
     args = ap.parse_args()
-    rank, _ = nncompile.init_distributed(backend="gloo")
+    rank, _ = nncompile.init_distributed(backend="gloo", timeout_s=120)
     torch.set_num_threads(1)
     for name in args.cells.split(","):
         cell = conformance.BY_NAME[name]

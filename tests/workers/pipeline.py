@@ -78,6 +78,11 @@ CASES = [
          pdrop=0.3),
     Case("hf_gpt2-pp4-interleaved-v2-dropout", plan=4, stages=4, schedule="interleaved_1f1b",
          per_rank=2, model="hf_gpt2", steps=5, pdrop=0.3, attn_pdrop=0.0, n_layer=8),
+    # DualPipeV (overlapped forward/backward steps, a V of 2 stages per rank): tp 1 and, with
+    # dropout in every stage, tp 2
+    Case("pp2xdp2-dualpipev", plan=2, stages=2, schedule="dualpipev", per_rank=2, steps=5),
+    Case("hf_gpt2-pp2xtp2-dualpipev-dropout", plan=4, stages=2, schedule="dualpipev",
+         per_rank=2, model="hf_gpt2", steps=5, pdrop=0.3),
 ]
 # more combinations, run with --cases (each passed when added)
 EXTRA = [Case("pp2xtp2-zero_bubble", plan=4, stages=2, schedule="zero_bubble"),
