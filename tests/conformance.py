@@ -96,8 +96,8 @@ def build_model(loop: "Loop") -> nn.Module:
     if loop.model == "bn":
         return BNNet().train()
     if loop.model == "moe":
-        return TinyMoE(loop.dropout).train()
-    return TinyGPT(loop.dropout, fused=loop.model == "gpt_fused").train()
+        return TinyMoE(loop.dropout, layers=loop.layers).train()
+    return TinyGPT(loop.dropout, layers=loop.layers, fused=loop.model == "gpt_fused").train()
 
 
 # ---- the loop -----------------------------------------------------------------------------
@@ -106,6 +106,7 @@ class Loop:
     model: str = "gpt"              # "gpt" (TinyGPT), "gpt_fused" (its fused c_attn), "bn" or
     #                                 "moe" (TinyMoE: Mixtral's experts)
     dropout: float = 0.0
+    layers: int = 2                 # of gpt and moe (4: two stages per pipeline rank at pp 2)
     steps: int = 6
     accum: int = 2                  # micro-batches per optimizer step
     sizes: tuple = ((4, 16),)       # (rows, seq) of a unit's micro-batch, by step % len
@@ -186,6 +187,7 @@ class Cell:
     zero: int = 0
     offload: bool = False
     stages: int = 0                 # pipeline_stages (microbatches = loop.accum)
+    schedule: str = "1f1b"          # the pipeline schedule (with stages)
     dynamic: bool = False
     cp: int = 1                     # context_parallel: ranks splitting the sequence
     ep: int = 1                     # expert_parallel: ranks splitting tokens and experts
@@ -256,12 +258,22 @@ CELLS = [
     Cell("pp_dropout", "tp", 2, 2, replace(DROP, val_micro=2), stages=2, process=True),
     # the sequence split in two inside each of two pipeline stages
     Cell("pp_cp", "tp", 4, 4, Loop(val_micro=2), stages=2, cp=2, process=True),
+    # DualPipeV (2 stages per rank, overlapped forward/backward steps, 4 micro-batches): with
+    # dropout, and with Mixtral's experts dispatched along ep 2 inside each stage
+    Cell("pp_dualpipev", "tp", 2, 2, replace(DROP, accum=4, val_micro=4, layers=4,
+                                             formats=("dcp",)),
+         stages=2, schedule="dualpipev", process=True),
+    # (no validation: Mixtral's eval-mode forward differs beyond dropout, which a pipeline
+    # refuses; see test_pipeline)
+    Cell("pp_dualpipev_ep", "data", 4, 4, replace(MOE, accum=4, layers=4, steps=3,
+                                                  eval_every=99, formats=()),
+         stages=2, ep=2, schedule="dualpipev", process=True),
 ]
 BY_NAME = {c.name: c for c in CELLS}
 
 
 def compute_config(cell: Cell) -> nncompile.ComputeConfig:
-    pas = {"pp": cell.stages, "schedule": "1f1b",
+    pas = {"pp": cell.stages, "schedule": cell.schedule,
            "microbatches": cell.loop.accum} if cell.stages else {}
     pas.update({k: v for k, v in (("cp", cell.cp), ("ep", cell.ep))
                 if v > 1})

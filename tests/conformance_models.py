@@ -97,12 +97,12 @@ class TinyMoE(nn.Module):
     next-token cross-entropy plus the router's load-balancing loss (coefficient 0.02);
     `dropout`: its attention dropout."""
 
-    def __init__(self, dropout=0.0):
+    def __init__(self, dropout=0.0, layers=2):
         super().__init__()
         import transformers
         self.lm = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             attention_dropout=dropout,
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
             num_experts_per_tok=2, max_position_embeddings=BLOCK, bos_token_id=0,
             eos_token_id=0, pad_token_id=0))
