@@ -26,10 +26,13 @@ leanest memory options the config leaves to autodist (ZeRO, offload, recompute "
 pipeline_stages="auto" (autodist only) tries every S dividing plan_ngpus, best lower bound
 first, and keeps the fastest predicted step that fits:
 
-    step(S) = M t + bubble + g,  t = slowest pipeline rank's time per micro-batch (its stages
-              + a send and a receive of the boundary activation per stage), bubble = (S-1) t
-              for GPipe/1F1B, (S-1) t / V interleaved, (S-1) t / 3V zero-bubble, g = per-step
-              gradient reduction of the fullest rank.
+    step(S) = T(actions) + g,  T = the schedule's action list (passes/pipeline_schedule.py)
+              run on its stages' times per micro-batch (each stage's ops + a send and a
+              receive of the boundary activation; forward a third, backward two thirds,
+              I = W = half the backward) by passes/schedule_time.py, which gives each
+              schedule its paper's bubble ((S-1) t for GPipe/1F1B, (S-1) t / V interleaved,
+              ...) and also prices uneven stages and DualPipeV; g = per-step gradient
+              reduction of the fullest rank.
 
 A candidate whose lower bound (ideal split, no communication) is not below the best step found
 is not planned. Precondition: none (runs before plan). Records graph.plan_state.pipeline
@@ -349,13 +352,15 @@ class StageSearch:
 
     def _step(self, times: list[float], step_costs: list[float], ranks: int) -> float:
         """Predicted seconds per step from per-stage micro-batch times (module docstring)."""
+        from .pipeline_schedule import compute_order
+        from .schedule_time import step_time
         pc = self.config.pipeline
-        cfg = PipelineConfig(ranks, pc.schedule, pc.microbatches, pc.stages_per_rank)
-        per_rank = [sum(times[s] for s in cfg.stage_ids(p, ranks)) for p in range(ranks)]
-        t = max(per_rank)
-        v = pc.stages_per_rank
-        bubble = (ranks - 1) * t / (3 * v if pc.schedule == "zero_bubble" else v)
-        return pc.microbatches * t + bubble + max(step_costs, default=0.0)
+        try:
+            order = compute_order(pc.schedule, ranks, pc.stages_per_rank, pc.microbatches)
+        except ConfigError:          # the schedule cannot run on `ranks` (the pass says why)
+            return math.inf
+        run = step_time(order, [t / 3 for t in times], [2 * t / 3 for t in times])
+        return run.time + max(step_costs, default=0.0)
 
     def _evaluate(self, g: Graph, c: Cut, group: list[int], layers: list[Layer],
                   ideal: Costs) -> None:
