@@ -10,7 +10,7 @@ barrier, so machine noise hits all runs alike; medians over --steps repeats afte
 (a) bubble, pp 4 (plan_ngpus = 4 = pipeline_stages, tp 1) for every schedule and each M in
     --microbatches, at --micro rows per micro-batch (the unit's batch is micro x M rows):
     gpipe, 1f1b, interleaved_1f1b (V=2), zero_bubble (V=1: ScheduleInterleavedZeroBubble,
-    V=2: ScheduleZBVZeroBubble); V=2 needs at least 2 x 4 layers.
+    V=2: ScheduleZBVZeroBubble), dualpipev (V=2, M >= 2S); V=2 needs at least 2 x 4 layers.
 
     How it is measured. On every rank, each PipelineStage the schedule runs gets its
     `forward_one_chunk`, `backward_one_chunk` and `backward_weight_one_chunk` wrapped with a
@@ -29,10 +29,12 @@ barrier, so machine noise hits all runs alike; medians over --steps repeats afte
     and loss broadcast after it (a few ms) are in the step time, not in the bubble.
 
     Next to it: the textbook bubble of GPipe/1F1B, (S - 1) / (M + S - 1), and the schedule's
-    own model where one exists: interleaved (S - 1) / (V M + S - 1); ZB-H1 (zero_bubble, V=1)
-    (S - 1) / (3 M + S - 1) and ZB-V (V=2) 0, both only when forward, input-backward and
-    weight-backward take equal time (they do not here: a weight-gradient matmul costs about
-    a forward, the input gradient more), and all of them assuming equal stages and free p2p.
+    paper's at F : B : W = 1 : 2 : 1 (passes/schedule_time.textbook_bubble, which the action
+    list's simulation reproduces): interleaved (S - 1) / (V M + S - 1); ZB-H1 (zero_bubble,
+    V=1) (S - 1) / (3 M + S - 1), ZB-V (V=2) (S - 1) / (6 M + S - 1) and DualPipeV (S - 1) /
+    (3 M + S - 1), the last three only when input- and weight-backward take equal time (they
+    do not here: a weight-gradient matmul costs about a forward, the input gradient more),
+    and all of them assuming equal stages and free p2p.
 
     CPU caveat. On a machine with fewer cores than ranks (4 ranks on the 2-core CI box) the
     ranks share cores: while all four compute (1F1B's steady state) each compute call runs
@@ -91,7 +93,7 @@ from run_record import command, write_atomic  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1),
-             ("zero_bubble", 2))
+             ("zero_bubble", 2), ("dualpipev", 2))
 
 
 @dataclass
@@ -131,7 +133,7 @@ def plan_runs(args, world: int) -> list[Run]:
     runs = []
     for m in args.microbatches:
         for schedule, v in SCHEDULES:
-            if v * world > args.n_layer:
+            if v * world > args.n_layer or (schedule == "dualpipev" and m < 2 * world):
                 continue
             pas = {"pp": world, "schedule": schedule, "microbatches": m,
                    "stages_per_rank": v}
@@ -260,13 +262,12 @@ def textbook(s: int, m: int) -> float:
 
 
 def model_bubble(schedule: str, s: int, v: int, m: int) -> str:
-    if schedule in ("gpipe", "1f1b"):
-        return f"{textbook(s, m):.3f}"
-    if schedule == "interleaved_1f1b":
-        return f"{(s - 1) / (v * m + s - 1):.3f}"
-    if v == 1:
-        return f"{(s - 1) / (3 * m + s - 1):.3f}*"           # ZB-H1, equal F, B, W
-    return "0*"                                              # ZB-V, equal F, B, W
+    """The schedule's paper's bubble at F : B : W = 1 : 2 : 1 (passes/schedule_time.py, which
+    autodist's step model reproduces from the action list); * where it assumes a split
+    backward's halves take equal time."""
+    from nncompile.passes.schedule_time import textbook_bubble
+    star = "*" if schedule in ("zero_bubble", "dualpipev") else ""
+    return f"{textbook_bubble(schedule, s, v, m):.3f}{star}"
 
 
 def summarize(every: list[dict], name: str, steps: int) -> dict:
@@ -335,8 +336,9 @@ def report(args, world: int, runs: list[Run], every: list[dict], build_s: float,
         lines.append(f"{'':25}losses of the {len(group)} schedules at M={m}: max relative "
                      f"difference {err:.1e} ({'equal' if err <= args.loss_rtol else 'MISMATCH'})")
     lines += [
-        "textbook = (S-1)/(M+S-1) (GPipe, 1F1B); model = the schedule's own: interleaved "
-        "(S-1)/(VM+S-1), * ZB-H1 (S-1)/(3M+S-1) and ZB-V 0 if F = B = W take equal time;",
+        "textbook = (S-1)/(M+S-1) (GPipe, 1F1B); model = the schedule's paper at F:B:W = "
+        "1:2:1: interleaved (S-1)/(VM+S-1), * ZB-H1 (S-1)/(3M+S-1), ZB-V (S-1)/(6M+S-1), "
+        "DualPipeV (S-1)/(3M+S-1) (passes/schedule_time.py);",
         "stretch = stage compute wall / thread CPU time (1.00 when every rank has a core "
         "of its own);",
         f"cores busy = stage compute CPU time of all ranks / (min(cores, ranks) = "

@@ -44,8 +44,8 @@ class ParallelSpec:
     ep: int | str = _spec(1, "expert-parallel ranks each mixture-of-experts layer's experts "
                              "and tokens split over, or 'auto': autodist decides per layer")
     # ---- pipeline
-    schedule: str | None = _spec(None, "'1f1b' (the default), 'gpipe', 'interleaved_1f1b' or "
-                                       "'zero_bubble' (docs/pipeline.md)")
+    schedule: str | None = _spec(None, "'1f1b' (the default), 'gpipe', 'interleaved_1f1b', "
+                                       "'zero_bubble' or 'dualpipev' (docs/pipeline.md)")
     microbatches: int = _spec(1, "M: each unit's batch is split into M micro-batches (without "
                                  "a pipeline, train_step accumulates over them)")
     stages_per_rank: int = _spec(1, "V: stages each pipeline rank holds (interleaved and "
