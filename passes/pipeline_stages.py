@@ -106,7 +106,9 @@ def stage_inflight(pp: Any, s: int) -> float:
     if pp.schedule == "gpipe":
         return float(m)
     if cfg.torch_schedule() == "ScheduleDualPipeV":
-        return float(_peak_inflight(pp, s))
+        from .pipeline_schedule import compute_order
+        from .schedule_time import peak_inflight
+        return float(peak_inflight(compute_order(pp.schedule, ranks, v, m), s))
     if cfg.torch_schedule() == "ScheduleZBVZeroBubble":
         return float(min(m, ranks - min(s, 2 * ranks - 1 - s)))
     p = s % ranks
@@ -115,19 +117,6 @@ def stage_inflight(pp: Any, s: int) -> float:
     # interleaved: torch's warm-up runs (V-1) S + 2 (S-1-p) forward chunks before the first
     # backward; spread over the rank's V stages
     return min(m * v, (v - 1) * ranks + 2 * (ranks - 1 - p) + 1) / v
-
-
-def _peak_inflight(pp: Any, s: int) -> int:
-    """The most micro-batches stage `s` holds activations of, read off the schedule's action
-    order: a forward adds one, its full backward or its weight-gradient step frees it."""
-    from .pipeline_schedule import compute_order
-    live = peak = 0
-    for acts in compute_order(pp.schedule, pp.ranks, pp.stages_per_rank,
-                              pp.microbatches).values():
-        for a in (x for act in acts for x in act.steps() if x.stage == s):
-            live += 1 if a.kind == "F" else -1 if a.kind in ("B", "W") else 0
-            peak = max(peak, live)
-    return peak
 
 
 def partition(costs: list[float], k: int, fits=lambda lo, hi, s: True) -> list[int]:

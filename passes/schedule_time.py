@@ -1,4 +1,5 @@
-"""The time of one pipeline step, read off its action list (nncompile/ir/schedule.py).
+"""The time of one pipeline step, and the activations it keeps, read off its action list
+(nncompile/ir/schedule.py).
 
 Every schedule is priced the same way, from the order its pass wrote down, not from a formula
 per schedule name: each pipeline rank runs its compute actions in order, and an action starts
@@ -97,6 +98,17 @@ def step_time(order: dict[int, list[Action]], forward: list[float], backward: li
             stuck = {r: str(order[r][nxt[r]]) for r in order if nxt[r] < len(order[r])}
             raise ConfigError(f"the pipeline order cannot run: every rank waits ({stuck})")
     return StepTime(max(clock.values()), busy)
+
+
+def peak_inflight(order: dict[int, list[Action]], stage: int) -> int:
+    """The most micro-batches `stage` holds activations of in `order`: a forward adds one,
+    its full backward or its weight-gradient step frees it."""
+    live = peak = 0
+    for acts in order.values():
+        for a in (x for act in acts for x in act.steps() if x.stage == stage):
+            live += 1 if a.kind == "F" else -1 if a.kind in ("B", "W") else 0
+            peak = max(peak, live)
+    return peak
 
 
 def textbook_bubble(schedule: str, ranks: int, v: int, m: int) -> float:

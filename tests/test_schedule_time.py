@@ -47,3 +47,17 @@ def test_an_order_that_cannot_run_is_refused():
     order = {0: [Action(0, "B", 0), Action(0, "F", 0)], 1: [Action(1, "F", 0), Action(1, "B", 0)]}
     with pytest.raises(ConfigError, match="cannot run: every rank waits"):
         step_time(order, [1.0, 1.0], [2.0, 2.0])
+
+
+def test_peak_inflight_matches_the_1f1b_rule_and_counts_dualpipev():
+    from nncompile.passes.pipeline_stages import stage_inflight
+    from nncompile.passes.schedule_time import peak_inflight
+    order = compute_order("1f1b", 4, 1, 8)
+    assert [peak_inflight(order, s) for s in range(4)] == [4, 3, 2, 1]      # S - p
+    dpv = compute_order("dualpipev", 2, 2, 8)
+    # rank 0 holds stages 0 and 3: 2S - p forwards of stage 0 before its first backward
+    assert peak_inflight(dpv, 0) == 4 and peak_inflight(dpv, 3) == 1
+
+    class PP:
+        ranks, stages_per_rank, schedule, microbatches = 2, 2, "dualpipev", 8
+    assert stage_inflight(PP, 0) == 4.0 and stage_inflight(PP, 3) == 1.0
