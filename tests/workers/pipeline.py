@@ -83,6 +83,8 @@ CASES = [
     Case("pp2xdp2-dualpipev", plan=2, stages=2, schedule="dualpipev", per_rank=2, steps=5),
     Case("hf_gpt2-pp2xtp2-dualpipev-dropout", plan=4, stages=2, schedule="dualpipev",
          per_rank=2, model="hf_gpt2", steps=5, pdrop=0.3),
+    Case("pp2xdp2-dualpipev-zero3", plan=2, stages=2, schedule="dualpipev", per_rank=2,
+         zero=3, steps=5),
 ]
 # more combinations, run with --cases (each passed when added)
 EXTRA = [Case("pp2xtp2-zero_bubble", plan=4, stages=2, schedule="zero_bubble"),
