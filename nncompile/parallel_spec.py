@@ -45,7 +45,8 @@ class ParallelSpec:
                              "and tokens split over, or 'auto': autodist decides per layer")
     # ---- pipeline
     schedule: str | None = _spec(None, "'1f1b' (the default), 'gpipe', 'interleaved_1f1b', "
-                                       "'zero_bubble' or 'dualpipev' (docs/pipeline.md)")
+                                       "'zero_bubble', 'dualpipev', or 'auto': autodist "
+                                       "prices each from its action list (docs/pipeline.md)")
     microbatches: int = _spec(1, "M: each unit's batch is split into M micro-batches (without "
                                  "a pipeline, train_step accumulates over them)")
     stages_per_rank: int = _spec(1, "V: stages each pipeline rank holds (interleaved and "
@@ -86,11 +87,12 @@ class ParallelSpec:
             _count(name, getattr(self, name), auto=True)
         _count("microbatches", self.microbatches)
         _count("stages_per_rank", self.stages_per_rank)
-        from .pipeline_config import SCHEDULES
-        if self.schedule is not None and self.schedule not in SCHEDULES:
+        from .pipeline_config import AUTO, SCHEDULES
+        if self.schedule is not None and self.schedule not in SCHEDULES \
+                and self.schedule != AUTO:
             raise ConfigError(f"parallel.schedule={self.schedule!r} is not a schedule "
                               f"torch.distributed.pipelining offers here; choose one of "
-                              f"{sorted(SCHEDULES)}")
+                              f"{sorted(SCHEDULES)}, or 'auto' (autodist prices each)")
         if self.cp_attention not in ("allgather", "ulysses"):
             raise ConfigError(f"parallel.cp_attention={self.cp_attention!r}: 'allgather' (each "
                               "rank's query rows against gathered keys and values, the "

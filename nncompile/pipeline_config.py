@@ -42,7 +42,8 @@ class PipelineConfig:
         return self.stages == AUTO or self.stages > 1
 
     def torch_schedule(self) -> str:
-        """The torch.distributed.pipelining class that runs this schedule."""
+        """The torch.distributed.pipelining class that runs this schedule (a plan's, never
+        'auto': pipeline_stages records the one autodist chose)."""
         if self.schedule == "zero_bubble" and self.stages_per_rank == 2:
             return "ScheduleZBVZeroBubble"
         return SCHEDULES[self.schedule][0]
@@ -64,7 +65,7 @@ def pipeline_config(spec, plan_ngpus: int) -> PipelineConfig:
         raise ConfigError(f"parallel.pp={stages} does not divide plan_ngpus={plan_ngpus}: each "
                           f"stage runs on plan_ngpus // pp tensor-parallel ranks; pick one of "
                           f"{[d for d in range(1, plan_ngpus + 1) if plan_ngpus % d == 0]}")
-    allowed = SCHEDULES[schedule][1]
+    allowed = SCHEDULES[schedule][1] if schedule != AUTO else None
     if allowed == (2,) and v == 1:         # dualpipev: always two stages per rank (a V)
         v = 2
     if allowed is not None and v not in allowed:

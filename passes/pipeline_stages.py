@@ -55,6 +55,13 @@ from .contract import config_of
 _INF = float("inf")
 
 
+def auto_schedules(v: int) -> list[str]:
+    """The schedules schedule='auto' prices for V stages per rank."""
+    if v == 1:
+        return ["gpipe", "1f1b", "zero_bubble"]
+    return ["interleaved_1f1b", "zero_bubble"] + (["dualpipev"] if v == 2 else [])
+
+
 def layer_of(module_path: str) -> str | None:
     """`transformer.h.3.attn.c_attn` -> `transformer.h.3`; None outside numbered blocks."""
     parts = module_path.split(".") if module_path else []
@@ -173,10 +180,12 @@ class Cut:
     memory: list[float] = field(default_factory=list)    # bytes per stage
     how: str = ""
     note: str = ""                 # how memory shaped the cut
-    status: str = ""               # chosen | fits | too large | slower (bound)
+    status: str = ""               # chosen | fits | too large | slower (bound) | cannot run
+    schedule: str = "1f1b"         # the pipeline schedule it is priced under
 
     def row(self) -> dict:
-        return {"stages": self.ranks, "tp": self.tp, "step_ms": _ms(self.step),
+        return {"stages": self.ranks, "tp": self.tp, "schedule": self.schedule,
+                "step_ms": _ms(self.step),
                 "bound_ms": _ms(self.bound), "max_stage_ms": _ms(max(self.times, default=_INF)),
                 "memory_bytes": int(max(self.memory)) if self.memory else None,
                 "costs": self.how,
@@ -230,6 +239,9 @@ class StageSearch:
         if pc.stages == AUTO and not self.autodist:
             raise ConfigError("parallel.pp='auto' is chosen by autodist; use "
                               "pas_policy='autodist' or give the number of stages")
+        if pc.schedule == AUTO and not self.autodist:
+            raise ConfigError("parallel.schedule='auto' is chosen by autodist; use "
+                              "pas_policy='autodist' or name a schedule (docs/pipeline.md)")
         check_no_buffer_updates(graph)
         g = graph.clone()
         layers, head, tail = layers_of(g)
@@ -256,13 +268,17 @@ class StageSearch:
             group[i] = len(layers) + 1
         ranks = [s for s in range(1, n + 1) if n % s == 0 and s * v <= len(layers)] \
             if pc.stages == AUTO else [pc.stages]
+        schedules = auto_schedules(v) if pc.schedule == AUTO else [pc.schedule]
         # the ideal split: other policies' costs, and "auto"'s lower bounds
-        ideal = self._ideal(g, group, len(layers) + 2) if len(ranks) > 1 or \
-            not self.autodist else None
-        cands = [Cut(s, n // s, self._bound(ideal, s, n // s, len(layers)) if ideal else 0.0)
-                 for s in ranks]
+        ideal = self._ideal(g, group, len(layers) + 2) \
+            if len(ranks) * len(schedules) > 1 or not self.autodist else None
+        cands = [Cut(s, n // s, self._bound(ideal, s, n // s, len(layers), sch) if ideal
+                     else 0.0, schedule=sch) for s in ranks for sch in schedules]
         best = None
         for c in sorted(cands, key=lambda c: (c.bound, c.ranks)):
+            if c.bound == _INF and len(cands) > 1:
+                c.status = "cannot run"          # e.g. dualpipev with M < 2S
+                continue
             if best is not None and c.bound >= best.step:
                 c.status = "slower (bound)"
                 continue
@@ -283,11 +299,13 @@ class StageSearch:
             g.ops[i].stage = 0
         for i in tail:
             g.ops[i].stage = k - 1
-        why = (f"autodist: {best.ranks} of the stage counts {sorted(c.ranks for c in cands)}, "
-               "the fastest predicted step that fits; cut by " if pc.stages == AUTO
-               else "") + best.how
+        counts = sorted({c.ranks for c in cands})
+        why = (f"autodist: {best.ranks} of the stage counts {counts}, " if pc.stages == AUTO
+               else "") + (f"schedule {best.schedule!r} of {schedules}, " if pc.schedule == AUTO
+                           else "")
+        why += ("the fastest predicted step that fits; cut by " if why else "") + best.how
         pipeline = PipelinePlan(
-            ranks=best.ranks, stages_per_rank=v, schedule=pc.schedule,
+            ranks=best.ranks, stages_per_rank=v, schedule=best.schedule,
             microbatches=pc.microbatches, tp=best.tp,
             layers=[[x.name for x in layers[best.bounds[s]:best.bounds[s + 1]]]
                     for s in range(k)],
@@ -295,10 +313,12 @@ class StageSearch:
             chosen_by=why)
         g.plan_state.pipeline = pipeline if pipeline.nstages > 1 else None   # "auto" chose 1
         g.plan_state.pipeline_search = {
-            "auto": pc.stages == AUTO, "costs": best.how, "memory_note": best.note,
+            "auto": pc.stages == AUTO, "auto_schedule": pc.schedule == AUTO,
+            "costs": best.how, "memory_note": best.note,
             "predicted_step_ms": _ms(best.step),
             "mem_limit_bytes": None if self._limit() == _INF else int(self._limit()),
-            "candidates": [c.row() for c in sorted(cands, key=lambda c: c.ranks)]}
+            "candidates": [c.row() for c in sorted(cands, key=lambda c: (c.ranks,
+                                                                         c.schedule))]}
         g.stages = g.stages | {Stage.STAGED}
         return g
 
@@ -328,7 +348,7 @@ class StageSearch:
                     out.state[gi] += cm.param_memory(v, Replicate())
         return out
 
-    def _bound(self, ideal: Costs, ranks: int, tp: int, nlayers: int) -> float:
+    def _bound(self, ideal: Costs, ranks: int, tp: int, nlayers: int, schedule: str) -> float:
         """A lower bound on the step: no communication, every op split ideally, the slowest
         stage at least the mean and at least the largest layer."""
         k = ranks * self.config.pipeline.stages_per_rank
@@ -337,15 +357,16 @@ class StageSearch:
         times[0] += ideal.time[nlayers] / tp
         times[-1] += ideal.time[nlayers + 1] / tp
         stage = max(sum(times) / k, max(times))
-        return self._step([stage] * k, [0.0] * ranks, ranks)
+        return self._step([stage] * k, [0.0] * ranks, ranks, schedule)
 
-    def _step(self, times: list[float], step_costs: list[float], ranks: int) -> float:
+    def _step(self, times: list[float], step_costs: list[float], ranks: int,
+              schedule: str) -> float:
         """Predicted seconds per step from per-stage micro-batch times (module docstring)."""
         from .pipeline_schedule import compute_order
         from .schedule_time import step_time
         pc = self.config.pipeline
         try:
-            order = compute_order(pc.schedule, ranks, pc.stages_per_rank, pc.microbatches)
+            order = compute_order(schedule, ranks, pc.stages_per_rank, pc.microbatches)
         except ConfigError:          # the schedule cannot run on `ranks` (the pass says why)
             return math.inf
         run = step_time(order, [t / 3 for t in times], [2 * t / 3 for t in times])
@@ -427,7 +448,7 @@ class StageSearch:
         stage_of = [s for s in range(k) for _ in range(bounds[s], bounds[s + 1])] + [0, k - 1]
         for i, op in enumerate(g.ops):
             op.stage = stage_of[group[i]]
-        pp = PipelinePlan(c.ranks, pc.stages_per_rank, pc.schedule, pc.microbatches, c.tp,
+        pp = PipelinePlan(c.ranks, pc.stages_per_rank, c.schedule, pc.microbatches, c.tp,
                           [], [])
         inflight = [stage_inflight(pp, s) for s in range(k)]
         prob = dataclasses.replace(prob, groups=rank_groups(g, prob, pp, inflight.__getitem__))
@@ -437,14 +458,14 @@ class StageSearch:
             return None
         ms, mem, step = stage_costs(g, prob, sol.picks, k, inflight.__getitem__)
         out = Cut(c.ranks, c.tp, c.bound, bounds=list(bounds), times=[x / 1e3 for x in ms],
-                  memory=mem, how=how)
+                  memory=mem, how=how, schedule=c.schedule)
         out.step = self._step([t + self._p2p(g, c, layers) for t in out.times],
-                              self._rank_sums(c.ranks, step), c.ranks)
+                              self._rank_sums(c.ranks, step, c.schedule), c.ranks, c.schedule)
         return out
 
-    def _rank_sums(self, ranks: int, per_stage: list[float]) -> list[float]:
+    def _rank_sums(self, ranks: int, per_stage: list[float], schedule: str) -> list[float]:
         pc = self.config.pipeline
-        cfg = PipelineConfig(ranks, pc.schedule, pc.microbatches, pc.stages_per_rank)
+        cfg = PipelineConfig(ranks, schedule, pc.microbatches, pc.stages_per_rank)
         return [sum(per_stage[s] for s in cfg.stage_ids(p, ranks)) for p in range(ranks)]
 
     def _cut(self, g: Graph, c: Cut, costs: Costs, layers: list[Layer], limit: float) -> Cut:
@@ -462,7 +483,7 @@ class StageSearch:
             state.append(state[-1] + costs.state[li])
             act.append(act[-1] + costs.activations[li])
             step.append(step[-1] + (costs.step[li] if costs.step else 0.0))
-        pp = PipelinePlan(c.ranks, v, pc.schedule, pc.microbatches, c.tp, [], [])
+        pp = PipelinePlan(c.ranks, v, c.schedule, pc.microbatches, c.tp, [], [])
         inflight = [stage_inflight(pp, s) for s in range(k)]
         per_stage = limit / v
 
@@ -477,14 +498,15 @@ class StageSearch:
                            if limit < _INF else (lambda lo, hi, s: True))
         if not bounds:              # the balanced cut's memory, for the error message
             free = partition(times, k)
-            return Cut(c.ranks, c.tp, c.bound, how=costs.how,
+            return Cut(c.ranks, c.tp, c.bound, how=costs.how, schedule=c.schedule,
                        memory=[memory(free[s], free[s + 1], s) for s in range(k)])
-        out = Cut(c.ranks, c.tp, c.bound, bounds=bounds, how=costs.how,
+        out = Cut(c.ranks, c.tp, c.bound, bounds=bounds, how=costs.how, schedule=c.schedule,
                   times=[sum(times[bounds[s]:bounds[s + 1]]) for s in range(k)],
                   memory=[memory(bounds[s], bounds[s + 1], s) for s in range(k)])
         stage_step = [step[bounds[s + 1]] - step[bounds[s]] for s in range(k)]
         out.step = self._step([t + self._p2p(g, c, layers) for t in out.times],
-                              self._rank_sums(c.ranks, stage_step), c.ranks)
+                              self._rank_sums(c.ranks, stage_step, c.schedule), c.ranks,
+                              c.schedule)
         return out
 
     def _p2p(self, g: Graph, c: Cut, layers: list[Layer]) -> float:

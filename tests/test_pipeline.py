@@ -42,7 +42,8 @@ def test_pipeline_parity_every_schedule(run_ranks, tmp_path):
     gradients on, and under inference_mode) equal one device's validation loss; where the
     eval-mode forward differs beyond mode flags, eval mode is refused. The tied wte / lm_head
     sits on the first and the last stage in all (GPT's and GPT-2's). DualPipeV (5 steps): pp 2
-    x dp 2, with ZeRO-3 too, and GPT-2 pp 2 x tp 2 with dropout 0.3."""
+    x dp 2, with ZeRO-3 too, and GPT-2 pp 2 x tp 2 with dropout 0.3; schedule='auto' under
+    autodist (V = 2)."""
     out = run_ranks("tests/workers/pipeline.py", 4, "--savedir", str(tmp_path))
     for name in ("pp2xtp2-1f1b", "pp4-1f1b", "pp2xdp2-zero3", "pp2xdp2-interleaved-v2",
                  "pp2xdp2-zbv-v2"):
@@ -50,7 +51,7 @@ def test_pipeline_parity_every_schedule(run_ranks, tmp_path):
     for name in ("pp2xtp2-gpipe-autodist", "hf_gpt2-pp2xtp2-1f1b",
                  "hf_gpt2-pp2xtp2-1f1b-dropout", "hf_gpt2-pp4-interleaved-v2-dropout",
                  "pp2xdp2-dualpipev", "hf_gpt2-pp2xtp2-dualpipev-dropout",
-                 "pp2xdp2-dualpipev-zero3"):
+                 "pp2xdp2-dualpipev-zero3", "pp2xdp2-auto-schedule-v2"):
         assert f"{name}: loss[4]=" in out, out[-3000:]
     # with dropout, eval mode compared too (not refused as a forward that differs in eval)
     assert re.search(r"hf_gpt2-pp4-interleaved-v2-dropout: loss\[4\]=\S+ validation values 3",

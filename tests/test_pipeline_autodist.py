@@ -169,3 +169,31 @@ def test_auto_needs_autodist(stack_graph):
     with pytest.raises(ConfigError, match="'auto' is chosen by autodist; use "
                                           "pas_policy='autodist'"):
         _cut(stack_graph, {"pp": "auto"}, autodist=False)
+
+
+def test_auto_schedule_prices_each_schedule_from_its_actions(stack_graph):
+    """schedule='auto': autodist prices every schedule for the given V from its action list
+    (passes/schedule_time.py) and keeps the fastest that fits. At pp 2, M = 8 with equal stages
+    the zero-bubble orders idle least (ZB-H1 at V = 1; ZB-V at V = 2, ahead of DualPipeV and
+    interleaved 1F1B); DualPipeV cannot run on M < 2S and is passed over."""
+    g = _cut(stack_graph, {"pp": 2, "microbatches": 8, "schedule": "auto"}, plan=2)
+    pp, search = g.plan_state.pipeline, g.plan_state.pipeline_search
+    assert pp.schedule == "zero_bubble" and search["auto_schedule"]
+    steps = {c["schedule"]: c["step_ms"] for c in search["candidates"]}
+    assert set(steps) == {"gpipe", "1f1b", "zero_bubble"}
+    assert steps["zero_bubble"] < min(steps["1f1b"], steps["gpipe"])
+    assert steps["1f1b"] == pytest.approx(steps["gpipe"], rel=0.01)    # one bubble, M = 8
+    assert "schedule 'zero_bubble' of ['gpipe', '1f1b', 'zero_bubble']" in pp.chosen_by
+    g = _cut(stack_graph, {"pp": 2, "microbatches": 8, "schedule": "auto",
+                           "stages_per_rank": 2}, plan=2)
+    rows = {c["schedule"]: c for c in g.plan_state.pipeline_search["candidates"]}
+    assert g.plan_state.pipeline.schedule == "zero_bubble"
+    assert rows["zero_bubble"]["step_ms"] < rows["dualpipev"]["step_ms"] \
+        < rows["interleaved_1f1b"]["step_ms"]
+    g = _cut(stack_graph, {"pp": 2, "microbatches": 2, "schedule": "auto",
+                           "stages_per_rank": 2}, plan=2)
+    rows = {c["schedule"]: c["status"] for c in g.plan_state.pipeline_search["candidates"]}
+    assert rows["dualpipev"] == "cannot run" and "chosen" in rows.values()
+    with pytest.raises(ConfigError, match="parallel.schedule='auto' is chosen by autodist"):
+        _cut(stack_graph, {"pp": 2, "microbatches": 8, "schedule": "auto"}, plan=2,
+             autodist=False)

@@ -85,6 +85,9 @@ CASES = [
          per_rank=2, model="hf_gpt2", steps=5, pdrop=0.3),
     Case("pp2xdp2-dualpipev-zero3", plan=2, stages=2, schedule="dualpipev", per_rank=2,
          zero=3, steps=5),
+    # schedule="auto": autodist prices every V = 2 schedule from its action list and picks one
+    Case("pp2xdp2-auto-schedule-v2", plan=2, stages=2, schedule="auto", per_rank=2,
+         policy="autodist", steps=5),
 ]
 # more combinations, run with --cases (each passed when added)
 EXTRA = [Case("pp2xtp2-zero_bubble", plan=4, stages=2, schedule="zero_bubble"),
