@@ -30,6 +30,14 @@ SCHEDULES = {
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")     # rank p holds p and 2S - 1 - p
 
 
+def auto_schedules(v: int) -> list[str]:
+    """The schedules schedule='auto' prices for V stages per rank."""
+    if v == 1:
+        return ["gpipe", "1f1b", "zero_bubble"]
+    return ["interleaved_1f1b", "zero_bubble"] + (["dualpipev"] if v == 2 else [])
+
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     stages: int | str = 1          # pipeline ranks S (1: no pipeline), or "auto"

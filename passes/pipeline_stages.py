@@ -48,18 +48,13 @@ from typing import Any, ClassVar
 
 from nncompile.errors import ConfigError
 from nncompile.ir import Graph, MemoryChoice, PipelinePlan, Replicate, Stage
-from nncompile.pipeline_config import AUTO, PipelineConfig
+from nncompile.pipeline_config import AUTO, PipelineConfig, auto_schedules
+
+from .schedule_time import stage_inflight
 
 from .contract import config_of
 
 _INF = float("inf")
-
-
-def auto_schedules(v: int) -> list[str]:
-    """The schedules schedule='auto' prices for V stages per rank."""
-    if v == 1:
-        return ["gpipe", "1f1b", "zero_bubble"]
-    return ["interleaved_1f1b", "zero_bubble"] + (["dualpipev"] if v == 2 else [])
 
 
 def layer_of(module_path: str) -> str | None:
@@ -103,27 +98,6 @@ def layers_of(g: Graph) -> tuple[list[Layer], list[int], list[int]]:
         tail = [i for i in last.ops if i > last_own]
         last.ops = [i for i in last.ops if i <= last_own]
     return layers, head, tail
-
-
-def stage_inflight(pp: Any, s: int) -> float:
-    """Micro-batches whose activations stage `s` holds at the schedule's peak; `pp` is a
-    PipelinePlan or anything with ranks, stages_per_rank, schedule and microbatches."""
-    cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)
-    m, ranks, v = pp.microbatches, pp.ranks, pp.stages_per_rank
-    if pp.schedule == "gpipe":
-        return float(m)
-    if cfg.torch_schedule() == "ScheduleDualPipeV":
-        from .pipeline_schedule import compute_order
-        from .schedule_time import peak_inflight
-        return float(peak_inflight(compute_order(pp.schedule, ranks, v, m), s))
-    if cfg.torch_schedule() == "ScheduleZBVZeroBubble":
-        return float(min(m, ranks - min(s, 2 * ranks - 1 - s)))
-    p = s % ranks
-    if v == 1:
-        return float(min(m, ranks - p))
-    # interleaved: torch's warm-up runs (V-1) S + 2 (S-1-p) forward chunks before the first
-    # backward; spread over the rank's V stages
-    return min(m * v, (v - 1) * ranks + 2 * (ranks - 1 - p) + 1) / v
 
 
 def partition(costs: list[float], k: int, fits=lambda lo, hi, s: True) -> list[int]:

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 from nncompile.errors import ConfigError
 from nncompile.ir.schedule import Action
+from nncompile.pipeline_config import PipelineConfig
 
 
 @dataclass
@@ -109,6 +112,26 @@ def peak_inflight(order: dict[int, list[Action]], stage: int) -> int:
             live += 1 if a.kind == "F" else -1 if a.kind in ("B", "W") else 0
             peak = max(peak, live)
     return peak
+
+
+def stage_inflight(pp: Any, s: int) -> float:
+    """Micro-batches whose activations stage `s` holds at the schedule's peak; `pp` is a
+    PipelinePlan or anything with ranks, stages_per_rank, schedule and microbatches."""
+    cfg = PipelineConfig(pp.ranks, pp.schedule, pp.microbatches, pp.stages_per_rank)
+    m, ranks, v = pp.microbatches, pp.ranks, pp.stages_per_rank
+    if pp.schedule == "gpipe":
+        return float(m)
+    if cfg.torch_schedule() == "ScheduleDualPipeV":
+        from .pipeline_schedule import compute_order
+        return float(peak_inflight(compute_order(pp.schedule, ranks, v, m), s))
+    if cfg.torch_schedule() == "ScheduleZBVZeroBubble":
+        return float(min(m, ranks - min(s, 2 * ranks - 1 - s)))
+    p = s % ranks
+    if v == 1:
+        return float(min(m, ranks - p))
+    # interleaved: torch's warm-up runs (V-1) S + 2 (S-1-p) forward chunks before the first
+    # backward; spread over the rank's V stages
+    return min(m * v, (v - 1) * ranks + 2 * (ranks - 1 - p) + 1) / v
 
 
 def textbook_bubble(schedule: str, ranks: int, v: int, m: int) -> float:
