@@ -15,17 +15,19 @@ from nncompile.passes.pipeline_schedule import compute_order, schedule_actions
 
 def _torch_order(cls_name: str, ranks: int, v: int, m: int) -> dict[int, list[str]]:
     """pipeline_order of torch's multi-stage schedule class (built on a fake process group:
-    its order is computed for every rank in the constructor), compute actions only."""
+    its order is computed for every rank in the constructor), compute actions only
+    (DualPipeV's overlapped pairs included)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
     try:
         n = ranks * v
-        ids = [0, n - 1] if cls_name == "ScheduleZBVZeroBubble" else range(0, n, ranks)
+        ids = [0, n - 1] if cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") \
+            else range(0, n, ranks)
         stages = [pipelining.PipelineStage(torch.nn.Linear(2, 2), s, n, "cpu") for s in ids]
         schedule = getattr(pipelining, cls_name)(stages, n_microbatches=m,
                                                  loss_fn=lambda o, t: o.sum())
         return {p: [str(a) for a in acts if a is not None and
-                    a.computation_type.value in ("F", "B", "I", "W")]
+                    a.computation_type.value in ("F", "B", "I", "W", "OVERLAP_F_B")]
                 for p, acts in schedule.pipeline_order.items()}
     finally:
         dist.destroy_process_group()
@@ -101,27 +103,10 @@ def test_bad_orders_are_config_errors():
         Action.parse("0X1")
 
 
-def _torch_order_with_overlaps(ranks: int, m: int) -> dict[int, list[str]]:
-    """ScheduleDualPipeV's pipeline_order, compute actions (overlapped pairs included)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
-    try:
-        n = 2 * ranks
-        stages = [pipelining.PipelineStage(torch.nn.Linear(2, 2), s, n, "cpu")
-                  for s in (0, n - 1)]
-        schedule = pipelining.ScheduleDualPipeV(stages, n_microbatches=m,
-                                                loss_fn=lambda o, t: o.sum())
-        return {p: [str(a) for a in acts if a is not None and a.computation_type.value in
-                    ("F", "B", "I", "W", "OVERLAP_F_B")]
-                for p, acts in schedule.pipeline_order.items()}
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("ranks,m", [(2, 4), (2, 5), (2, 8), (3, 6), (4, 8), (4, 11)])
 def test_dualpipev_is_torchs_order(ranks, m):
     ours = _ours("dualpipev", ranks, 2, m)
-    assert ours == _torch_order_with_overlaps(ranks, m)
+    assert ours == _torch_order("ScheduleDualPipeV", ranks, 2, m)
     assert any("OVERLAP_F_B" in a for a in ours[0])       # the steady state overlaps
 
 
