@@ -23,6 +23,11 @@ After  (plan_state.pipeline.actions):
     rank 0:  0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
     rank 1:  1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1
 
+A stage holding a parameter off the path from its inputs (an embedding of token ids in a
+middle stage) runs its backward whole (B) instead of I then W: torch's split backward
+computes the weight gradient from what the input gradient's pass saved, which never reaches
+such a parameter (`whole_backward_stages`).
+
 The sends and receives are placed by torch's own lowering (the one its schedules use), so a
 receive comes after the matching send is posted and no order can deadlock. An order whose
 dependencies cannot be met is a ConfigError naming the schedule. Idempotent: yes.
@@ -33,8 +38,8 @@ from dataclasses import replace
 
 from nncompile import compat
 from nncompile.errors import ConfigError
-from nncompile.ir import Graph, Stage
-from nncompile.ir.schedule import Action, PipelineActions
+from nncompile.ir import PARAM, Graph, Stage
+from nncompile.ir.schedule import OVERLAP, Action, PipelineActions
 
 from .contract import contract
 
@@ -254,6 +259,45 @@ def schedule_actions(schedule: str, ranks: int, v: int, m: int) -> PipelineActio
     return PipelineActions(schedule, ranks, v, m, compute, actions)
 
 
+def whole_backward_stages(graph: Graph) -> set[int]:
+    """Stages holding a parameter whose gradient does not pass through the stage's inputs:
+    one read by an op none of whose inputs depends on an earlier stage's output (an
+    embedding of the token ids; Hugging Face BART's decoder embeddings in a middle stage).
+    torch's split backward computes the input gradient, then the weight gradient from what
+    the input gradient's pass saved, and so misses such a parameter's gradient: these stages
+    must run their backward whole (B)."""
+    dependent: set[int] = set()
+    whole: set[int] = set()
+    for op in graph.ops:
+        if op.stage is None:
+            continue
+        ins = op.tensor_inputs()
+        if any(id(v) in dependent or (v.producer is not None and v.producer.stage is not None
+                                      and v.producer.stage != op.stage and v.requires_grad)
+               for v in ins):
+            dependent.update(id(v) for v in op.outputs)
+        elif any(v.kind == PARAM and v.requires_grad for v in ins):
+            whole.add(op.stage)
+    return whole
+
+
+def whole_backwards(acts: PipelineActions, stages: set[int]) -> PipelineActions:
+    """`acts` with each split backward of `stages` (I, then W) run as one full backward (B)
+    where its I was; the sends and receives placed again."""
+    if not stages:
+        return acts
+
+    def whole(a: Action) -> Action:
+        if a.kind == OVERLAP:
+            return Action.overlap(*map(whole, a.parts))
+        return Action(a.stage, "B", a.microbatch) if a.kind == "I" and a.stage in stages else a
+    compute = {r: [whole(a) for a in line if not (a.kind == "W" and a.stage in stages)]
+               for r, line in acts.compute.items()}
+    placed = {a.stage: r for r, line in compute.items() for x in line for a in x.steps()}
+    return replace(acts, compute=compute, actions=compat.add_send_recv(
+        compute, placed, acts.ranks * acts.stages_per_rank))
+
+
 @contract(requires=(Stage.STAGED,))
 def pipeline_schedule(graph: Graph) -> Graph:
     """The pass (see the module docstring)."""
@@ -261,6 +305,7 @@ def pipeline_schedule(graph: Graph) -> Graph:
     if pp is None or pp.actions is not None:
         return graph
     g = graph.clone()
-    g.plan_state.pipeline = replace(pp, actions=schedule_actions(
-        pp.schedule, pp.ranks, pp.stages_per_rank, pp.microbatches))
+    acts = schedule_actions(pp.schedule, pp.ranks, pp.stages_per_rank, pp.microbatches)
+    g.plan_state.pipeline = replace(pp, actions=whole_backwards(acts,
+                                                                whole_backward_stages(g)))
     return g
