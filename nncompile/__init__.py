@@ -14,6 +14,7 @@ check_torch_version()                    # an older torch: ImportError naming th
 
 from .config import ComputeConfig  # noqa: E402
 from .parallel_spec import ParallelSpec  # noqa: E402
+from .float8_spec import Float8Spec, module_filter as float8_module_filter  # noqa: E402
 from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError,  # noqa: E402
                      InputMismatchError, NNCompileError, PipelineError, PlanCheckError, PolicyError,
                      ReuseError,
@@ -38,7 +39,7 @@ from nncompile.runtime.full_state import (full_optimizer_state_dict,  # noqa: E4
 from .tools import memory  # noqa: E402,F401  (nncompile.memory.profile: measured vs predicted)
 
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
-           "ParallelSpec",
+           "ParallelSpec", "Float8Spec", "float8_module_filter",
            "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint", "latest_checkpoint",
            "accumulation_steps", "DataParallelSampler", "AsyncCheckpoint",

@@ -30,6 +30,7 @@ from .edits import edited_files, file_sha256, keep_edited
 from .errors import ConfigError, EditedCodeWarning, NNCompileError, ReuseError
 from .fileio import check_writable, staged_dir, write_text
 from .fingerprint import compute_fingerprint
+from .float8_spec import float8_layers
 from .frontend import trace
 from .frontend.user_checkpoint import with_recompute
 from .ir import Graph, MemoryChoice
@@ -158,7 +159,8 @@ def _compile_module(module: torch.nn.Module, dummy_args: Any, config: ComputeCon
     cpu_traced = _cpu()
     _log(f"running passes (policy {_policy_name(pas_policy)}) ...")
     experts = experts_forms(module) if config.plan_ngpus > 1 else None
-    passes = build_pipeline(config, policy, experts)
+    layers = float8_layers(module, config.float8) if config.float8 is not None else None
+    passes = build_pipeline(config, policy, experts, layers)
     result = run_pipeline(graph, passes, check=check, config=config)
     seconds["passes"] = sum(ms for _, _, ms in result.history) / 1e3
     cpu_passed = _cpu()

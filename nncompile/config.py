@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .float8_spec import Float8Spec, require_torchao
 from .parallel_spec import LEGACY_KEYS, ParallelSpec
 
 # The old pas_config keys (each now a ParallelSpec field, nncompile/parallel_spec.py). An
@@ -75,6 +76,9 @@ class ComputeConfig:
     check_lockstep: bool = True          # before each forward whose collectives span ranks
                                          # (tp, ZeRO-3), they agree on the forward's count and
                                          # mode, or all raise (runtime/lockstep.py)
+    float8: Float8Spec | str | None = None   # "tensorwise" | "rowwise" | Float8Spec: torchao's
+                                         # float8 training for nn.Linear layers
+                                         # (nncompile/float8_spec.py, docs/float8.md)
 
     def __post_init__(self):
         if not _is_int(self.plan_ngpus) or self.plan_ngpus < 1:
@@ -103,6 +107,7 @@ class ComputeConfig:
         object.__setattr__(self, "pas_config", {})
         self._check_context_parallel()
         self._check_expert_parallel()
+        self._check_float8()
         if self.pipeline.enabled and self.check:     # (checks the pipeline options too)
             raise ConfigError("check=True runs the plan in one process through forward, which "
                               "a pipelined plan does not have; leave check off with "
@@ -139,6 +144,20 @@ class ComputeConfig:
                 f"zero_ngroups={self.zero_ngroups} does not divide the {self.dp_size} "
                 f"data-parallel ranks (runtime_ngpus // plan_ngpus); pick a divisor of "
                 f"{self.dp_size}")
+
+    def _check_float8(self) -> None:
+        spec = Float8Spec.of(self.float8)
+        object.__setattr__(self, "float8", spec)
+        if spec is None:
+            return
+        require_torchao()
+        if self.pipeline.enabled:
+            raise ConfigError("float8 does not combine with a pipeline (parallel.pp) yet: its "
+                              "scales would be taken per micro-batch; leave one of them off")
+        if self.check:
+            raise ConfigError("check=True compares the plan with the eager model, which "
+                              "float8 changes; leave check off with float8 (tests/"
+                              "test_float8.py compares with torchao's float8 on one device)")
 
     @property
     def context_parallel(self) -> int | str:
@@ -278,6 +297,8 @@ RUNTIME_FIELDS = ("use_async_reducer", "reducer_bucket_cap_mb", "reduce_in_fp32"
 def _plan_view(saved: dict[str, Any]) -> dict[str, Any]:
     """The plan fields of a to_json() dict, plus the memory fields when they shape code."""
     out = {k: v for k, v in saved.items() if k not in RUNTIME_FIELDS}
+    if out.get("float8") is None:       # plans without float8 keep their fingerprints
+        out.pop("float8", None)
     z = saved.get("use_zero", False)
     z = int(z) if isinstance(z, bool) else z
     o = saved.get("offload_optimizer", False)

@@ -87,6 +87,8 @@ class RankFile:
     mesh_axes: dict = _decl({}, dict, "mesh axes beyond dp, pp and plan the program uses")
     partial_grad_axes: dict = _decl({}, dict, "per such axis: the gradients summed over it")
     param_axes: dict = _decl({}, dict, "parameters split along such axes too")
+    float8: dict | None = _decl(None, (dict, NONE), "float8 linears: torchao's recipe and "
+                                                    "how scales are taken (runtime/float8.py)")
 
 
 FIELDS = {f.name.upper(): f for f in dataclasses.fields(RankFile)}

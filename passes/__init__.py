@@ -1,11 +1,11 @@
 """The compiler's pipeline, as a literal list, and the driver that keeps its history.
 
-    trace -> constant_fold -> dce -> fuse_attention -> [unfuse_projections]
+    trace -> constant_fold -> dce -> fuse_attention -> [float8_linears] -> [unfuse_projections]
           -> [fuse_moe_layers] -> [fuse_experts]
           -> [pipeline_stages] -> plan(policy) -> [context_parallel] -> [expert_parallel]
           -> sink_gathers
           -> insert_comm -> [recompute]
-          -> localize -> overlap_grad_sync
+          -> localize -> [lower_float8] -> overlap_grad_sync
           -> [split_stages] -> [pipeline_schedule] -> [lower_zero3] -> [lower_recompute]
           -> codegen (a renderer)
 
@@ -48,6 +48,7 @@ from .contract import config_of, contract, experts_split, produces_of, requires_
     tensor_ranks
 from .dce import dce
 from .fuse_attention import FuseAttention, fuse_attention
+from .float8 import Float8Linears, lower_float8
 from .unfuse_projections import UnfuseProjections, unfuse_projections
 from .insert_comm import insert_comm
 from .localize import localize
@@ -100,15 +101,19 @@ class Pipeline(list):
         self.config = config
 
 
-def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -> Pipeline:
+def build_pipeline(config: Any, policy: Callable, experts: dict | None = None,
+                   float8: dict | None = None) -> Pipeline:
     """The passes, in order, one per line. `experts`: the model's experts modules
-    ({FQN: nncompile.experts.ExpertsForm}, experts_forms)."""
+    ({FQN: nncompile.experts.ExpertsForm}, experts_forms); `float8`: its nn.Linear layers
+    ({FQN: None (converts) or why not}, nncompile.float8_spec.float8_layers)."""
     check_auto_memory(config, policy)
     spec = config.parallel
+    f8 = config.float8
     return Pipeline([p for p in [
         constant_fold if config.constant_folding else None,
         dce,
         FuseAttention(config.plan_ngpus),
+        Float8Linears(f8.recipe, f8.scales, float8 or {}) if f8 is not None else None,
         UnfuseProjections(config.plan_ngpus) if config.plan_ngpus > 1 else None,
         FuseMoELayers(experts) if experts and config.plan_ngpus > 1 else None,
         FuseExperts() if config.plan_ngpus > 1 else None,
@@ -123,6 +128,7 @@ def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -
         insert_comm,
         Recompute(spec.recompute_modules) if spec.recompute_modules else None,
         localize,
+        lower_float8 if f8 is not None else None,
         overlap_grad_sync if spec.overlap_grad_sync else None,
         # lowering: what each rank runs, made explicit for codegen to print as it stands
         split_stages if config.pipeline.enabled else None,
@@ -135,7 +141,7 @@ def build_pipeline(config: Any, policy: Callable, experts: dict | None = None) -
 # passes that change when communication runs or how the program is laid out, not what the
 # plan is: plan.json describes the graph before them (every op's own strategy), the
 # generated code the graph after them
-SCHEDULE_ONLY = frozenset({"overlap_grad_sync", "split_stages", "pipeline_schedule",
+SCHEDULE_ONLY = frozenset({"lower_float8", "overlap_grad_sync", "split_stages", "pipeline_schedule",
                            "lower_zero3", "lower_recompute"})
 
 

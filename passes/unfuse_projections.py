@@ -180,8 +180,8 @@ def _einsum_out_dim(eq, uses, w) -> int | None:
 
 def _linear(op: Op, users, uses) -> _Linear | None:
     name = _name(op)
-    if not op.outputs or op.outputs[0].meta is None or op.kwargs:
-        return None
+    if not op.outputs or op.outputs[0].meta is None or op.kwargs or op.float8:
+        return None         # a float8 linear's scale is its whole weight's: kept whole
     y = op.outputs[0]
     if name == "linear":
         x, w, *rest = op.args

@@ -28,6 +28,7 @@ from nncompile import arguments, rank_file
 from . import consistency
 from .lockstep import agree, lockstep_group, meet
 from .copying import deepcopy_parallel_module
+from .float8 import Float8
 from .groups import axis_groups, get_groups, group_along
 from .reducer import Reducer
 from .zero import ZeroRuntime, all_gather_along, memory_settings
@@ -60,6 +61,8 @@ class ParallelModule(torch.nn.Module):
             device = next((t.device for t in (module.parameters() if module is not None else [])
                            if not t.is_meta), torch.device("cpu"))
         self.device = torch.device(device)
+        self.float8 = Float8(self.FLOAT8["recipe"], self, self.FLOAT8["scales"]) \
+            if self.FLOAT8 else None          # FLOAT8.linear in the code (runtime/float8.py)
         self._out_spec = pytree.treespec_loads(self.OUT_SPEC) if self.OUT_SPEC else None
         self._eval_out_spec = pytree.treespec_loads(self.EVAL_OUT_SPEC) \
             if self.EVAL_OUT_SPEC else self._out_spec

@@ -91,13 +91,27 @@ PRETRAINED = "pretrained"       # save_pretrained / load_pretrained: weights onl
 SEED = 1234
 
 
-def build_model(loop: "Loop") -> nn.Module:
+def build_model(loop: "Loop", reference: bool = False) -> nn.Module:
+    """The loop's model; the one-device `reference` runs torchao's float8 where the loop
+    asks for it (the plan converts the same layers: nncompile.float8_module_filter)."""
     torch.manual_seed(0)
     if loop.model == "bn":
         return BNNet().train()
     if loop.model == "moe":
         return TinyMoE(loop.dropout, layers=loop.layers).train()
-    return TinyGPT(loop.dropout, layers=loop.layers, fused=loop.model == "gpt_fused").train()
+    model = TinyGPT(loop.dropout, layers=loop.layers, fused=loop.model == "gpt_fused").train()
+    if reference and loop.float8:
+        from torchao.float8 import convert_to_float8_training
+        from nncompile.runtime.float8 import recipe_config
+        convert_to_float8_training(model, config=recipe_config(loop.float8, emulate=True),
+                                   module_filter_fn=nncompile.float8_module_filter(
+                                       float8_spec(loop)))
+    return model
+
+
+def float8_spec(loop: "Loop") -> "nncompile.Float8Spec | None":
+    """The plan's float8: every linear but the (tied) head, small as they are."""
+    return nncompile.Float8Spec(loop.float8, filter="all") if loop.float8 else None
 
 
 # ---- the loop -----------------------------------------------------------------------------
@@ -119,6 +133,8 @@ class Loop:
     formats: tuple = FORMATS        # checkpoint formats saved at ckpt_at and resumed
     val_micro: int = 1              # micro-batches in a validation batch (a pipeline
                                     # evaluates the unit's whole batch: accum)
+    float8: str | None = None       # torchao's float8 recipe for the linears (the reference
+                                    # converts them with convert_to_float8_training)
 
 
 def lr_lambda(loop: Loop):
@@ -254,6 +270,8 @@ CELLS = [
     # torchrun processes, one launch of 2 ranks
     Cell("dp_dropout", "dp", 1, 2, DROP, process=True),
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),
+    Cell("float8_tp", "tp", 2, 2, Loop(float8="tensorwise", lr=1e-3)),
+    Cell("float8_zero3", "tp", 2, 4, Loop(float8="rowwise"), zero=3),
     Cell("pp", "tp", 2, 2, Loop(val_micro=2, formats=HF), stages=2, process=True),
     Cell("pp_dropout", "tp", 2, 2, replace(DROP, val_micro=2), stages=2, process=True),
     # the sequence split in two inside each of two pipeline stages
@@ -281,7 +299,7 @@ def compute_config(cell: Cell) -> nncompile.ComputeConfig:
         pas["recompute_modules"] = list(cell.recompute)
     return nncompile.ComputeConfig(cell.plan, cell.runtime, use_zero=cell.zero,
                                    offload_optimizer=cell.offload, compile=cell.compile,
-                                   parallel=pas)
+                                   parallel=pas, float8=float8_spec(cell.loop))
 
 
 def parallelize(cell: Cell, model: nn.Module, savedir: Path):
@@ -438,7 +456,7 @@ def run_reference(loop: Loop, units: int, resume_from: dict | None = None,
     key = (loop, units)
     if resume_from is None and key in _REFS:
         return _REFS[key]
-    model = build_model(loop)
+    model = build_model(loop, reference=True)
     opt = make_reference_optimizer(loop, model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(loop))
     if resume_from is not None:

@@ -201,6 +201,10 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
     if g.axes:
         text += rank_file.declare("MESH_AXES", g.axes, "mesh axes beyond dp, pp and plan: "
                                   "<AXIS>_GROUP in the code")
+    if uses_float8(g):
+        f8 = g.plan_state.float8
+        text += rank_file.declare("FLOAT8", {"recipe": f8["recipe"], "scales": f8["scales"]},
+                                  "FLOAT8.linear: torchao's float8 recipe (runtime/float8.py)")
     param_axes = {v.name: {a: repr(p) for a, p in v.axes.items()} for v in tg.params if v.axes}
     if param_axes:
         text += rank_file.declare("PARAM_AXES", param_axes, "parameters split along those "
@@ -293,7 +297,7 @@ def forward_method(g: Graph, name: str, n: int, doc: str = "") -> list[str]:
         lines.append(f"    def {name}(self{', ' + args if args else ''}):")
         if doc:
             lines.append(f'        """{doc[0].upper() + doc[1:]}."""')
-        lines.append(body_header(zero, "        ", g.axes))
+        lines.append(body_header(zero, "        ", g.axes, uses_float8(g)))
         lines += size_lines(g, "        ")
         with op_notes(comm_note):       # each collective's backward as a comment above it
             lines += render_body(g, indent="        ", local_n=n)
@@ -301,14 +305,21 @@ def forward_method(g: Graph, name: str, n: int, doc: str = "") -> list[str]:
     return lines
 
 
-def body_header(zero: bool, indent: str, axes: dict | None = None) -> str:
+def uses_float8(g: Graph) -> bool:
+    """Whether the program runs float8 linears (passes/float8.py)."""
+    return any(op.target_name == "FLOAT8.linear" for op in g.ops)
+
+
+def body_header(zero: bool, indent: str, axes: dict | None = None,
+                float8: bool = False) -> str:
     """The names a body reads from the module: the device, the plan unit's group, under
-    ZeRO-3 the data-parallel group it gathers over, and the group along each other mesh axis
-    (CP_GROUP)."""
+    ZeRO-3 the data-parallel group it gathers over, the group along each other mesh axis
+    (CP_GROUP) and, with float8 linears, their runner (runtime/float8.py)."""
     head = f"{indent}DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, self.zero" \
         if zero else f"{indent}DEVICE, PLAN_GROUP = self.device, self.plan_group"
     return head + "".join(f"\n{indent}{axis.upper()}_GROUP = self.axis_group({axis!r})"
-                          for axis in axes or {})
+                          for axis in axes or {}) \
+        + (f"\n{indent}FLOAT8 = self.float8" if float8 else "")
 
 
 def rank_units(g: Graph, pipe_rank: int = 0) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -439,6 +450,7 @@ def plan_json(g: Graph) -> dict[str, Any]:
         "attention": attention_rows(g),      # passes/fuse_attention.py: what each SDPA runs
         "experts": experts_rows(g),          # passes/fuse_experts.py: each MoE layer's split
         "dropped": list(g.plan_state.dropped),   # asked for, not planned (passes/dropped.py)
+        **({"float8": g.plan_state.float8} if g.plan_state.float8 else {}),  # passes/float8.py
     }
 
 

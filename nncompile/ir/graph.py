@@ -138,6 +138,7 @@ class Op:
         self.module_stack: tuple[tuple[str, str], ...] = ()   # (module path, class), outermost first
         self.recompute: RecomputeMark | None = None
         self.stage: int | None = None      # pipeline stage (passes/pipeline_stages.py)
+        self.float8: str | None = None     # a linear run in float8: its recipe (passes/float8.py)
         self.attrs: dict[str, Any] = {}    # free for user passes; nncompile reads only
         # 'attention' (passes/fuse_attention.py: what an SDPA op runs, for the plan report)
         for v in outputs:
@@ -374,6 +375,8 @@ class PlanState:
     # config's plan_ngpus and parallel.ep; passes/contract.py tensor_ranks, experts_split)
     tensor_ranks: int | None = None
     experts: int | str | None = None
+    # float8 (passes/float8.py): {"recipe", "scales", "layers": {FQN: "float8" or why not}}
+    float8: dict | None = None
 
 
 @dataclass
@@ -483,6 +486,7 @@ class Graph:
             new.attrs = dict(op.attrs)
             new.module_stack, new.recompute = op.module_stack, op.recompute
             new.stage = op.stage
+            new.float8 = op.float8
             return new
 
         ins = [cv(v) for v in self.inputs]

@@ -224,11 +224,14 @@ class _Parser:
         if not all(isinstance(e, ast.Name) for e in names):
             self.fail(line, "outputs must be plain names")
         comment = self.comments.get(stmt.end_lineno, ("", True))
-        metas, note, wants = self.op_comment("" if comment[1] else comment[0], line)
+        text = "" if comment[1] else comment[0]
+        text, _, float8 = text.partition("  float8=")
+        metas, note, wants = self.op_comment(text, line)
         if metas and len(metas) != len(names):
             self.fail(line, f"{len(names)} outputs but {len(metas)} metas")
         outs = [Value(e.id, None) for e in names]
         op = Op(target, args, kwargs, outs, source, multi_output=multi)
+        op.float8 = float8 or None
         for v, text in zip(outs, metas or [""] * len(outs)):
             v.meta, v.placement, mark, v.axes = self.meta(text, line)
             v.requires_grad = default_requires_grad(v) if mark is None \

@@ -258,6 +258,8 @@ def fmt_op(op: Op, indent: str = "    ", local_n: int | None = None,
     s = op.strategy
     note = f"  [{s.note}]{_wants(s, [v for v in ins if v.meta is not None])}" \
         if s is not None and s.note else ""
+    if op.float8:                      # a linear run in float8 (passes/float8.py)
+        note += f"  float8={op.float8}"
     comment = f"  # {metas}{note}" if metas or note else ""
     call = _call(op, _NAMES.get())
     lines.append(f"{indent}{lhs + ' = ' if lhs else ''}{call}{comment}")

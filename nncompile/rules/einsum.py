@@ -95,7 +95,10 @@ def _strided(op: Op, places: dict, output, label: str, n: int) -> list[Strategy]
 def linear(op: Op, n: int):
     x, w, *rest = op.args
     b = rest[0] if rest else None
-    return einsum_strategies(op, [x, w, b], "* k+, n k+, =n -> * n", n)
+    found = einsum_strategies(op, [x, w, b], "* k+, n k+, =n -> * n", n)
+    if op.float8:       # float8 casts need whole values: no partial-sum x or w
+        found = [s for s in found if not any(isinstance(p, Partial) for p in s.inputs[:2])]
+    return found
 
 
 @register("addmm")

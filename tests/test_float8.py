@@ -1,0 +1,171 @@
+"""ComputeConfig(float8=...): torchao's float8 training on the plan's linears.
+
+The runtime's float8 linear is torchao's Float8Linear bit for bit on one rank; under tp,
+ZeRO-3 and data parallelism an unmodified Hugging Face Llama trains like one device running
+torchao's float8 (tests/workers/float8.py, 5 AdamW steps, losses rtol 1e-5); the plan never
+casts a partial sum; plan.json lists every nn.Linear with what was decided; bad requests get
+clear errors, and nncompile imports without torchao.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import nncompile
+from nncompile.api import compile_module
+from nncompile.errors import ConfigError
+from nncompile.ir import Partial, parse_graph, print_graph
+
+import models
+from conftest import launch_ranks
+
+pytest.importorskip("torchao.float8")
+
+
+class _Module:            # what runtime/float8.py's Float8 reads of a ParallelModule
+    device = torch.device("cpu")
+    mesh = None
+    PLAN_NGPUS = RUNTIME_NGPUS = PIPE_RANKS = 1
+    mesh_axes = ()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_one_rank_is_torchaos_float8_linear_bit_for_bit(recipe):
+    from torchao.float8 import convert_to_float8_training
+    from nncompile.runtime.float8 import Float8, recipe_config
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    ref = nn.Sequential(copy.deepcopy(lin))
+    convert_to_float8_training(ref, config=recipe_config(recipe, emulate=True))
+    x = torch.randn(4, 8, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y = ref(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2 = Float8(recipe, _Module()).linear(x2, lin.weight, lin.bias, {}, {}, {})
+    y2.backward(g)
+    plain = nn.functional.linear(x, lin.weight, lin.bias)
+    assert not torch.equal(y, plain), "float8 must change the product"
+    assert torch.equal(y, y2)
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(ref[0].weight.grad, lin.weight.grad)
+    assert torch.equal(ref[0].bias.grad, lin.bias.grad)
+
+
+def test_amax_reductions_follow_the_splits_and_the_recipe():
+    from nncompile.runtime.float8 import Float8
+    tw, rw = Float8("tensorwise", _Module()), Float8("rowwise", _Module())
+    # column split (w's rows, the output's features): a tensorwise amax spans every split
+    assert tw.amax_axes("w", "output", {"plan": "N"}) == ("plan",)
+    assert tw.amax_axes("go", "grad_weight", {"plan": "N"}) == ("plan",)
+    assert tw.amax_axes("x", "output", {}) == ()
+    # a rowwise amax spans one dimension: only a split of that dimension reduces
+    assert rw.amax_axes("w", "output", {"plan": "N"}) == ()           # over K
+    assert rw.amax_axes("w", "grad_input", {"plan": "N"}) == ("plan",)  # over N
+    assert rw.amax_axes("x", "output", {"plan": "K"}) == ("plan",)
+    assert rw.amax_axes("x", "grad_weight", {"plan": "K"}) == ()      # over tokens
+    assert rw.amax_axes("x", "grad_weight", {"cp": "T"}) == ("cp",)
+    # data-parallel units: token amaxes reduce over them only with scales="global"
+    glob = Float8("tensorwise", _Module(), scales="global")
+    assert glob.amax_axes("x", "output", {}) == ("dp",)
+    assert glob.amax_axes("w", "output", {}) == ()
+
+
+def _llama():
+    torch.manual_seed(0)
+    return models.hf_llama(vocab=64, hidden=32, inter=64)
+
+
+def _ids():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_generated_code_casts_whole_values_and_plan_json_lists_every_linear(tmp_path):
+    spec = nncompile.Float8Spec("tensorwise", filter="all")
+    g = compile_module(_llama(), _ids(), nncompile.ComputeConfig(2, 2, float8=spec),
+                       pas_policy="tp", outdir=tmp_path).final
+    marked = [op for op in g.ops if op.float8]
+    assert len(marked) == 14, [op.name for op in marked]      # 7 linears x 2 layers
+    for op in marked:
+        assert op.target == "FLOAT8.linear"
+        assert not any(isinstance(p, Partial) for p in op.strategy.inputs[:2]), op.name
+    code = (tmp_path / "gencode0.py").read_text()
+    assert "FLOAT8 = {'recipe': 'tensorwise', 'scales': 'local'}" in code
+    assert "FLOAT8 = self.float8" in code
+    # q_proj splits its output features, o_proj its contracted dim (Megatron's pair)
+    assert "x_split={}, w_split={'plan': 'N'}, out_split={'plan': 'N'}" in code
+    assert "x_split={'plan': 'K'}, w_split={'plan': 'K'}, out_split={}" in code
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    layers = plan["float8"]["layers"]
+    assert layers["model.model.layers.0.self_attn.q_proj"] == "float8"
+    assert "named in float8 skip" in layers["model.lm_head"]
+    assert sum(v == "float8" for v in layers.values()) == 14 and len(layers) == 15
+
+
+def test_auto_filter_skips_small_layers_with_the_reason():
+    from nncompile.float8_spec import float8_layers
+    layers = float8_layers(_llama(), nncompile.Float8Spec("rowwise"))
+    assert all("too small to gain" in why or "skip" in why for why in layers.values())
+    odd = nn.Sequential(nn.Linear(24, 32))
+    assert "multiples of 16" in float8_layers(odd, nncompile.Float8Spec(filter="all"))["0"]
+
+
+def test_float8_marks_print_and_parse_back():
+    from nncompile.float8_spec import float8_layers
+    from nncompile.frontend import trace
+    from nncompile.passes import build_pipeline, get_policy, run_pipeline
+    cfg = nncompile.ComputeConfig(2, 2, float8=nncompile.Float8Spec(filter="all"))
+    model = _llama()
+    result = run_pipeline(trace(model, _ids()), build_pipeline(
+        cfg, get_policy("tp"), None, float8_layers(model, cfg.float8)))
+    planned = next(g for name, g, _ in result.history if name == "plan")
+    text = print_graph(planned)
+    assert "  float8=tensorwise" in text
+    back = parse_graph(text)
+    assert [op.float8 for op in back.ops] == [op.float8 for op in planned.ops]
+    assert sum(op.float8 == "tensorwise" for op in back.ops) == 14
+
+
+def test_bad_requests_get_clear_errors(monkeypatch):
+    with pytest.raises(ConfigError, match="choose one of"):
+        nncompile.ComputeConfig(2, float8="e4m3")
+    with pytest.raises(ConfigError, match="filter"):
+        nncompile.Float8Spec(filter="big")
+    with pytest.raises(ConfigError, match="pipeline"):
+        nncompile.ComputeConfig(2, float8="tensorwise", parallel={"pp": 2})
+    with pytest.raises(ConfigError, match="check=True"):
+        nncompile.ComputeConfig(2, float8="tensorwise", check=True)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ConfigError, match="pip install torchao"):
+        nncompile.ComputeConfig(2, float8="tensorwise")
+
+
+def test_nncompile_imports_without_torchao():
+    code = ("import sys; sys.modules['torchao'] = None; import nncompile; "
+            "nncompile.ComputeConfig(2); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_plans_without_float8_keep_their_fingerprint_fields():
+    assert "float8" not in nncompile.ComputeConfig(2).plan_json()
+    assert nncompile.ComputeConfig(2, float8="rowwise").plan_json()["float8"]["recipe"] == \
+        "rowwise"
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_plans_train_like_one_device_running_torchaos_float8(nproc, tmp_path):
+    code, out = launch_ranks("tests/workers/float8.py", nproc, "--savedir", str(tmp_path))
+    assert code == 0, out[-6000:]
+    expected = {2: ["tp2", "zero3-dp2"],
+                4: ["tp2xdp2", "tp2xdp2-zero3-global", "tp4-rowwise"]}[nproc]
+    for name in expected:
+        assert f"ok float8 {name}:" in out, out[-6000:]
