@@ -169,3 +169,10 @@ def test_plans_train_like_one_device_running_torchaos_float8(nproc, tmp_path):
                 4: ["tp2xdp2", "tp2xdp2-zero3-global", "tp4-rowwise"]}[nproc]
     for name in expected:
         assert f"ok float8 {name}:" in out, out[-6000:]
+
+
+def test_the_cost_model_prices_float8_products_at_the_float8_rate():
+    from nncompile.passes.autodist.profiles import BUILTIN
+    h100, cpu = BUILTIN["h100-80g"], BUILTIN["cpu"]
+    assert h100.float8_flops(torch.bfloat16) == 2 * h100.peak_flops(torch.bfloat16)
+    assert cpu.float8_flops(torch.float32) == cpu.peak_flops(torch.float32)   # emulated

@@ -197,6 +197,10 @@ class CostModel:
                 nbytes(v, p, self.n) for v, p in zip(op.outputs, outputs))
         dtype = op.outputs[0].meta.dtype if op.outputs and op.outputs[0].is_tensor else None
         peak = self.profile.peak_flops(dtype) * (self.profile.op_efficiency or {}).get(name, 1.0)
+        if op.float8:       # products at the float8 rate; each cast reads x and w, writes 1 B
+            peak = self.profile.float8_flops(dtype)
+            b += sum(nbytes(v, p, self.n) * (1 + 1 / v.meta.dtype.itemsize)
+                     for v, p in zip(tensors[:2], inputs[:2]))
         c = self.token_split
         t = (max(f / peak / c, b / self.profile.mem_bandwidth / c) + over) * self.stretch
         backward = self.training and any(v.requires_grad for v in op.outputs)

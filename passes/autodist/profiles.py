@@ -52,6 +52,16 @@ class DeviceProfile:
         name = str(dtype).replace("torch.", "")
         return self.flops.get(name) or self.flops.get("float32") or 1e12
 
+    def float8_flops(self, dtype: torch.dtype) -> float:
+        """Peak FLOP/s of float8 products (passes/float8.py): the profile's float8_e4m3fn
+        entry, else twice bfloat16's on a GPU (float8 tensor cores), else `dtype`'s (a CPU
+        emulates them in high precision)."""
+        if self.flops.get("float8_e4m3fn"):
+            return self.flops["float8_e4m3fn"]
+        if "cpu" not in self.name.lower() and self.flops.get("bfloat16"):
+            return 2 * self.flops["bfloat16"]
+        return self.peak_flops(dtype)
+
     @property
     def host_bytes_per_s(self) -> float:
         """Bandwidth of copies between device and host memory (optimizer/parameter offload)."""
