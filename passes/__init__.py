@@ -9,6 +9,9 @@
           -> [split_stages] -> [pipeline_schedule] -> [lower_zero3] -> [lower_recompute]
           -> codegen (a renderer)
 
+float8_linears (ComputeConfig.float8) marks the linears of the nn.Linear layers torchao's
+float8 recipe converts, so the plan never casts a partial sum, and lower_float8 makes them the
+runtime's float8 linear, told how the plan split each operand (passes/float8.py).
 fuse_attention turns a constant causal mask into SDPA's `is_causal=True` and repeat_kv copies
 into `enable_gqa=True` (passes/fuse_attention.py). unfuse_projections (plan_ngpus > 1) cuts a
 fused projection whose output is only split into pieces (nanoGPT's `c_attn` then `.split`)

@@ -49,13 +49,17 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from rank_launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -64,6 +68,46 @@ BASH_TIMEOUT_S = 300
 WILDCARD = "..."
 # set by a person's own shell or by the test suite for speed, never relied on by a page
 UNSET_ENV = ("PYTHONPATH", "NNCOMPILE_REPO")
+
+
+class Launcher:
+    """The torchrun of a page's bash blocks (tests/shims: `torchrun --nproc_per_node=N
+    script args`): its ranks start forked from a process that imported torch and nncompile
+    once (rank_launch.py), served here on a Unix socket; other torchrun options run the real
+    one. `env` is what the blocks' shell gets to reach it."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="nncompile-doc-")
+        path = os.path.join(self.dir, "torchrun.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen()
+        shims = str(Path(__file__).resolve().parent / "shims")
+        self.env = {"NNCOMPILE_DOC_LAUNCHER": path, "NNCOMPILE_DOC_PYTHON": sys.executable,
+                    "PATH": shims + os.pathsep + os.environ.get("PATH", "")}
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            conn, _ = self.sock.accept()
+            threading.Thread(target=self._launch, args=(conn,), daemon=True).start()
+
+    def _launch(self, conn) -> None:
+        with conn:
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = conn.recv(1 << 20)
+                if not chunk:
+                    return
+                data += chunk
+            req = json.loads(data)
+            try:
+                code, out, err = launch(req["script"], req["nproc"], req["args"], req["env"],
+                                        req["cwd"], BASH_TIMEOUT_S, split_stderr=True)
+            except Exception as e:              # noqa: BLE001 - the block fails with it
+                code, out, err = 1, "", f"doc_runner's torchrun: {type(e).__name__}: {e}\n"
+            conn.sendall((json.dumps({"code": code, "stdout": out, "stderr": err})
+                          + "\n").encode())
 
 
 class PageError(Exception):
@@ -268,6 +312,9 @@ def run_page(page: str, workdir: Path, keep_going: bool = False,
     sys.path[:] = [str(workdir)] + [p for p in sys.path
                                     if p and Path(p).resolve() not in (here, ROOT)]
     shell_env = dict(os.environ)    # bash blocks do not see what python blocks set (a terminal would not)
+    if any(b.kind == "bash" and "torchrun" in b.code for b in blocks) and \
+            os.environ.get("NNCOMPILE_DOC_TORCHRUN") != "real":
+        shell_env.update(Launcher().env)
     namespace: dict = {"__name__": "__main__"}
     printed = ""                    # standard output of the last python or bash block
     mismatches = 0                  # output blocks that differ (--keep-going)

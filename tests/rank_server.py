@@ -2,20 +2,21 @@
 
 Each rank of a launch used to be a fresh interpreter that spent 3-6 s of CPU importing the same
 libraries before its first line ran; on a 2-core machine that was a large part of the suite.
-The tests' launcher (conftest.py) starts this server once per pytest process and sends it one
+The launcher (rank_launch.py: the tests', and doc_runner.py's for a page's torchrun commands)
+starts this server once per process and sends it one
 JSON line per rank:
 
-    {"id": ..., "script": ..., "args": [...], "env": {...}, "cwd": ..., "log": ...}
+    {"id": ..., "script": ..., "args": [...], "env": {...}, "cwd": ..., "log": ...[, "err": ...]}
 
 The server forks; the child becomes what `python -u script args...` would be (its environment,
-working directory, argv, sys.path[0], stdout and stderr to `log`, stdin from /dev/null, fresh
-`random` state) and runs the script as `__main__`, ending as an interpreter ends (exit code,
+working directory, argv, sys.path[0], stdout to `log` and stderr to `err` or else `log`, stdin
+from /dev/null, fresh `random` state) and runs the script as `__main__`, ending as an interpreter ends (exit code,
 traceback, atexit handlers, non-daemon threads joined). The server answers
 {"started": id, "pid": pid} and, when the child ends, {"ended": id, "code": code} (a negative
 code is the signal that ended it, as subprocess reports).
 
 Only launches whose environment equals the server's (apart from the per-rank variables) come
-here; conftest starts the others as plain processes, so a variable read at import time is never
+here; the launcher starts the others as plain processes, so a variable read at import time is never
 missed.
 """
 from __future__ import annotations
@@ -45,11 +46,15 @@ def _become(req: dict) -> None:
     import random
     import runpy
     log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    err = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) \
+        if req.get("err") else log
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(err, 2)
     os.close(log)
+    if err != log:
+        os.close(err)
     os.close(null)
     os.environ.clear()
     os.environ.update(req["env"])

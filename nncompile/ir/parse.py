@@ -17,7 +17,8 @@ accepted) and the comments with `tokenize`: the header gives plan_ngpus, stages 
 partial-grad parameters; an argument's comment its kind, FQN, meta and placement (and, for a
 part of a fused parameter, `part(source, source shape, view, box, groups)`); an op's
 comment its outputs' metas and placements, its strategy note and the input placements the
-strategy wants (the inputs' own placements when not printed); a comment line above an op its
+strategy wants (the inputs' own placements when not printed) and, for a linear run in float8,
+`float8=<recipe>`; a comment line above an op its
 source line (none for collectives and lowering markers). Not printed, so not read back:
 module paths, module stacks, recompute marks,
 op.attrs, out_spec, trace_info and graph.meta. `graph_diff` compares two graphs structurally.

@@ -68,9 +68,13 @@ def pas_config(name: str, policy: str, plan: int, runtime: int) -> dict:
     from nncompile.frontend import trace
     from nncompile.passes.autodist import leanest_memory, plan_problem, replicated_memory
     config = {"recompute_modules": RECOMPUTE, **limit}
-    g = trace(models.build(name), models.batch(name, 0))
-    _, prob = plan_problem(g, nncompile.ComputeConfig(plan, runtime, parallel=config))
-    config["mem_limit_gb"] = (leanest_memory(prob) + replicated_memory(prob)) / 2 / 1e9
+    box = [None]
+    if dist.get_rank() == 0:        # rank 0 compiles; the others take its limit
+        g = trace(models.build(name), models.batch(name, 0))
+        _, prob = plan_problem(g, nncompile.ComputeConfig(plan, runtime, parallel=config))
+        box[0] = (leanest_memory(prob) + replicated_memory(prob)) / 2 / 1e9
+    dist.broadcast_object_list(box, src=0)
+    config["mem_limit_gb"] = box[0]
     return config
 
 
