@@ -27,6 +27,12 @@ its own `gen/<page>/`, and .gitignore covers everything it writes, so that pages
 another in one checkout leave it clean and a copy made later does not carry their files
 (tests/test_docs.py checks both).
 
+`torchrun --nproc_per_node=N script args...` in a bash block starts its ranks with torchrun's
+environment, forked from a process that imported torch and nncompile once (Launcher below,
+tests/rank_launch.py), as the tests' own launches do: an agent and N fresh interpreters per
+command were much of a page's time. Any other torchrun option runs the real torchrun, and so
+does every command with NNCOMPILE_DOC_TORCHRUN=real.
+
 Shown output: trailing spaces and leading or trailing blank lines are ignored on both sides;
 otherwise every line must be equal, with two wildcards for what changes from run to run
 (timings, temporary paths): a line that is just `...` (indented or not) stands for any number
