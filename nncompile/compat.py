@@ -298,3 +298,11 @@ def flight_recorder_entries() -> list[dict]:
         return pickle.loads(dump()).get("entries", [])    # bytes torch made in this process
     except Exception:  # noqa: BLE001 - off, or another layout of the dump
         return []
+
+
+def torchao_auto_filter(recipe: str):
+    """torchao's size filter for a float8 recipe, a `module_filter_fn(mod, fqn)` (its private
+    `_auto_filter_for_recipe`, the one torchtitan applies); None where torchao has none."""
+    from torchao.float8 import float8_linear_utils
+    make = getattr(float8_linear_utils, "_auto_filter_for_recipe", None)
+    return make(recipe, []) if make is not None else None

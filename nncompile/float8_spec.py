@@ -86,8 +86,13 @@ def why_not(mod: torch.nn.Module, fqn: str, spec: Float8Spec) -> str | None:
     if n % 16 or k % 16:
         return f"weight {n} x {k}: float8 matmuls need dimensions that are multiples of 16"
     if spec.filter == "auto":
-        from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
-        if not _auto_filter_for_recipe(spec.recipe, [])(mod, fqn):
+        from .compat import torchao_auto_filter
+        auto = torchao_auto_filter(spec.recipe)
+        if auto is None:
+            raise ConfigError("this torchao has no size filter for float8 layers; pass "
+                              "Float8Spec(filter='all') and name the layers to keep in "
+                              "high precision in skip=(...)")
+        if not auto(mod, fqn):
             return (f"weight {n} x {k}: too small to gain from float8 (torchao's auto filter "
                     f"for {spec.recipe}); Float8Spec(filter='all') converts it")
     return None

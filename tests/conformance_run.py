@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from conformance import (BY_NAME, CELLS, FEATURES, HERE, PRETRAINED, ROOT, Cell, Mismatch,
-                         _cell_text, _short, compare, format_row, merged_on_one_device,
-                         pretrained_on_one_device, run_plan)
+from conformance import BY_NAME, CELLS, HERE, PRETRAINED, ROOT, Cell, _short, run_plan
+from conformance_reference import (FEATURES, Mismatch, _cell_text, compare, format_row,
+                                   merged_on_one_device, pretrained_on_one_device)
 
 
 def format_matrix(rows: dict[str, dict], times: dict[str, float] | None = None) -> str:

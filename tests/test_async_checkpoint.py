@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, _free_port, torchrun
+from conftest import ROOT, torchrun
+from rank_launch import free_port
 
 import models
 import nncompile
@@ -32,7 +33,7 @@ def test_a_background_save_holds_the_weights_of_its_call_and_finishes_at_the_end
 
 def test_a_rank_killed_during_the_write_leaves_the_previous_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", os.path.join(ROOT, WORKER), str(tmp_path), "--kill"]
+           f"--master_port={free_port()}", os.path.join(ROOT, WORKER), str(tmp_path), "--kill"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"})
     out = proc.stdout + proc.stderr

@@ -19,7 +19,8 @@ import pytest
 
 import nncompile
 import nncompile.__main__
-from conftest import ROOT, _free_port
+from conftest import ROOT
+from rank_launch import free_port
 from nncompile.tools import inspection
 from nncompile.comm_stats import fmt_bytes
 
@@ -55,7 +56,7 @@ def gen(tmp_path_factory):
     assert script, "the nncompile console script is missing: run `pip install -e .`"
     quickstart = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         f"--master_port={_free_port()}", os.path.join(ROOT, "examples", "quickstart.py")],
+         f"--master_port={free_port()}", os.path.join(ROOT, "examples", "quickstart.py")],
         cwd=tmp, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     qs = _quickstart_module()
     data = _compile(qs, "data", nncompile.ComputeConfig(2), tmp / "other", "GPT_data")

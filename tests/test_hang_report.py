@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, _free_port
+from conftest import ROOT
+from rank_launch import free_port
 
 WORKER = "tests/workers/hang.py"
 TIMEOUT_S = 8                           # the worker's
@@ -16,7 +17,7 @@ TIMEOUT_S = 8                           # the worker's
 
 def test_every_rank_reports_where_each_rank_waits(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", os.path.join(ROOT, WORKER), str(tmp_path)]
+           f"--master_port={free_port()}", os.path.join(ROOT, WORKER), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"})
     out = proc.stdout + proc.stderr
@@ -39,7 +40,7 @@ def test_every_rank_reports_where_each_rank_waits(tmp_path):
 
 def test_an_error_of_the_script_on_one_rank_is_named_on_the_others(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", os.path.join(ROOT, WORKER), str(tmp_path), "--raise"]
+           f"--master_port={free_port()}", os.path.join(ROOT, WORKER), str(tmp_path), "--raise"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"})
     out = proc.stdout + proc.stderr

@@ -13,6 +13,7 @@ import pytest
 import models
 import nncompile
 from nncompile.distribute import require_rank_file
+from rank_launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "multinode.py")
@@ -20,15 +21,9 @@ INSTANCE = "gpt_tp"         # tests/workers/multinode.py's instance_name
 TIMEOUT_S = 420          # two agents and four ranks, also beside another test worker
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_two_nodes(tmp_path) -> list[str]:
     """Two torchrun "nodes" on this host, each in its own cwd (tmp/node0, tmp/node1)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
     procs = []
     for k in range(2):
