@@ -151,9 +151,11 @@ class ComputeConfig:
         if spec is None:
             return
         require_torchao()
-        if self.pipeline.enabled:
-            raise ConfigError("float8 does not combine with a pipeline (parallel.pp) yet: its "
-                              "scales would be taken per micro-batch; leave one of them off")
+        if self.pipeline.enabled and spec.scales == "global":
+            raise ConfigError("Float8Spec(scales='global') takes token amaxes over the whole "
+                              "batch, which a pipeline runs micro-batch by micro-batch; use "
+                              "scales='local' (each micro-batch scales its own tokens) with "
+                              "parallel.pp")
         if self.check:
             raise ConfigError("check=True compares the plan with the eager model, which "
                               "float8 changes; leave check off with float8 (tests/"

@@ -114,6 +114,8 @@ class Float8:
 
     def linear(self, x, w, b, x_split: dict, w_split: dict, out_split: dict):
         """torchao's Float8Linear forward on this rank's pieces (see the module docstring)."""
+        if torch.is_autocast_enabled():     # as Float8Linear: the output in autocast's dtype
+            x = x.to(torch.get_autocast_gpu_dtype())
         groups = {(t, role): self.group(self.amax_axes(t, role, split))
                   for t, split in (("x", x_split), ("w", w_split), ("go", out_split))
                   for tt, role in _ROLE_DIMS if tt == t}

@@ -1,10 +1,10 @@
 """ComputeConfig(float8=...): torchao's float8 training on the plan's linears.
 
 The runtime's float8 linear is torchao's Float8Linear bit for bit on one rank; under tp,
-ZeRO-3 and data parallelism an unmodified Hugging Face Llama trains like one device running
-torchao's float8 (tests/workers/float8.py, 5 AdamW steps, losses rtol 1e-5); the plan never
-casts a partial sum; plan.json lists every nn.Linear with what was decided; bad requests get
-clear errors, and nncompile imports without torchao.
+ZeRO-3, data parallelism and a pipeline an unmodified Hugging Face Llama trains like one
+device running torchao's float8 (tests/workers/float8.py, 5 AdamW steps, losses rtol 1e-5);
+the plan never casts a partial sum; plan.json lists every nn.Linear with what was decided;
+bad requests get clear errors, and nncompile imports without torchao.
 """
 from __future__ import annotations
 
@@ -138,8 +138,9 @@ def test_bad_requests_get_clear_errors(monkeypatch):
         nncompile.ComputeConfig(2, float8="e4m3")
     with pytest.raises(ConfigError, match="filter"):
         nncompile.Float8Spec(filter="big")
-    with pytest.raises(ConfigError, match="pipeline"):
-        nncompile.ComputeConfig(2, float8="tensorwise", parallel={"pp": 2})
+    with pytest.raises(ConfigError, match="micro-batch by micro-batch"):
+        nncompile.ComputeConfig(2, float8=nncompile.Float8Spec(scales="global"),
+                                parallel={"pp": 2})
     with pytest.raises(ConfigError, match="check=True"):
         nncompile.ComputeConfig(2, float8="tensorwise", check=True)
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
@@ -166,7 +167,7 @@ def test_plans_train_like_one_device_running_torchaos_float8(nproc, tmp_path):
     code, out = launch_ranks("tests/workers/float8.py", nproc, "--savedir", str(tmp_path))
     assert code == 0, out[-6000:]
     expected = {2: ["tp2", "zero3-dp2"],
-                4: ["tp2xdp2", "tp2xdp2-zero3-global", "tp4-rowwise"]}[nproc]
+                4: ["tp2xdp2", "tp2xdp2-zero3-global", "tp4-rowwise", "pp2xdp2"]}[nproc]
     for name in expected:
         assert f"ok float8 {name}:" in out, out[-6000:]
 

@@ -168,7 +168,7 @@ def actions_declaration(g: Graph) -> str:
 
 def stage_methods(g: Graph, rank: int, stages: list[Graph], indent: str = "    ") -> list[str]:
     """`def stage_k(self, ...)` for each stage on this rank, straight-line code."""
-    from . import body_header
+    from . import body_header, uses_float8
     from ..ir.printer import value_names
     from .body import render_body
     pp = g.plan_state.pipeline
@@ -196,7 +196,7 @@ def stage_methods(g: Graph, rank: int, stages: list[Graph], indent: str = "    "
                   f"{indent}    sends {', '.join(v.name for v in sg.outputs)} to {dst}."
                   f'"""']
         with value_names({v: f"self.{v.name}" for v in attrs}):
-            lines.append(body_header(zero, indent + "    ", g.axes))
+            lines.append(body_header(zero, indent + "    ", g.axes, uses_float8(sg)))
             lines += render_body(sg, indent=indent + "    ", local_n=n)
             for v in sg.relayed:
                 lines.append(f"{indent}    {v.name} = {v.name}.clone()  # relayed: a later "

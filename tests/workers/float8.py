@@ -4,11 +4,11 @@ an unmodified Hugging Face Llama, 5 AdamW steps with `labels=input_ids`, losses 
 for each plan of this world size.
 
     torchrun --nproc_per_node=2 tests/workers/float8.py --savedir DIR    # tp 2, ZeRO-3 dp 2
-    torchrun --nproc_per_node=4 tests/workers/float8.py --savedir DIR    # tp 2 x dp 2, ...
+    torchrun --nproc_per_node=4 tests/workers/float8.py --savedir DIR    # tp 2 x dp 2, pp 2, ...
 
-The one-device reference runs each data-parallel unit's batch and averages the gradients
-(scales="local": each unit scales its own tokens), or runs the units' batches as one batch
-(scales="global").
+The one-device reference runs each data-parallel unit's batch (a pipeline's: micro-batch by
+micro-batch) and averages the gradients (scales="local": each unit, each micro-batch, scales
+its own tokens), or runs the units' batches as one batch (scales="global").
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ PLANS = {
         ("zero3-dp2", 1, {"use_zero": 3}, {})],
     4: [("tp2xdp2", 2, {}, {}),
         ("tp2xdp2-zero3-global", 2, {"use_zero": 3}, {"scales": "global"}),
-        ("tp4-rowwise", 4, {}, {"recipe": "rowwise"})],
+        ("tp4-rowwise", 4, {}, {"recipe": "rowwise"}),
+        ("pp2xdp2", 2, {"parallel": {"pp": 2, "microbatches": 2}}, {})],
 }
 
 
@@ -49,10 +50,10 @@ def unit_batch(unit: int, step: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def reference(model, spec, units: int, float8: bool = True) -> list[float]:
+def reference(model, spec, units: int, float8: bool = True, micro: int = 1) -> list[float]:
     """One device: torchao's float8 on the same layers (`float8`; else high precision), the
-    units' batches accumulated (scales "local") or concatenated (scales "global"); the mean
-    loss of each step."""
+    units' batches accumulated (scales "local"; a pipeline's `micro` micro-batches of each
+    too) or concatenated (scales "global"); the mean loss of each step."""
     from torchao.float8 import convert_to_float8_training
     from nncompile.runtime.float8 import recipe_config
     if float8:
@@ -69,9 +70,10 @@ def reference(model, spec, units: int, float8: bool = True) -> list[float]:
         else:
             total = 0.0
             for b in batches:
-                loss = model(**b)
-                (loss / units).backward()
-                total += loss.item() / units
+                for m in range(micro):
+                    loss = model(**{k: v.chunk(micro)[m] for k, v in b.items()})
+                    (loss / units / micro).backward()
+                    total += loss.item() / units / micro
             losses.append(total)
         opt.step()
         opt.zero_grad()
@@ -93,19 +95,23 @@ def check(name, plan, fields, spec_fields, savedir) -> None:
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=0.1)
     units = pm.dp_size
     losses = []
+    micro = pm.MICROBATCHES
     for step in range(STEPS):
-        loss = pm(**unit_batch(pm.dp_rank, step))
-        loss.backward()
+        if pm.PIPELINE:
+            loss = pm.train_step(**unit_batch(pm.dp_rank, step))
+        else:
+            loss = pm(**unit_batch(pm.dp_rank, step))
+            loss.backward()
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)      # every rank of a unit has the unit's loss
-    expected = reference(ref_model, spec, units)
+    expected = reference(ref_model, spec, units, micro=micro)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=0,
                                msg=lambda m: f"float8 {name}: {m}")
-    plain = reference(plain_model, spec, units, float8=False)
+    plain = reference(plain_model, spec, units, float8=False, micro=micro)
     gap = max(abs(a - b) / abs(b) for a, b in zip(plain, expected))
     assert gap > 1e-4, f"float8 {name}: float8 changes the losses by only {gap:.1e}; the " \
         "check cannot tell float8 from high precision"
