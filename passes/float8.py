@@ -50,7 +50,7 @@ class Float8Linears:
 
     def __call__(self, graph: Graph) -> Graph:
         g = graph.clone()
-        decided = {fqn: why for fqn, why in self.layers.items()}
+        decided = dict(self.layers)
         seen: set[str] = set()
         for op in g.ops:
             fqn = _layer_of(op)
@@ -63,7 +63,6 @@ class Float8Linears:
             if getattr(w, "kind", None) != PARAM or w.part is not None:
                 decided[fqn] = ("its weight is not a whole parameter in the traced program "
                                 "(cut from a fused one, or computed)")
-                op.float8 = None
                 continue
             op.float8 = self.recipe
         for fqn in self.layers:

@@ -87,6 +87,7 @@ class Float8:
         self._mesh_args = (module.PLAN_NGPUS, module.RUNTIME_NGPUS, module.PIPE_RANKS,
                            module.mesh_axes)
         self._groups: dict = {}
+        self._casts: dict = {}      # the splits of a call -> each cast's group
 
     def __deepcopy__(self, memo):
         return self             # configs and process groups: nothing a copy may change
@@ -116,9 +117,13 @@ class Float8:
         """torchao's Float8Linear forward on this rank's pieces (see the module docstring)."""
         if torch.is_autocast_enabled():     # as Float8Linear: the output in autocast's dtype
             x = x.to(torch.get_autocast_gpu_dtype())
-        groups = {(t, role): self.group(self.amax_axes(t, role, split))
-                  for t, split in (("x", x_split), ("w", w_split), ("go", out_split))
-                  for tt, role in _ROLE_DIMS if tt == t}
+        key = (tuple(x_split.items()), tuple(w_split.items()), tuple(out_split.items()))
+        groups = self._casts.get(key)
+        if groups is None:          # once per layer shape of split: forward runs this often
+            groups = self._casts[key] = {
+                (t, role): self.group(self.amax_axes(t, role, split))
+                for t, split in (("x", x_split), ("w", w_split), ("go", out_split))
+                for tt, role in _ROLE_DIMS if tt == t}
         out = _Float8Matmul.apply(x, w.t(), self, groups)
         return out if b is None else out + b.to(out.dtype)
 

@@ -65,7 +65,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from rank_launch import launch
+from rank_launch import launch, recv_line
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -100,12 +100,9 @@ class Launcher:
 
     def _launch(self, conn) -> None:
         with conn:
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(1 << 20)
-                if not chunk:
-                    return
-                data += chunk
+            data = recv_line(conn)
+            if not data.endswith(b"\n"):
+                return
             req = json.loads(data)
             try:
                 code, out, err = launch(req["script"], req["nproc"], req["args"], req["env"],

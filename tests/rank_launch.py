@@ -23,6 +23,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def recv_line(conn) -> bytes:
+    """One newline-ended message from a socket (doc_runner's torchrun and its shim)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

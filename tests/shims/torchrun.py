@@ -13,6 +13,9 @@ import os
 import socket
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rank_launch import recv_line  # noqa: E402  (stdlib only: no torch import here)
+
 
 def plain_launch(argv: list[str]) -> tuple[int, str, list[str]] | None:
     """(N, script, its args) of `--nproc_per_node=N [--standalone] script args...`, else
@@ -54,13 +57,7 @@ def main() -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(where)
         s.sendall((json.dumps(req) + "\n").encode())
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(1 << 20)
-            if not chunk:
-                break
-            data += chunk
-    reply = json.loads(data)
+        reply = json.loads(recv_line(s))
     sys.stdout.write(reply["stdout"])
     sys.stdout.flush()
     sys.stderr.write(reply["stderr"])
