@@ -45,9 +45,17 @@ _PER_LAUNCH = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
               "ROLE_RANK", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"}   # per rank or per test
 
 
+# set by torch in the tests' own process once it compiles in-process (inductor's cache
+# directory, a pointer its C++ wrappers read, Lightning's CUDA probe): read when used, not at
+# import, so a rank forked with them in its environment behaves as a fresh one
+_SET_BY_TORCH = {"TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+                 "PYTORCH_NVML_BASED_CUDA_CHECK"}
+
+
 def _job_env(env: dict) -> dict:
-    """What a launch's environment shares with the server's: all but _PER_LAUNCH."""
-    return {k: v for k, v in env.items() if k not in _PER_LAUNCH}
+    """What a launch's environment shares with the server's: all but _PER_LAUNCH and
+    _SET_BY_TORCH."""
+    return {k: v for k, v in env.items() if k not in _PER_LAUNCH and k not in _SET_BY_TORCH}
 
 
 class _Forked:
