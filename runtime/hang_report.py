@@ -15,7 +15,9 @@ main thread's Python stack (sys._current_frames: readable while the main thread 
 a C++ collective). When the main thread has waited in the same torch.distributed call for half
 the timeout (at most timeout - 2 s), the watch asks every rank, through the process group's
 store, to say where it is; every watch then keeps its answer current with its main thread's
-position, whatever it does (waiting, computing, or in the script's own code). When the
+position, whatever it does (waiting, computing, or in the script's own code), until a
+collective it waited in fails (it waited 3/4 of the timeout, or an exception is being handled
+as it leaves): then the answer keeps naming that collective. When the
 collective fails (gloo and NCCL raise once the timeout passes), an exception that ends the
 program prints the report first (an ask older than the timeout + 10 s is not reported), with
 the ranks that did not answer (dead, or stuck where Python cannot run) named as such. An
@@ -169,6 +171,9 @@ class Watch(threading.Thread):
         self.answered: str | None = None
         self.asked: int | None = None
         self.fresh_s = timeout_s + 10       # an ask older than that is another episode
+        self.failed_after = 0.75 * timeout_s    # left a collective after this long: it failed
+        self.frozen = False                 # the answer names the collective that failed
+        self.wait_where = (None, "")        # (call, where) of the last long wait in one
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -192,6 +197,14 @@ class Watch(threading.Thread):
         frame = sys._current_frames().get(self.main)
         call = _in_collective(frame)
         now = time.monotonic()
+        if call is not None:                # waiting long: where, should that collective fail
+            self.frozen = False
+            if call == self.waiting[0] and now - self.waiting[1] >= self.patience / 2:
+                self.wait_where = (call, position(frame)[0])
+        elif self.waiting[0] is not None:   # it left a collective: failed, or done?
+            self.frozen = self.wait_where[0] == self.waiting[0] and (
+                now - self.waiting[1] >= self.failed_after
+                or sys._current_exceptions().get(self.main) is not None)
         if call is None or call != self.waiting[0]:
             self.waiting = (call, now)
         elif now - self.waiting[1] >= self.patience and self.asked != call:
@@ -199,8 +212,10 @@ class Watch(threading.Thread):
             self.store.set(f"{KEY}/ask", f"{time.time()}|rank {self.rank} waited "
                                          f"{now - self.waiting[1]:.0f} s in a collective")
         if self.store.check([f"{KEY}/ask"]):
-            where = position(frame)[0]
-            if where != self.answered:      # what the others read is where this rank is now
+            # what the others read is where this rank is now; after a collective failed
+            # (timed out, or its error is being handled), still that collective
+            where = self.wait_where[1] if self.frozen else position(frame)[0]
+            if where != self.answered:
                 self.store.set(f"{KEY}/{self.rank}", where)
                 self.answered = where
 
