@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from nncompile.errors import CheckpointError
 from nncompile.mesh import PP, param_placements
 from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
 
+from .groups import job_cache
 from .parts import assemble_sources, sources_of
 from nncompile.rows import BufferRow, ParamRow, buffer_rows, param_rows, state_rows, take
 from .state import load_local_optimizer_state, local_optimizer_state
@@ -134,7 +134,7 @@ def load_state(state: dict, directory: str | Path, no_dist: bool = False) -> Non
                               "it is truncated or corrupted: load an earlier one") from e
 
 
-_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> meshes
+_MESHES = job_cache()           # default group -> meshes
 
 
 def _mesh(pm):

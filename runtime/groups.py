@@ -19,7 +19,37 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError
 from nncompile.mesh import DP, PLAN, PP, Mesh, replica_dims
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # default group -> groups
+# What the runtime makes once per job (its process groups, lockstep's modules, DCP's meshes),
+# kept per default group: a simulated rank (nncompile.tools.simulate) has a default group of
+# its own. Dropped when the job's default group is destroyed (forget_job): a value that refers
+# back to its key keeps a weak key alive, and each gloo group holds threads of its own.
+_JOB_CACHES: list[weakref.WeakKeyDictionary] = []
+
+
+def job_cache() -> weakref.WeakKeyDictionary:
+    """A new cache keyed by the default group, emptied with the job (forget_job)."""
+    cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _JOB_CACHES.append(cache)
+    return cache
+
+
+def forget_job() -> None:
+    """Drop every cache's entry for this job's default group (dist.destroy_process_group()
+    does this before torch destroys the groups, so they and their threads are freed)."""
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        for cache in _JOB_CACHES:
+            cache.pop(default, None)
+
+
+_CACHE = job_cache()                # default group -> groups
+
+
+def cpu_backend() -> str | None:
+    """The backend of a group that exchanges host tensors (lockstep checks, async checkpoint
+    writes): gloo, or the default group's own where the ranks are simulated threads (whose
+    groups move tensors between threads; a gloo group there would add threads of its own)."""
+    return None if "threaded" in str(dist.get_backend()).lower() else "gloo"
 
 
 def shard_ranks(rank: int, plan: int, runtime: int, pipe: int = 1, axes: tuple = ()

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError
 from nncompile.mesh import DP, PP, replica_dims
 
-from .groups import _CACHE, default_timeout, group_along
+from .groups import _CACHE, cpu_backend, default_timeout, forget_job, group_along, job_cache
 from .torch_patches import wrap_once
 
 
@@ -70,7 +70,7 @@ def lockstep_group(pm):
     new = ("lockstep", mine) not in cache
     for ranks in sorted(tuple(sorted(r)) for r in sets):    # every rank, in one order
         if ("lockstep", ranks) not in cache:
-            cache[("lockstep", ranks)] = dist.new_group(list(ranks), backend="gloo",
+            cache[("lockstep", ranks)] = dist.new_group(list(ranks), backend=cpu_backend(),
                                                         timeout=default_timeout())
     if new:                                     # the groups this rank meets at the end
         cache.setdefault("lockstep_order", []).append(cache[("lockstep", mine)])
@@ -102,7 +102,7 @@ def service(name: str):
 # ---- the modules of this process and their groups ---------------------------------------------
 # Modules with one mesh share one group, so a row names its module by load order (every rank
 # loads the job's modules in one order); per default group, as a simulated rank has its own.
-_MODULES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # default group -> ids
+_MODULES = job_cache()          # default group -> ids
 _LEADERS: dict = {}            # group -> the rank that last ran a forward alone on it
 
 
@@ -427,6 +427,7 @@ def _destroy_process_group(group=None):
         from .async_checkpoint import wait_pending
         wait_pending()                  # a checkpoint still being written is finished first
         _meet_all("exit")
+        forget_job()                    # the job's groups and modules, freed with it
     return _TORCH_DESTROY(group)
 
 
