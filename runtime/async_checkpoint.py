@@ -38,17 +38,18 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nncompile.errors import CheckpointError
 
-from .groups import _CACHE, cpu_backend, default_timeout
+from .groups import _CACHE, default_timeout
 
 _pending: list["AsyncCheckpoint"] = []
 
 
 def checkpoint_group():
-    """The gloo group (all ranks; groups.cpu_backend) the background writes use; one per job,
-    made on first use (every rank reaches it in the same save_checkpoint call)."""
+    """The gloo group (all ranks) the background writes use (DCP's async save needs one, also
+    for simulated ranks); one per job, made on first use (every rank reaches it in the same
+    save_checkpoint call), dropped with the job (groups.forget_job)."""
     cache = _CACHE.setdefault(dist.distributed_c10d._get_default_group(), {})
     if "async_checkpoint" not in cache:
-        cache["async_checkpoint"] = dist.new_group(backend=cpu_backend(), timeout=default_timeout())
+        cache["async_checkpoint"] = dist.new_group(backend="gloo", timeout=default_timeout())
     return cache["async_checkpoint"]
 
 

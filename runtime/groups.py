@@ -46,9 +46,9 @@ _CACHE = job_cache()                # default group -> groups
 
 
 def cpu_backend() -> str | None:
-    """The backend of a group that exchanges host tensors (lockstep checks, async checkpoint
-    writes): gloo, or the default group's own where the ranks are simulated threads (whose
-    groups move tensors between threads; a gloo group there would add threads of its own)."""
+    """The backend of a group that exchanges host tensors (the lockstep checks): gloo, or the
+    default group's own where the ranks are simulated threads (whose groups move tensors
+    between threads; a gloo group there would add threads of its own)."""
     return None if "threaded" in str(dist.get_backend()).lower() else "gloo"
 
 

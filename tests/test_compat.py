@@ -184,6 +184,42 @@ def test_threaded_group_leaves_the_process_as_it_was():
     assert not dist.is_initialized()
 
 
+def _gloo_threads() -> int:
+    task = f"/proc/{os.getpid()}/task"
+    names = []
+    for t in os.listdir(task):
+        try:
+            names.append(open(f"{task}/{t}/comm").read().strip())
+        except OSError:             # the thread ended meanwhile
+            pass
+    return sum(n.startswith("gloo") for n in names)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads from /proc")
+def test_simulated_jobs_leave_no_groups_or_threads_behind(tmp_path):
+    """Each simulated job's lockstep groups are threaded ones (a gloo group has polling
+    threads of its own), and destroy_process_group drops what the runtime cached for the job:
+    jobs run one after another do not pile them up."""
+    import models
+    from nncompile.runtime import dcp, groups, lockstep
+    from nncompile.tools.simulate import run_ranks
+
+    def fn(rank):
+        pm = nncompile.parallelize(models.build("gpt"), models.batch("gpt", 0),
+                                   nncompile.ComputeConfig(2, 2), pas_policy="tp",
+                                   gen_savedir=str(tmp_path))
+        pm(**models.batch("gpt", 0)).backward()
+        kept.append(pm)             # modules that outlive their job (a test's fixtures)
+        return len(groups._CACHE[dist.distributed_c10d._get_default_group()])
+
+    before, seen, kept = _gloo_threads(), [], []
+    for _ in range(2):
+        seen += run_ranks(2, fn)
+    assert all(n > 0 for n in seen)                 # the jobs did cache groups
+    assert len(groups._CACHE) == len(lockstep._MODULES) == len(dcp._MESHES) == 0
+    assert _gloo_threads() == before
+
+
 def test_traces_in_successive_simulated_ranks_with_no_gpu_visible():
     """Each run_ranks traces on a fresh thread; with no GPU visible, FakeTensorMode's no-op
     CUDA device guard set by one thread must outlive it (torch 2.11's CUDA build crashed the
