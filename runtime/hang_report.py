@@ -199,7 +199,8 @@ class Watch(threading.Thread):
         now = time.monotonic()
         if call is not None:                # waiting long: where, should that collective fail
             self.frozen = False
-            if call == self.waiting[0] and now - self.waiting[1] >= self.patience / 2:
+            if call == self.waiting[0] != self.wait_where[0] and \
+                    now - self.waiting[1] >= self.patience / 2:     # once per wait
                 self.wait_where = (call, position(frame)[0])
         elif self.waiting[0] is not None:   # it left a collective: failed, or done?
             self.frozen = self.wait_where[0] == self.waiting[0] and (
