@@ -39,6 +39,8 @@ class Float8Spec:
     #                                     accumulating the units' batches); "global": token
     #                                     amaxes reduced over the units too (one device running
     #                                     their batches as one)
+    all_gather: bool = True             # ZeRO-3 gathers converted weights in float8 (the
+    #                                     tensorwise recipe: torchao's float8 all-gather)
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
@@ -48,6 +50,10 @@ class Float8Spec:
             raise ConfigError(f"Float8Spec(filter={self.filter!r}); choose one of {FILTERS}")
         if self.scales not in SCALES:
             raise ConfigError(f"Float8Spec(scales={self.scales!r}); choose one of {SCALES}")
+        if not isinstance(self.all_gather, bool):
+            raise ConfigError(f"Float8Spec(all_gather={self.all_gather!r}); pass True (ZeRO-3 "
+                              "gathers converted weights in float8) or False (in high "
+                              "precision)")
         skip = self.skip
         if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
             raise ConfigError(f"Float8Spec(skip={skip!r}); give a tuple of module names or "
@@ -104,7 +110,7 @@ def module_filter(spec: Float8Spec | str, filter: str | None = None,
     spec = Float8Spec.of(spec)
     if filter is not None or skip is not None:
         spec = Float8Spec(spec.recipe, filter or spec.filter,
-                          spec.skip if skip is None else skip, spec.scales)
+                          spec.skip if skip is None else skip, spec.scales, spec.all_gather)
     return lambda mod, fqn: why_not(mod, fqn, spec) is None
 
 

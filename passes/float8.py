@@ -10,7 +10,9 @@ Before:                                          After:
 
 It also records, in plan.json's `float8`, every nn.Linear of the model with "float8" or the
 reason it stays in high precision (torchao's filter, `skip`, or an op this pass cannot take:
-a linear whose weight is not a whole parameter).
+a linear whose weight is not a whole parameter), and under `zero3_gather` whether ZeRO-3
+may gather each converted weight in float8 (Float8Spec.all_gather: the tensorwise recipe,
+a weight no other op reads; runtime/zero_float8.py).
 
 lower_float8 (after localize) makes each marked op the runtime's float8 linear, told how the
 plan split its operands (per mesh axis: "T" tokens, "K" the contracted dim, "N" the output
@@ -45,8 +47,10 @@ class Float8Linears:
     name = "float8_linears"
     requires = produces = ()
 
-    def __init__(self, recipe: str, scales: str, layers: dict[str, str | None]):
+    def __init__(self, recipe: str, scales: str, layers: dict[str, str | None],
+                 all_gather: bool = True):
         self.recipe, self.scales, self.layers = recipe, scales, dict(layers)
+        self.all_gather = all_gather
 
     def __call__(self, graph: Graph) -> Graph:
         g = graph.clone()
@@ -72,8 +76,49 @@ class Float8Linears:
         log(f"float8 ({self.recipe}): {converted} of {len(decided)} nn.Linear layer(s) "
             "converted (plan.json: float8)")
         g.plan_state.float8 = {"recipe": self.recipe, "scales": self.scales, "layers": {
-            fqn: "float8" if why is None else why for fqn, why in decided.items()}}
+            fqn: "float8" if why is None else why for fqn, why in decided.items()},
+            "zero3_gather": self._gathers(g)}
         return g
+
+    def _gathers(self, g: Graph) -> dict[str, str]:
+        """{converted weight FQN: "float8" or why ZeRO-3 gathers it in high precision}."""
+        weights = {id(op.args[1]): op.args[1] for op in g.ops if op.float8}
+        readers: dict[int, str] = {}     # a weight another op reads -> that op
+        for op in g.ops:
+            for v in op.inputs():
+                if id(v) in weights and not (op.float8 and v is op.args[1]):
+                    readers.setdefault(id(v), op.target_name)
+        out = {}
+        for key, w in weights.items():
+            if not self.all_gather:
+                out[w.fqn] = "Float8Spec(all_gather=False)"
+            elif self.recipe != "tensorwise":
+                out[w.fqn] = (f"the {self.recipe} recipe scales the weight per row, differently "
+                              "for each product (torchao gathers only tensorwise weights in "
+                              "float8)")
+            elif key in readers:
+                out[w.fqn] = f"{readers[key]} reads it too, in high precision"
+            else:
+                out[w.fqn] = "float8"
+        return out
+
+
+def zero3_float8_gathers(g: Graph) -> dict[str, list[str]]:
+    """{local name: mesh axes the plan splits it along} of the weights ZeRO-3 gathers in
+    float8: those plan.json's `zero3_gather` allows, read by FLOAT8.linear ops alone (call
+    before lower_zero3 adds its ops)."""
+    f8 = g.plan_state.float8 or {}
+    allowed = {fqn for fqn, how in f8.get("zero3_gather", {}).items() if how == "float8"}
+    out: dict[str, list[str]] = {}
+    other: set[str] = set()
+    for op in g.ops:
+        inputs = op.inputs()
+        if op.target == TARGET and getattr(op.args[1], "fqn", None) in allowed:
+            w = op.args[1]
+            out[w.name] = sorted(op.kwargs["w_split"])
+            inputs = [v for v in inputs if v is not w]
+        other |= {v.name for v in inputs if getattr(v, "kind", None) == PARAM}
+    return {name: axes for name, axes in out.items() if name not in other}
 
 
 def _splits(v, axes: list[str], letters: dict[int, str]) -> dict[str, str]:

@@ -25,7 +25,9 @@ inside one recomputed region (op.recompute) is gathered inside it (the gather op
 region's mark), so backward's recompute gathers it again; prefetches run outside regions
 only, and a unit whose parameter is returned is never freed. Under a pipeline each stage
 gathers what it uses (units are per pipeline rank: `plan_state.zero_units`). The eval program
-reuses the training program's units (seeded in plan_state.zero_units). Precondition:
+reuses the training program's units (seeded in plan_state.zero_units). Under float8 it also
+records the weights the units gather in float8 (plan_state.zero_float8: read only by float8
+linears; passes/float8.py zero3_float8_gathers). Precondition:
 localize (and split_stages under a pipeline); before lower_recompute. Idempotent: yes.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 from nncompile.ir import Graph, Op, Stage, Value
 from .contract import config_of
+from .float8 import zero3_float8_gathers
 from .split_stages import SEND, STAGE
 
 
@@ -173,6 +176,7 @@ class LowerZero3:
             return graph
         g = graph.clone()
         by_name = {v.name: v for v in g.params}
+        g.plan_state.zero_float8 = zero3_float8_gathers(g)
         if g.plan_state.pipeline is None:
             units = seeded or {0: zero_units(g.ops, g.params, g.plan_state.partial_grad_params,
                                              g.plan_state.axis_partial_grad)}

@@ -374,7 +374,7 @@ class StageSearch:
             if choice.recompute not in built:
                 built[choice.recompute] = problem_of(g, cfg, list(choice.recompute))
             base = built[choice.recompute]
-            prob = MemoryModel.of(base.model, cfg).derive(g, base, choice)
+            prob = MemoryModel.of(base.model, cfg, g).derive(g, base, choice)
             lc = layer_costs(g, prob, group, len(layers) + 2, self._solver_limit())
             how = f"autodist plan at tp={c.tp}" + _memory_words(choice)
             fast = Costs(lc.time, lc.state, lc.activations, lc.step, how)

@@ -32,6 +32,8 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError
 from nncompile.float8_spec import RECIPES, require_torchao
 
+from .zero_float8 import float8_data
+
 
 def torchao_float8():
     """torchao.float8 (a ConfigError saying how to get it where it is not importable)."""
@@ -133,8 +135,8 @@ def _cast(f8: Float8, t: torch.Tensor, cast, role, axiswise_dim, group):
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
-    if cast.scaling_type is ScalingType.DISABLED:
-        return t
+    if cast.scaling_type is ScalingType.DISABLED or float8_data(t) is not None:
+        return t            # a weight ZeRO-3 gathered in float8 (runtime/zero_float8.py)
     axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
     dim = axiswise_dim if axiswise else None
     with torch.no_grad():

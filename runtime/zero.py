@@ -26,7 +26,9 @@ gather's backward reduces the unit's gradient over the ranks `nncompile.mesh.gra
 names and keeps this rank's piece (a reduce-scatter over the ZeRO group; an all-reduce and a
 slice where the sum spans more ranks: partial sums over the plan unit, zero_ngroups > 1), so
 `.grad` of the flat parameter is a shard too. With offload_params the shards and their
-gradients live in host memory and each gather first copies the piece to the device.
+gradients live in host memory and each gather first copies the piece to the device. Under
+float8 training (tensorwise) a unit's float8 weights are cast before the gather and travel as
+float8 bytes (runtime/zero_float8.py).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from .groups import get_zero_group, group_along
 from nncompile.rows import param_rows
 
 from .layouts import FlatLayout, RowShardLayout  # noqa: F401 (FlatLayout: imported from here)
+from .zero_float8 import Float8Unit, SavedFloat8, float8_data
 
 
 _ALL_GATHER = compat.all_gather_single()           # the spelling this torch prefers
@@ -86,18 +89,20 @@ class Unit:
     trainable: bool
     reduce_dims: tuple | None = None  # mesh dims the full gradient is summed over (None: none)
     scale: float = 1.0
-    pending: tuple | None = None      # a prefetch in flight: (full, work)
-    again: torch.Tensor | None = None  # the unit gathered again in backward
+    pending: tuple | None = None      # a prefetch in flight: (gathered, work, float8 scales)
+    again: tuple | None = None        # the unit's buffers gathered again in backward
     live: dict = field(default_factory=dict)
+    float8: Float8Unit | None = None  # its float8 weights gathered in float8 (zero_float8.py)
 
 
 class _Saved:
-    """What a saved gathered weight becomes: where it sits in its unit's full tensor."""
-    __slots__ = ("unit", "offset", "size", "stride")
+    """What a saved gathered weight becomes: where it sits in one of its unit's gathered
+    buffers (`index`: the full vector; a float8 unit's high-precision part)."""
+    __slots__ = ("unit", "index", "offset", "size", "stride")
 
-    def __init__(self, unit, t):
-        self.unit, self.offset, self.size, self.stride = unit, t.storage_offset(), t.size(), \
-            t.stride()
+    def __init__(self, unit, index: int, t):
+        self.unit, self.index = unit, index
+        self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
 
 
 class _Gather(torch.autograd.Function):
@@ -108,7 +113,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, flat, zero, unit):
         ctx.zero, ctx.unit = zero, unit
         ctx.set_materialize_grads(False)
-        return tuple(unit.layout.unflatten(zero.full(unit)))
+        return tuple(zero.tensors(unit))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -134,6 +139,7 @@ class ZeroRuntime:
         self.mesh = mesh
         rows = {row.name: row for row in param_rows(pm)}
         partial = pm._partial_grad
+        in_float8 = (pm.FLOAT8 or {}).get("gathered", {})    # ZeRO-3 gathers them in float8
         self.units: list[Unit] = []
         self.by_attr: dict[str, Unit] = {}
         for attr, path, names in units:
@@ -147,10 +153,14 @@ class ZeroRuntime:
                 if dist.is_initialized() else None
             if red is not None:
                 u.reduce_dims, u.scale = red.dims, red.scale
+            if any(n in in_float8 for n in names):
+                u.float8 = Float8Unit(u.layout, {n: in_float8[n] for n in names
+                                                 if n in in_float8}, pm.float8, self.group)
             self.units.append(u)
             self.by_attr[attr] = u
         self._backward_queued = False
-        self._by_storage: dict[int, Unit] = {}     # storage of a gathered unit -> the unit
+        self._by_storage: dict[int, tuple] = {}    # a gathered buffer's storage -> (unit, index)
+        self.gathered_bytes = 0     # what this rank's unit gathers received (forward, backward)
 
     # ---- building and reading the shards ---------------------------------------------------
     def shard_of(self, unit: Unit, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -224,22 +234,39 @@ class ZeroRuntime:
     def start(self, unit: Unit) -> None:
         """Issue the unit's gather without waiting (prefetch)."""
         if unit.pending is None:
-            local = self.flat(unit).detach().to(self.device, non_blocking=True)
-            unit.pending = all_gather_flat(local, self.size, self.group, async_op=True)
+            unit.pending = self._issue(unit, async_op=True)
 
-    def full(self, unit: Unit) -> torch.Tensor:
-        """The unit's full flat tensor: a prefetched one waited for, or gathered now."""
-        if unit.pending is None:
-            self.start(unit)
-        full, work = unit.pending
-        unit.pending = None
+    def _issue(self, unit: Unit, async_op: bool) -> tuple:
+        """(gathered, work, float8 scales): the unit's pieces all-gathered; a float8 unit's
+        as bytes, its weights cast first (runtime/zero_float8.py)."""
+        local = self.flat(unit).detach().to(self.device, non_blocking=True)
+        scales = None
+        if unit.float8 is not None:
+            local, scales = unit.float8.pack(local)
+        self.gathered_bytes += local.numel() * local.element_size() * self.size
+        return (*all_gather_flat(local, self.size, self.group, async_op=async_op), scales)
+
+    def _unpack(self, unit: Unit, pending: tuple) -> tuple[list, tuple]:
+        """(the unit's tensors, the buffers they view) from a gather `pending`."""
+        full, work, scales = pending
         if work is not None:
             work.wait()
+        if unit.float8 is not None:
+            return unit.float8.unpack(full, scales, self.flat(unit).dtype)
         full = unit.layout.to_full(full)         # copy-out into the tensors' own order
-        ptr = full.untyped_storage().data_ptr()
-        unit.live[ptr] = weakref.ref(full)
-        self._by_storage[ptr] = unit
-        return full
+        return unit.layout.unflatten(full), (full,)
+
+    def tensors(self, unit: Unit) -> list[torch.Tensor]:
+        """The unit's gathered tensors: a prefetched gather waited for, or gathered now."""
+        if unit.pending is None:
+            self.start(unit)
+        pending, unit.pending = unit.pending, None
+        tensors, buffers = self._unpack(unit, pending)
+        for index, buf in enumerate(buffers):
+            ptr = buf.untyped_storage().data_ptr()
+            unit.live[ptr] = weakref.ref(buf.untyped_storage())   # dies with the memory
+            self._by_storage[ptr] = (unit, index)
+        return tensors
 
     def reset(self) -> None:
         """Forget prefetches and backward gathers left by a step that raised."""
@@ -252,30 +279,36 @@ class ZeroRuntime:
 
     # ---- saved tensors: a gathered weight is saved as a reference ---------------------------
     def pack(self, t: torch.Tensor):
-        if t.device != self.device or t.layout != torch.strided:
+        data = float8_data(t)               # a float8 weight: its bytes are in the unit
+        probe = t if data is None else data
+        if probe.device != self.device or probe.layout != torch.strided:
             return t
-        ptr = t.untyped_storage().data_ptr()
-        unit = self._by_storage.get(ptr)
-        if unit is None:
+        ptr = probe.untyped_storage().data_ptr()
+        entry = self._by_storage.get(ptr)
+        if entry is None:
             return t
+        unit, index = entry
         ref = unit.live.get(ptr)
-        full = ref() if ref is not None else None
-        if full is None or full.untyped_storage().data_ptr() != ptr:   # freed; memory reused
+        storage = ref() if ref is not None else None
+        if storage is None or storage.data_ptr() != ptr:   # freed; memory reused
             unit.live.pop(ptr, None)
             del self._by_storage[ptr]
             return t
-        return _Saved(unit, t)
+        return _Saved(unit, index, t) if data is None else SavedFloat8(unit, index, t, data)
 
     def unpack(self, saved):
-        if not isinstance(saved, _Saved):
+        if not isinstance(saved, (_Saved, SavedFloat8)):
             return saved
         unit = saved.unit
         if unit.again is None:
-            unit.again = self.gather_now(unit)
+            unit.again = self._unpack(unit, self._issue(unit, async_op=False))[1]
             if not self._backward_queued:
                 self._backward_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        return unit.again.as_strided(saved.size, saved.stride, saved.offset)
+        buf = unit.again[saved.index]
+        if isinstance(saved, SavedFloat8):
+            return saved.rebuild(buf)
+        return buf.as_strided(saved.size, saved.stride, saved.offset)
 
     def _end_backward(self) -> None:
         for unit in self.units:

@@ -278,6 +278,8 @@ CELLS = [
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),
     Cell("float8_tp", "tp", 2, 2, Loop(float8="tensorwise", lr=1e-3)),
     Cell("float8_zero3", "tp", 2, 4, Loop(float8="rowwise"), zero=3),
+    # tensorwise under ZeRO-3: the weights gathered in float8 (runtime/zero_float8.py)
+    Cell("float8_zero3_gather", "tp", 1, 2, Loop(float8="tensorwise", lr=1e-3), zero=3),
     Cell("pp", "tp", 2, 2, Loop(val_micro=2, formats=HF), stages=2, process=True),
     Cell("pp_dropout", "tp", 2, 2, replace(DROP, val_micro=2), stages=2, process=True),
     # the sequence split in two inside each of two pipeline stages

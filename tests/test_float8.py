@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -109,6 +110,71 @@ def test_generated_code_casts_whole_values_and_plan_json_lists_every_linear(tmp_
     assert sum(v == "float8" for v in layers.values()) == 14 and len(layers) == 15
 
 
+class _Mlp(nn.Module):
+    """Linears without biases, one weight also read by another op (`tied`)."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.up = nn.Linear(32, 64, bias=False)
+        self.down = nn.Linear(64, 32, bias=False)
+        self.tied = tied
+
+    def forward(self, x):
+        y = self.down(torch.nn.functional.gelu(self.up(x)))
+        if self.tied:
+            y = y + self.up.weight.mean() * 0
+        return (y ** 2).mean()
+
+
+def _train_zero3(model, all_gather: bool, recipe: str = "tensorwise", steps: int = 3):
+    """ZeRO-3 over 2 threaded ranks: (rank 0's losses, bytes its gathers received, pm)."""
+    from nncompile.tools.simulate import run_ranks
+    spec = nncompile.Float8Spec(recipe, filter="all", all_gather=all_gather)
+
+    x = [torch.randn(4, 32, generator=torch.Generator().manual_seed(s)) for s in range(steps)]
+
+    def rank(r):            # threads of this process: nothing here draws from torch's RNG
+        pm = nncompile.parallelize(copy.deepcopy(model), (x[0],), nncompile.ComputeConfig(
+            1, 2, float8=spec, use_zero=3), pas_policy="dp", reuse="override",
+            gen_savedir=".nncompile/test_float8", instance_name=f"mlp{all_gather}{recipe}")
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        losses = []
+        for b in x:
+            loss = pm(b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, pm.zero.gathered_bytes, pm
+    return run_ranks(2, rank)[0]
+
+
+def test_zero3_gathers_float8_weights_as_float8_bytes_with_the_same_numerics():
+    torch.manual_seed(0)
+    model = _Mlp()
+    got, got_bytes, pm = _train_zero3(model, all_gather=True)
+    want, want_bytes, _ = _train_zero3(model, all_gather=False)
+    assert got == want                           # the same casts: bit for bit
+    assert sorted(pm.FLOAT8["gathered"]) == ["down_weight", "up_weight"]
+    assert got_bytes * 4 == want_bytes           # f32 weights: one byte per element, not four
+    plan = json.loads((pathlib.Path(pm.gencode_path).parent / "plan.json").read_text())
+    assert plan["float8"]["zero3_gather"] == {"up.weight": "float8", "down.weight": "float8"}
+
+
+def test_zero3_gathers_in_high_precision_where_float8_cannot_serve_every_reader():
+    torch.manual_seed(0)
+    _, _, tied = _train_zero3(_Mlp(tied=True), all_gather=True, steps=1)
+    assert tied.FLOAT8["gathered"] == {"down_weight": []}     # up.weight: in high precision
+    plan = json.loads((pathlib.Path(tied.gencode_path).parent / "plan.json").read_text())
+    assert "reads it too, in high precision" in plan["float8"]["zero3_gather"]["up.weight"]
+    _, _, rowwise = _train_zero3(_Mlp(), all_gather=True, recipe="rowwise", steps=1)
+    plan = json.loads((pathlib.Path(rowwise.gencode_path).parent / "plan.json").read_text())
+    assert "only tensorwise" in plan["float8"]["zero3_gather"]["up.weight"]
+    assert "gathered" not in rowwise.FLOAT8
+    with pytest.raises(ConfigError, match="all_gather"):
+        nncompile.Float8Spec(all_gather="yes")
+
+
 def test_auto_filter_skips_small_layers_with_the_reason():
     from nncompile.float8_spec import float8_layers
     layers = float8_layers(_llama(), nncompile.Float8Spec("rowwise"))
@@ -177,3 +243,21 @@ def test_the_cost_model_prices_float8_products_at_the_float8_rate():
     h100, cpu = BUILTIN["h100-80g"], BUILTIN["cpu"]
     assert h100.float8_flops(torch.bfloat16) == 2 * h100.peak_flops(torch.bfloat16)
     assert cpu.float8_flops(torch.float32) == cpu.peak_flops(torch.float32)   # emulated
+
+
+def test_the_memory_model_prices_a_float8_gather_at_a_byte_per_element(tmp_path):
+    from nncompile.ir import MemoryChoice
+    from nncompile.passes.autodist import cost_model
+    from nncompile.passes.autodist.memory_model import MemoryModel
+    config = nncompile.ComputeConfig(1, 8, float8=nncompile.Float8Spec(filter="all"),
+                                     use_zero=3)
+    g = compile_module(_Mlp(), (torch.randn(4, 32),), config, pas_policy="dp",
+                       outdir=tmp_path).final
+    w = next(v for v in g.params if v.fqn == "up.weight")
+    model = cost_model(config, 1)
+    zero3 = MemoryChoice(zero=3, offload_optimizer=False)
+    gathered = MemoryModel.of(model, config, g)
+    plain = MemoryModel.of(model, config)
+    assert gathered.float8_gathered == {"up.weight", "down.weight"}
+    assert gathered.gathered_bytes(w, 8192.0) == 2048.0
+    assert gathered.param_time(w, w.placement, zero3) < plain.param_time(w, w.placement, zero3)

@@ -203,8 +203,13 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
                                   "<AXIS>_GROUP in the code")
     if uses_float8(g):
         f8 = g.plan_state.float8
-        text += rank_file.declare("FLOAT8", {"recipe": f8["recipe"], "scales": f8["scales"]},
-                                  "FLOAT8.linear: torchao's float8 recipe (runtime/float8.py)")
+        gathered = float8_gathered(g)
+        text += rank_file.declare(
+            "FLOAT8", {"recipe": f8["recipe"], "scales": f8["scales"],
+                       **({"gathered": gathered} if gathered else {})},
+            "FLOAT8.linear: torchao's float8 recipe (runtime/float8.py)" + (
+                "; gathered: weights ZeRO-3 gathers in float8 (runtime/zero_float8.py)"
+                if gathered else ""))
     param_axes = {v.name: {a: repr(p) for a, p in v.axes.items()} for v in tg.params if v.axes}
     if param_axes:
         text += rank_file.declare("PARAM_AXES", param_axes, "parameters split along those "
@@ -303,6 +308,17 @@ def forward_method(g: Graph, name: str, n: int, doc: str = "") -> list[str]:
             lines += render_body(g, indent="        ", local_n=n)
         lines.append(f"        return {fmt_literal(tuple(g.outputs))}")
     return lines
+
+
+def float8_gathered(g: Graph) -> dict[str, list[str]]:
+    """The weights ZeRO-3 gathers in float8 (passes/float8.py zero3_float8_gathers): those
+    of the training program that its eval program, where it has one, reads the same way."""
+    got = dict(g.plan_state.zero_float8 or {})
+    ev = g.eval_program
+    if ev is not None and Stage.ZERO3_LOWERED in ev.stages:
+        keep = ev.plan_state.zero_float8 or {}
+        got = {name: axes for name, axes in got.items() if keep.get(name) == axes}
+    return got
 
 
 def uses_float8(g: Graph) -> bool:

@@ -375,8 +375,12 @@ class PlanState:
     # config's plan_ngpus and parallel.ep; passes/contract.py tensor_ranks, experts_split)
     tensor_ranks: int | None = None
     experts: int | str | None = None
-    # float8 (passes/float8.py): {"recipe", "scales", "layers": {FQN: "float8" or why not}}
+    # float8 (passes/float8.py): {"recipe", "scales", "layers": {FQN: "float8" or why not},
+    # "zero3_gather": {weight FQN: "float8" or why high precision}}
     float8: dict | None = None
+    # ZeRO-3 units' weights gathered in float8 (passes/float8.py zero3_float8_gathers):
+    # {local parameter name: the mesh axes the plan splits it along}
+    zero_float8: dict[str, list[str]] | None = None
 
 
 @dataclass

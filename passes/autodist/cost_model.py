@@ -441,4 +441,4 @@ def estimate_step(graph: Graph, config, profile=None) -> StepEstimate:
         config.parallel.recompute_modules or ()
     if recompute == "auto":
         recompute = ()
-    return step_cost(graph, model, tuple(recompute), memory, MemoryModel.of(model, config))
+    return step_cost(graph, model, tuple(recompute), memory, MemoryModel.of(model, config, graph))

@@ -26,6 +26,7 @@ Time per step, per parameter of local bytes B (the cost model's alpha-beta colle
     stage 2    reduce_scatter(B) over Z + all_gather(B) over Z
     stage 3    reduce_scatter(B) + 2 all_gather(B) over Z              (forward and backward)
                frozen parameters: 2 all_gather(B)
+               a weight gathered in float8 (passes/float8.py zero3_gather): B / itemsize
 
 With zero_ngroups > 1 a reduce_scatter adds an all_reduce of B / Z across the groups. Host
 copies take bytes / `DeviceProfile.host_bytes_per_s`: offload_optimizer copies the gradient
@@ -77,12 +78,22 @@ class MemoryModel:
     zero_group: int = 1             # Z: ranks one ZeRO shard group spans
     zero_ngroups: int = 1
     bucket_cap: float = 25 * 2 ** 20   # bytes of one gradient bucket (reducer_bucket_cap_mb)
+    # weights ZeRO-3 gathers in float8, one byte per element (passes/float8.py zero3_gather)
+    float8_gathered: frozenset = frozenset()
 
     @classmethod
-    def of(cls, model: CostModel, config) -> "MemoryModel":
+    def of(cls, model: CostModel, config, graph: Graph | None = None) -> "MemoryModel":
+        f8 = (graph.plan_state.float8 or {}) if graph is not None else {}
         return cls(model, max(1, config.dp_size * model.context // config.zero_ngroups),
                    config.zero_ngroups,
-                   float(config.reducer_bucket_cap_mb) * 2 ** 20)
+                   float(config.reducer_bucket_cap_mb) * 2 ** 20,
+                   frozenset(fqn for fqn, how in f8.get("zero3_gather", {}).items()
+                             if how == "float8"))
+
+    def gathered_bytes(self, v: Value, b: float) -> float:
+        """What a ZeRO-3 gather of `v` (`b` bytes in its dtype) moves: 1 byte per element
+        where it is gathered in float8."""
+        return b / v.meta.dtype.itemsize if v.fqn in self.float8_gathered else b
 
     def _z(self, choice: MemoryChoice) -> int:
         return self.zero_group if choice.zero else 1
@@ -123,6 +134,8 @@ class MemoryModel:
         z = self._z(choice)
         span = z * m.n
         gather = m.collective("all_gather", b, group=z, span=span)
+        if choice.zero == 3:
+            gather = m.collective("all_gather", self.gathered_bytes(v, b), group=z, span=span)
         trainable = v.requires_grad
         t = 0.0
         if trainable:
@@ -169,7 +182,8 @@ class MemoryModel:
             c = prob.choice_of.get(id(cv))
             if c is None or not v.fqn:
                 continue
-            row = [nbytes(cv, opt, self.model.n) for opt in prob.choices[c].options]
+            row = [self.gathered_bytes(v, nbytes(cv, opt, self.model.n))
+                   for opt in prob.choices[c].options]
             unit = per.setdefault(unit_of(v.fqn), {})
             unit[c] = [a + b for a, b in zip(unit[c], row)] if c in unit else row
         distinct = {repr(sorted(u.items())): u for u in per.values()}

@@ -157,7 +157,7 @@ def search(graph: Graph, config, build: Callable[[list[str]], tuple[Graph, Probl
         if choice.recompute not in built:
             built[choice.recompute] = build(list(choice.recompute))
         g, base = built[choice.recompute]
-        mm = mm or MemoryModel.of(base.model, config)
+        mm = mm or MemoryModel.of(base.model, config, g)
         prob = mm.derive(g, base, choice)
         picks = leanest_picks(prob)
         cands.append(Candidate(choice, i, g, prob, picks, memory_of(prob, picks),

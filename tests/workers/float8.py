@@ -92,6 +92,12 @@ def check(name, plan, fields, spec_fields, savedir) -> None:
                                instance_name=f"float8_{name}")
     code = open(pm.gencode_path).read()
     assert "FLOAT8.linear(" in code, f"{name}: no float8 linear in the generated code"
+    if fields.get("use_zero") == 3 and spec.recipe == "tensorwise":   # float8 all-gather
+        gathered = pm.FLOAT8.get("gathered", {})
+        assert gathered and all(u.float8 is None or u.float8.f8_index for u in pm.zero.units), \
+            f"{name}: ZeRO-3 gathers no weight in float8 ({pm.FLOAT8})"
+        if plan > 1:
+            assert any(gathered.values()), f"{name}: no gathered weight split by the plan"
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, weight_decay=0.1)
     units = pm.dp_size
     losses = []
