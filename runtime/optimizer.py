@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nncompile.errors import CheckpointError, ConfigError
+from nncompile.log import log
 
 from .full_state import register_optimizer
 from .carry_state import carry
@@ -139,6 +140,28 @@ class _Shard:
         return self.layout.names
 
 
+def _host_step(optimizer_cls: type, groups: list, kwargs: dict, shards: list, memory):
+    """The inner optimizer. Where offloading puts the step on the host (its pieces in CPU
+    memory while the model runs on a GPU, or offload asked for on a CPU), an optimizer with
+    a fused CPU kernel (torch's Adam, AdamW, SGD, Adagrad) steps with it: one vectorised
+    pass over each tensor instead of a kernel per operation (about 5x faster on a CPU; the
+    sums round alike to a unit in the last place). `fused=` or `foreach=` given: as given."""
+    on_host = (memory.offload_optimizer or memory.offload_params) and shards and \
+        all(s.param.device.type == "cpu" for s in shards)
+    if on_host and kwargs.get("fused") is None and kwargs.get("foreach") is None and \
+            "fused" in inspect.signature(optimizer_cls.__init__).parameters:
+        try:
+            opt = optimizer_cls(groups, **{**kwargs, "fused": True})
+        except (RuntimeError, ValueError, TypeError):   # no fused kernel for these tensors
+            pass
+        else:
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                log(f"offload: the host steps {optimizer_cls.__name__} with its fused CPU "
+                    "kernel (pass fused=False to keep the per-operation step)")
+            return opt
+    return optimizer_cls(groups, **kwargs)
+
+
 def _to_host(t: torch.Tensor, host: torch.device) -> torch.Tensor:
     out = t.to(host, copy=True)
     if host.type == "cpu" and torch.cuda.is_available():
@@ -190,8 +213,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise ConfigError(f"parameter {frozen[0]!r} does not require grad (it is "
                                   f"frozen), so {stage_name(pm)} keeps no piece of it to step; "
                                   f"leave it out of the optimizer's parameters")
-        self.inner = optimizer_cls([{**g, "params": [seg_of[n] for n in g["params"]]}
-                                    for g in named], **kwargs)
+        groups = [{**g, "params": [seg_of[n] for n in g["params"]]} for g in named]
+        self.inner = _host_step(optimizer_cls, groups, kwargs, self.shards, memory)
         super().__init__([seg for g in self.inner.param_groups for seg in g["params"]],
                          self.inner.defaults)
         self.param_groups = self.inner.param_groups
