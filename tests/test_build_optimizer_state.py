@@ -169,3 +169,27 @@ def test_state_of_an_optimizer_over_the_dtensor_parameters_is_carried(gen, zero)
         return losses
     for losses in run_ranks(WORLD, rank_fn):
         torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero,offload", [(1, False), (2, False), (0, True)])
+def test_a_plain_optimizer_under_zero_1_2_or_offload_is_warned_once(zero, offload, recwarn):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+
+    def rank(r):
+        pm = nncompile.parallelize(copy.deepcopy(model), (x,), ComputeConfig(
+            1, WORLD, use_zero=zero, offload_optimizer=offload), pas_policy="dp",
+            gen_savedir=".nncompile/test_build_optimizer_state", reuse="override",
+            instance_name=f"warn{zero}{int(offload)}")
+        plain = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        built = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+        for opt in (plain, plain, built):
+            pm(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    run_ranks(WORLD, rank)
+    said = [str(w.message) for w in recwarn if "build_optimizer" in str(w.message)]
+    # once per optimizer, for the plain one only (the ranks are threads, which may share
+    # one warning)
+    assert 1 <= len(said) <= WORLD, said
+    assert "saves no memory" in said[0]
