@@ -34,6 +34,7 @@ steps need no extra call.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -162,6 +163,14 @@ def _host_step(optimizer_cls: type, groups: list, kwargs: dict, shards: list, me
     return optimizer_cls(groups, **kwargs)
 
 
+def _copy(direction: str, host):
+    """A host<->device copy of offloaded state, named on the profiler's timeline
+    (`nncompile.offload.to_host` / `to_device`); nothing without offload."""
+    if host is None:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"nncompile.offload.{direction}")
+
+
 def _to_host(t: torch.Tensor, host: torch.device) -> torch.Tensor:
     out = t.to(host, copy=True)
     if host.type == "cpu" and torch.cuda.is_available():
@@ -272,8 +281,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if s.flat is not None:                     # ZeRO-3: the piece is the parameter
                 g = s.flat.grad
                 if s.param is not s.flat:
-                    s.param.copy_(s.flat.detach())
-                    g = None if g is None else g.to(s.param.device, s.param.dtype)
+                    with _copy("to_host", self.host):
+                        s.param.copy_(s.flat.detach())
+                        g = None if g is None else g.to(s.param.device, s.param.dtype)
                 for seg, (a, b, _, _) in zip(s.segs, s.cuts):
                     seg.grad = None if g is None else g.detach()[a:b]
                 continue
@@ -282,7 +292,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                    for p in s.params])
             if s.grad is not None:               # ZeRO-2: what the reducer handed over
                 grad = grad + s.grad.to(grad.device)
-            grad = grad.to(s.param.device, s.param.dtype)
+            with _copy("to_host", self.host):
+                grad = grad.to(s.param.device, s.param.dtype)
             for i, (seg, (a, b, _, _)) in enumerate(zip(s.segs, s.cuts)):
                 # a parameter no rank computed a gradient for is skipped, as on one device
                 seg.grad = grad[a:b] if (s.params[i].grad is not None or i in s.got) else None
@@ -292,9 +303,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 seg.grad = None
             if s.flat is not None:
                 if s.param is not s.flat:
-                    s.flat.copy_(s.param.detach().to(s.flat.device, non_blocking=True))
+                    with _copy("to_device", self.host):
+                        s.flat.copy_(s.param.detach().to(s.flat.device, non_blocking=True))
                 continue
-            local = s.param.detach().to(s.params[0].device, non_blocking=True)
+            with _copy("to_device", self.host):
+                local = s.param.detach().to(s.params[0].device, non_blocking=True)
             full = self._gather_layout(s.layout, local)
             for p, value in zip(s.params, s.layout.unflatten(full)):
                 p.copy_(value)

@@ -134,3 +134,20 @@ def test_row_shard_layout_cuts_rows_as_dtensor_shard0(size):
                 mine = chunks[lay.rank] if lay.rank < len(chunks) else t[:0]
                 assert torch.equal(mine.reshape(-1), t.reshape(-1)[s:e])
                 assert lay.local_rows(i) == mine.shape[0]
+
+
+def test_offload_copies_are_named_on_the_profilers_timeline(tmp_path):
+    """offload_params: each unit's copy to the device (forward and backward gathers) and its
+    gradient's copy to the host; offload_optimizer: the step's copies too."""
+    pm = compile_gpt(tmp_path, "z3off", offload_params=True, offload_optimizer=True)
+    opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pm(**models.batch("gpt", 0)).backward()
+        opt.step()
+    names = [e.name for e in prof.events()]
+    for unit in pm.zero.units:
+        assert names.count(f"nncompile.offload.to_host {unit.path}") == 1, unit.path
+        # forward's gather, and backward's where backward reads the weights (not wpe's)
+        want = 1 if unit.path == "wpe" else 2
+        assert names.count(f"nncompile.offload.to_device {unit.path}") == want, unit.path
+    assert opt.inner.defaults["fused"] is True      # the host step's fused kernel
