@@ -261,6 +261,12 @@ def textbook(s: int, m: int) -> float:
     return (s - 1) / (m + s - 1)
 
 
+def paper_bubble(schedule: str, s: int, v: int, m: int) -> float:
+    """The schedule's paper's bubble (the `model` column) as a number."""
+    from nncompile.passes.schedule_time import textbook_bubble
+    return textbook_bubble(schedule, s, v, m)
+
+
 def model_bubble(schedule: str, s: int, v: int, m: int) -> str:
     """The schedule's paper's bubble at F : B : W = 1 : 2 : 1 (passes/schedule_time.py, which
     autodist's step model reproduces from the action list); * where it assumes a split
@@ -331,6 +337,13 @@ def report(args, world: int, runs: list[Run], every: list[dict], build_s: float,
                          f"{st['busy'] * 1e3:10.1f}{st['bubble']:10.3f}"
                          f"{textbook(world, m):10.3f}{model:>9}{st['stretch']:9.2f}"
                          f"{st['cores_busy']:12.2f}")
+        gaps = {run.schedule + (f" V={run.v}" if run.v > 1 else ""):
+                abs(stats[run.name]["bubble"] - paper_bubble(run.schedule, world, run.v, m))
+                for run in group}
+        worst = max(gaps, key=gaps.get)
+        lines.append(f"{'':25}largest gap to the schedule's paper bubble at M={m}: "
+                     f"{gaps[worst]:.3f} of the step ({worst}); every schedule within "
+                     f"{args.bubble_tol:g}: {'yes' if gaps[worst] <= args.bubble_tol else 'NO'}")
         err = max(rel(a, b) for run in group for a, b in zip(gloss[run.name], gloss[group[0].name]))
         same &= err <= args.loss_rtol
         lines.append(f"{'':25}losses of the {len(group)} schedules at M={m}: max relative "
@@ -424,6 +437,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--loss-rtol", type=float, default=1e-4)
+    ap.add_argument("--bubble-tol", type=float, default=0.05,
+                    help="how far (a share of the step) a measured bubble may be from its "
+                         "schedule's paper value")
     ap.add_argument("--results-dir", default=RESULTS)
     ap.add_argument("--json", help="also write every number to this file")
     ap.add_argument("--no-save", action="store_true", help="do not write a results file")
