@@ -51,7 +51,7 @@ from .pieces import local_parameters
 from nncompile.rows import param_rows
 from .param_handles import (check_elementwise, cut, declare_elementwise, groups_by_name,
                             segment_layout, segment_params, zero3_segments, zero_stage)
-from .zero import FlatLayout, gather_piece
+from .zero import FlatLayout, copy_to_host, gather_piece
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam",
                "ASGD", "Rprop", "Adadelta")        # declared in elementwise._ELEMENTWISE
@@ -283,7 +283,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if s.param is not s.flat:
                     with _copy("to_host", self.host):
                         s.param.copy_(s.flat.detach())
-                        g = None if g is None else g.to(s.param.device, s.param.dtype)
+                        if g is not None:
+                            g = copy_to_host(g, s.param.dtype) if g.device != s.param.device \
+                                else g.to(dtype=s.param.dtype)
                 for seg, (a, b, _, _) in zip(s.segs, s.cuts):
                     seg.grad = None if g is None else g.detach()[a:b]
                 continue
@@ -293,7 +295,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if s.grad is not None:               # ZeRO-2: what the reducer handed over
                 grad = grad + s.grad.to(grad.device)
             with _copy("to_host", self.host):
-                grad = grad.to(s.param.device, s.param.dtype)
+                grad = copy_to_host(grad, s.param.dtype) if grad.device != s.param.device \
+                    else grad.to(dtype=s.param.dtype)
             for i, (seg, (a, b, _, _)) in enumerate(zip(s.segs, s.cuts)):
                 # a parameter no rank computed a gradient for is skipped, as on one device
                 seg.grad = grad[a:b] if (s.params[i].grad is not None or i in s.got) else None
