@@ -290,3 +290,33 @@ def test_two_ranks_tp_show_communication_buffers(run_ranks, tmp_path):
         assert m.bytes["communication_buffers"][-1] <= 64 * 1024      # ended, not leaked
     _, h = _is_png(prof.plot(tmp_path / "tp.png"))
     assert h > 400
+
+
+def test_offload_copies_are_on_the_timeline(tmp_path):
+    """ZeRO-3 with offload_params (one rank; on a CPU host and device are one memory, the copies
+    still run): every unit's copies are spans of the profile, saved, loaded and drawn."""
+    idx, targets = _batch()
+    pm = nncompile.parallelize(_gpt(), {"idx": idx, "targets": targets},
+                               nncompile.ComputeConfig(1, 1, use_zero=3, offload_params=True),
+                               pas_policy="dp", gen_savedir=tmp_path / "gen")
+    opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+
+    def step():
+        pm(idx, targets).backward()
+        opt.step()
+        opt.zero_grad()
+
+    prof = memory.profile(pm, step, steps=2, optimizer=opt)
+    copies = prof.ranks[0].copies_ms
+    names = [name for _, _, name in copies]
+    units = [u.path for u in pm.zero.units]
+    for unit in units:                       # per step: to the device in forward, back once
+        assert names.count(f"to_host {unit}") == 2, (unit, names)
+        assert names.count(f"to_device {unit}") >= 2, (unit, names)
+    assert all(a <= b for a, b, _ in copies)
+    steps = prof.ranks[0].steps_ms
+    assert all(steps[0][0] <= a and b <= steps[-1][1] for a, b, _ in copies)
+    again = memory.load(prof.save(tmp_path / "offload.json"))
+    assert again.ranks[0].copies_ms == copies
+    w, _ = _is_png(again.plot(tmp_path / "offload.png"))
+    assert w > 600

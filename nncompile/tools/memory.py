@@ -43,6 +43,7 @@ FORMAT, VERSION = "nncompile-memory-profile", 1
 COMM_FILES = ("comm.py", "reducer.py", "zero.py")      # in nncompile/runtime/
 COMM_SCOPE = "nncompile.comm"                           # record_function name prefix
 STEP_SCOPE = "nncompile.memory.step"
+COPY_SCOPE = "nncompile.offload."                      # offload's copies (runtime/zero.py)
 MAX_POINTS = 2000                                       # timeline points kept per rank
 
 
@@ -61,6 +62,8 @@ class RankMemory:
     events: list[int] = field(default_factory=list)             # each point's change number
     bytes: dict[str, list[int]] = field(default_factory=dict)   # per category, per time
     steps_ms: list[list[float]] = field(default_factory=list)   # [start, end] of each step
+    # offload's host<->device copies (runtime/zero.py, optimizer.py): [start, end, name]
+    copies_ms: list[list] = field(default_factory=list)
     allocator_peak_bytes: int | None = None      # CUDA: torch.cuda.max_memory_allocated
     allocator_reserved_bytes: int | None = None  # CUDA: torch.cuda.max_memory_reserved
     source: str = "torch.profiler memory profile"

@@ -1,5 +1,6 @@
 """A memory profile as a picture: one panel per rank, bytes per category stacked over the run,
-the peak marked, steps shaded alternately and the predicted total as a dashed line. Drawn with
+the peak marked, steps shaded alternately, offload's host<->device copies as orange marks
+along the bottom and the predicted total as a dashed line. Drawn with
 matplotlib's Agg canvas (no pyplot, no display needed)."""
 from __future__ import annotations
 
@@ -21,16 +22,24 @@ def _unit(largest: float) -> tuple[str, float]:
     return next(((name, size) for name, size in UNITS if largest >= size), UNITS[-1])
 
 
-def _xs(m: RankMemory, x: str) -> tuple[list[float], float, list[tuple[float, float]]]:
-    """The x of each point, of the peak and of each step's [start, end]."""
+def _spans(m: RankMemory, x: str, spans) -> list[tuple[float, float]]:
+    """[start, end] ms spans (steps, copies) on the x axis."""
     if x == "time":
-        return m.times_ms, m.peak_ms, [(a, b) for a, b in m.steps_ms]
+        return [(a, b) for a, b, *_ in spans]
     events = m.events or list(range(len(m.times_ms)))
 
     def at(ms: float, side) -> float:
         i = min(side(m.times_ms, ms), len(events) - 1)
         return float(events[max(i, 0)])
-    steps = [(at(a, bisect.bisect_left), at(b, bisect.bisect_right) - 0.5) for a, b in m.steps_ms]
+    return [(at(a, bisect.bisect_left), at(b, bisect.bisect_right) - 0.5) for a, b, *_ in spans]
+
+
+def _xs(m: RankMemory, x: str) -> tuple[list[float], float, list[tuple[float, float]]]:
+    """The x of each point, of the peak and of each step's [start, end]."""
+    steps = _spans(m, x, m.steps_ms)
+    if x == "time":
+        return m.times_ms, m.peak_ms, steps
+    events = m.events or list(range(len(m.times_ms)))
     return [float(e) for e in events], float(m.peak_event), steps
 
 
@@ -55,6 +64,9 @@ def plot_profile(prof: MemoryProfile, output: Path, x: str = "events") -> Path:
         for i, (a, b) in enumerate(steps):
             if i % 2 == 0:
                 ax.axvspan(a, b, color="#000000", alpha=0.05, lw=0)
+        for i, (a, b) in enumerate(_spans(m, x, m.copies_ms)):    # offload's copies
+            ax.axvspan(a, max(b, a + 0.5), ymin=0, ymax=0.03, color="#ef6c00", lw=0,
+                       label=f"host<->device copies ({len(m.copies_ms)})" if i == 0 else None)
         labels = [f"{c} (max {m.max_bytes[c] / scale:.2f} {unit})" for c in CATEGORIES]
         ax.stackplot(xs, [[v / scale for v in m.bytes[c]] for c in CATEGORIES], labels=labels,
                      colors=[COLOURS[c] for c in CATEGORIES], step="post", alpha=0.85, lw=0)

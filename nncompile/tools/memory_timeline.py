@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .memory import CATEGORIES, COMM_FILES, COMM_SCOPE, STEP_SCOPE, RankMemory
+from .memory import CATEGORIES, COMM_FILES, COMM_SCOPE, COPY_SCOPE, STEP_SCOPE, RankMemory
 
 _FAILURES = (AttributeError, ImportError, TypeError, KeyError, AssertionError, ValueError)
 
@@ -102,10 +102,12 @@ def analyse(prof, device: torch.device, rank: int, tensors: dict, live: dict[int
     forward_files = frozenset(os.path.normpath(os.path.abspath(f)) for f in forward_files)
     from torch._C._profiler import _EventType
     tree = prof.profiler.kineto_results.experimental_event_tree()
-    steps, raw = [], []
+    steps, raw, copies = [], [], []
     for e in _walk(tree):
         if e.typed[0] == _EventType.TorchOp and e.name.startswith(STEP_SCOPE):
             steps.append((e.start_time_ns, e.end_time_ns))
+        elif e.typed[0] == _EventType.TorchOp and e.name.startswith(COPY_SCOPE):
+            copies.append((e.start_time_ns, e.end_time_ns, e.name[len(COPY_SCOPE):]))
         elif e.typed[0] == _EventType.Allocation and e.typed[1].device == device \
                 and e.typed[1].alloc_size != 0:
             a = e.typed[1]
@@ -124,7 +126,7 @@ def analyse(prof, device: torch.device, rank: int, tensors: dict, live: dict[int
     if events is None:
         events = _replay(raw, [], lambda who, version: "other", live)
         source = "torch.profiler allocations (by address and frames only)"
-    return _aggregate(events, steps, rank, str(device), tensors, max_points, source)
+    return _aggregate(events, steps, rank, str(device), tensors, max_points, source, copies)
 
 
 class Alloc(NamedTuple):
@@ -300,7 +302,8 @@ def _replay(raw: list[Alloc], pre, category, live: dict[int, str], bumps=(), key
     return out
 
 
-def _aggregate(events, steps, rank, device, tensors, max_points, source) -> RankMemory:
+def _aggregate(events, steps, rank, device, tensors, max_points, source,
+               copies=()) -> RankMemory:
     starts = [t for t, _, _ in events if t >= 0] + [s for s, _ in steps]
     t0 = min(starts) if starts else 0
     cur = dict.fromkeys(CATEGORIES, 0)
@@ -328,6 +331,8 @@ def _aggregate(events, steps, rank, device, tensors, max_points, source) -> Rank
         tensors=tensors, times_ms=[ms[i] for i in keep], events=keep,
         bytes={c: [int(points[k][i]) for k in keep] for i, c in enumerate(CATEGORIES)},
         steps_ms=[[round((a - t0) / 1e6, 4), round((b - t0) / 1e6, 4)] for a, b in steps],
+        copies_ms=[[round((a - t0) / 1e6, 4), round((b - t0) / 1e6, 4), name]
+                   for a, b, name in sorted(copies) if b >= t0],
         source=source)
 
 
