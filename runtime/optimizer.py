@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -369,6 +370,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Inverse of local_state: keep this rank's slice of each full local state tensor."""
         load_segment_state(self.inner.state, [(s.layout, s.segs, s.param) for s in self.shards],
                            state)
+
+
+def warn_unsharded(opt) -> None:
+    """A plain torch optimizer over the parameters of a pm whose ComputeConfig asks the
+    optimizer to shard or offload (ZeRO-1/2, offload_optimizer) steps whole tensors on the
+    device: right numbers, none of the memory saved. Say so once, naming the fix."""
+    if isinstance(opt, ZeroOptimizer) or opt.__dict__.get("_nnc_warned"):
+        return
+    for g in opt.param_groups:
+        for p in g["params"]:
+            ref = getattr(p, "_nnc_owner", None) or getattr(p, "_nnc_handle", (None,))[0]
+            pm = ref() if ref is not None else None
+            if pm is None or not (pm.memory.zero in (1, 2) or pm.memory.offload_optimizer):
+                continue
+            opt.__dict__["_nnc_warned"] = True
+            warnings.warn(
+                f"this {type(opt).__name__} steps pm's whole parameters on every rank, so "
+                f"{zero_stage(pm)} (ComputeConfig) saves no memory for it: the state is "
+                "neither sharded nor offloaded. Build it with "
+                "nncompile.build_optimizer(pm, optimizer), which keeps its groups, "
+                "hyper-parameters and state", UserWarning, stacklevel=3)
+            return
 
 
 def stage_name(pm) -> str:

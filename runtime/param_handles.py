@@ -27,7 +27,6 @@ naming pm.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from typing import Iterable
 
@@ -304,28 +303,6 @@ def _layout_hook(opt, sd: dict) -> dict:
     return sd
 
 
-def _warn_unsharded(opt) -> None:
-    """A plain torch optimizer over the parameters of a pm whose ComputeConfig asks the
-    optimizer to shard or offload (ZeRO-1/2, offload_optimizer) steps whole tensors on the
-    device: right numbers, none of the memory saved. Say so once, naming the fix."""
-    if type(opt).__name__ == "ZeroOptimizer" or opt.__dict__.get("_nnc_warned"):
-        return
-    for g in opt.param_groups:
-        for p in g["params"]:
-            ref = getattr(p, "_nnc_owner", None) or getattr(p, "_nnc_handle", (None,))[0]
-            pm = ref() if ref is not None else None
-            if pm is None or not (pm.memory.zero in (1, 2) or pm.memory.offload_optimizer):
-                continue
-            opt.__dict__["_nnc_warned"] = True
-            warnings.warn(
-                f"this {type(opt).__name__} steps pm's whole parameters on every rank, so "
-                f"{zero_stage(pm)} (ComputeConfig) saves no memory for it: the state is "
-                "neither sharded nor offloaded. Build it with "
-                "nncompile.build_optimizer(pm, optimizer), which keeps its groups, "
-                "hyper-parameters and state", UserWarning, stacklevel=3)
-            return
-
-
 def _pre_step(opt, args, kwargs) -> None:
     """Before every optimizer step: adopt what was added since, refresh segment grads."""
     groups = opt.param_groups
@@ -334,7 +311,8 @@ def _pre_step(opt, args, kwargs) -> None:
         with _LOCK:
             adopt(opt)
         opt.__dict__["_nnc_count"] = count
-        _warn_unsharded(opt)
+        from .optimizer import warn_unsharded       # (imported here: it imports this file)
+        warn_unsharded(opt)
     if opt.__dict__.get("_nnc_watched"):
         for g in groups:
             refresh_grads(g["params"])
