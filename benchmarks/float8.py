@@ -5,6 +5,12 @@ steps, on a Hugging Face Llama of about 1 B parameters (TinyLlama's shape: 22 la
     torchrun --nproc_per_node=1 benchmarks/float8.py --device cuda            # one GPU
     torchrun --nproc_per_node=8 benchmarks/float8.py --device cuda --plan 8   # tp 8
     torchrun --nproc_per_node=1 benchmarks/float8.py --tiny --steps 6         # a CPU smoke run
+    torchrun --nproc_per_node=8 benchmarks/float8.py --device cuda --zero3    # ZeRO-3 over 8
+
+--zero3 trains every contender under ZeRO-3 (use_zero=3, without compile=True, which ZeRO-3's
+gathers refuse) and adds a third: float8 with its weights gathered in high precision
+(Float8Spec(all_gather=False)) beside float8's default, gathered as float8 bytes; the
+`gathered MiB` column is what one rank's ZeRO-3 gathers received per step.
 
 Each contender is the same model from the same seed, parallelized with the same plan
 (ComputeConfig(plan, world, compile=True), bf16 weights), one with float8=--recipe (torchao's
@@ -57,21 +63,24 @@ class Loss(torch.nn.Module):
         return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
 
 
-def run(args, float8: str | None, device: torch.device, savedir: str) -> dict:
+def run(args, float8: str | None, device: torch.device, savedir: str,
+        all_gather: bool = True) -> dict:
     torch.manual_seed(0)
     model, vocab = llama(args.tiny)
     model = Loss(model.to(torch.bfloat16))
     world = dist.get_world_size()
-    spec = nncompile.Float8Spec(float8, filter="all" if args.tiny else "auto") \
-        if float8 else None
+    spec = nncompile.Float8Spec(float8, filter="all" if args.tiny else "auto",
+                                all_gather=all_gather) if float8 else None
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, vocab, (args.batch, args.seq), generator=g)
                for _ in range(args.steps)]
-    cfg = nncompile.ComputeConfig(args.plan, world, compile=args.compile, float8=spec)
+    cfg = nncompile.ComputeConfig(args.plan, world, compile=args.compile and not args.zero3,
+                                  float8=spec, use_zero=3 if args.zero3 else 0)
+    name = (float8 or "bf16") + ("" if all_gather or not float8 else ", hp gather")
     pm = nncompile.parallelize(model, {"input_ids": batches[0], "labels": batches[0]}, cfg,
                                pas_policy="tp" if args.plan > 1 else "dp",
-                               gen_savedir=savedir, instance_name=f"float8_{float8}",
-                               device=device)
+                               gen_savedir=savedir, device=device,
+                               instance_name=f"float8_{float8}_{int(all_gather)}")
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-4)
     times, losses = [], []
     if device.type == "cuda":
@@ -95,9 +104,10 @@ def run(args, float8: str | None, device: torch.device, savedir: str) -> dict:
     else:
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-    return {"name": float8 or "bf16", "step_s": step,
+    gathered = pm.zero.gathered_bytes / len(batches) / 2 ** 20 if pm.zero is not None else 0
+    return {"name": name, "step_s": step,
             "tokens_s": args.batch * args.seq / step / args.plan,    # a unit of plan GPUs
-            "peak_gib": peak, "loss": statistics.mean(losses[-10:])}
+            "peak_gib": peak, "loss": statistics.mean(losses[-10:]), "gathered_mib": gathered}
 
 
 def main() -> None:
@@ -111,6 +121,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer d 128 Llama (CPU smoke)")
     ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--zero3", action="store_true",
+                    help="ZeRO-3 (no compile): float8 gathered in float8 and in high precision")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     if args.tiny:
@@ -124,12 +136,17 @@ def main() -> None:
         torch.cuda.set_device(device)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run(args, None, device, tmp), run(args, args.recipe, device, tmp)]
-    base, f8 = rows
+        if args.zero3:
+            rows.append(run(args, args.recipe, device, tmp, all_gather=False))
+    base, f8 = rows[:2]
+    gathered = f"{'gathered MiB':>14}" if args.zero3 else ""
     lines = [f"# {datetime.datetime.now():%Y-%m-%d %H:%M}  "
              f"{command('benchmarks/float8.py', dist.get_world_size())}",
-             f"{'contender':<12}{'step ms':>10}{'tokens/s/GPU':>14}{'peak GiB':>10}{'loss':>10}"]
-    lines += [f"{r['name']:<12}{r['step_s'] * 1e3:>10.1f}{r['tokens_s']:>14.0f}"
-              f"{r['peak_gib']:>10.2f}{r['loss']:>10.4f}" for r in rows]
+             f"{'contender':<24}{'step ms':>10}{'tokens/s/GPU':>14}{'peak GiB':>10}{'loss':>10}"
+             + gathered]
+    lines += [f"{r['name']:<24}{r['step_s'] * 1e3:>10.1f}{r['tokens_s']:>14.0f}"
+              f"{r['peak_gib']:>10.2f}{r['loss']:>10.4f}"
+              + (f"{r['gathered_mib']:>14.2f}" if args.zero3 else "") for r in rows]
     lines.append(f"float8/bf16: tokens/s {f8['tokens_s'] / base['tokens_s']:.3f}x, loss "
                  f"{(f8['loss'] - base['loss']) / base['loss'] * 100:+.2f} %")
     if dist.get_rank() == 0:
