@@ -63,6 +63,10 @@ def deepcopy_parallel_module(pm, memo: dict) -> Any:
     original = pm.__dict__.get("_original_module")
     if original is not None:
         memo[id(original)] = original          # the module it was built from: shared
+    for key in ("_out_spec", "_eval_out_spec"):   # pytree specs: immutable, shared
+        spec = pm.__dict__.get(key)
+        if spec is not None:
+            memo[id(spec)] = spec
     new = type(pm).__new__(type(pm))
     memo[id(pm)] = new
     skip = set(_NOT_COPIED) | {"pipeline"}     # the copy's schedule runs its own stages

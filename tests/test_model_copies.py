@@ -75,3 +75,17 @@ def test_averaged_model_of_pm_equals_one_device(tmp_path, policy, plan, zero, em
         for fqn, w in want.items():
             torch.testing.assert_close(got[fqn], w.detach(), rtol=1e-5, atol=1e-6)
         assert any(not torch.equal(live[k], got[k]) for k in got)   # the average is not pm
+
+
+def test_a_copy_shares_the_output_specs_and_warns_nothing(tmp_path):
+    """AveragedModel(pm) deep-copies pm: the pytree specs of its outputs are shared (they are
+    immutable; copying one made torch warn about its LeafSpec in the user's output)."""
+    import warnings
+    pm = nncompile.parallelize(models.build("gpt"), models.batch("gpt", 0), ComputeConfig(1),
+                               pas_policy="dp", gen_savedir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        avg = AveragedModel(pm)
+    assert avg.module._out_spec is pm._out_spec
+    with torch.no_grad():
+        assert torch.equal(avg(**models.batch("gpt", 0)), pm(**models.batch("gpt", 0)))
