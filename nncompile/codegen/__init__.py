@@ -202,11 +202,10 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
         text += rank_file.declare("MESH_AXES", g.axes, "mesh axes beyond dp, pp and plan: "
                                   "<AXIS>_GROUP in the code")
     if uses_float8(g):
-        f8 = g.plan_state.float8
-        gathered = float8_gathered(g)
-        text += rank_file.declare(
-            "FLOAT8", {"recipe": f8["recipe"], "scales": f8["scales"],
-                       **({"gathered": gathered} if gathered else {})},
+        f8, gathered = g.plan_state.float8, float8_gathered(g)
+        text += rank_file.declare("FLOAT8", {
+            "recipe": f8["recipe"], "scales": f8["scales"],
+            **({"gathered": gathered} if gathered else {})},
             "FLOAT8.linear: torchao's float8 recipe (runtime/float8.py)" + (
                 "; gathered: weights ZeRO-3 gathers in float8 (runtime/zero_float8.py)"
                 if gathered else ""))
