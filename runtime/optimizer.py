@@ -34,7 +34,6 @@ steps need no extra call.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from typing import Any
@@ -52,7 +51,7 @@ from .pieces import local_parameters
 from nncompile.rows import param_rows
 from .param_handles import (check_elementwise, cut, declare_elementwise, groups_by_name,
                             segment_layout, segment_params, zero3_segments, zero_stage)
-from .zero import FlatLayout, copy_to_host, gather_piece
+from .zero import FlatLayout, copy_to_host, gather_piece, offload_copy
 
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "NAdam", "RAdam",
                "ASGD", "Rprop", "Adadelta")        # declared in elementwise._ELEMENTWISE
@@ -127,10 +126,10 @@ class _Shard:
         self.layout, self.params, self.sharded, self.flat = layout, params, sharded, flat
         if flat is not None:          # ZeRO-3: step the module's own piece (or a host copy)
             self.param = flat if host is None or flat.device == host else \
-                _to_host(flat.detach(), host)
+                copy_to_host(flat.detach())
         else:
             piece = layout.owned([p.detach() for p in params])
-            self.param = _to_host(piece, host) if host is not None else piece.clone()
+            self.param = copy_to_host(piece) if host is not None else piece.clone()
         self.segs = segs if segs is not None and self.param is flat else \
             segment_params(self.param, layout)
         self.cuts = cut(layout, self.param)
@@ -162,21 +161,6 @@ def _host_step(optimizer_cls: type, groups: list, kwargs: dict, shards: list, me
                     "kernel (pass fused=False to keep the per-operation step)")
             return opt
     return optimizer_cls(groups, **kwargs)
-
-
-def _copy(direction: str, host):
-    """A host<->device copy of offloaded state, named on the profiler's timeline
-    (`nncompile.offload.to_host` / `to_device`); nothing without offload."""
-    if host is None:
-        return contextlib.nullcontext()
-    return torch.profiler.record_function(f"nncompile.offload.{direction}")
-
-
-def _to_host(t: torch.Tensor, host: torch.device) -> torch.Tensor:
-    out = t.to(host, copy=True)
-    if host.type == "cpu" and torch.cuda.is_available():
-        out = out.pin_memory()
-    return out
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -282,7 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if s.flat is not None:                     # ZeRO-3: the piece is the parameter
                 g = s.flat.grad
                 if s.param is not s.flat:
-                    with _copy("to_host", self.host):
+                    with offload_copy("to_host", self.host is not None):
                         s.param.copy_(s.flat.detach())
                         if g is not None:
                             g = copy_to_host(g, s.param.dtype) if g.device != s.param.device \
@@ -295,7 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                    for p in s.params])
             if s.grad is not None:               # ZeRO-2: what the reducer handed over
                 grad = grad + s.grad.to(grad.device)
-            with _copy("to_host", self.host):
+            with offload_copy("to_host", self.host is not None):
                 grad = copy_to_host(grad, s.param.dtype) if grad.device != s.param.device \
                     else grad.to(dtype=s.param.dtype)
             for i, (seg, (a, b, _, _)) in enumerate(zip(s.segs, s.cuts)):
@@ -307,10 +291,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 seg.grad = None
             if s.flat is not None:
                 if s.param is not s.flat:
-                    with _copy("to_device", self.host):
+                    with offload_copy("to_device", self.host is not None):
                         s.flat.copy_(s.param.detach().to(s.flat.device, non_blocking=True))
                 continue
-            with _copy("to_device", self.host):
+            with offload_copy("to_device", self.host is not None):
                 local = s.param.detach().to(s.params[0].device, non_blocking=True)
             full = self._gather_layout(s.layout, local)
             for p, value in zip(s.params, s.layout.unflatten(full)):

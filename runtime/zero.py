@@ -32,6 +32,7 @@ float8 bytes (runtime/zero_float8.py).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -72,6 +73,16 @@ def copy_to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     out = torch.empty(t.shape, dtype=dtype, device="cpu", pin_memory=True)
     out.copy_(t)
     return out
+
+
+def offload_copy(direction: str, on: bool, what: str = ""):
+    """A host<->device copy of offloaded state, named on the profiler's timeline
+    (`nncompile.offload.to_device h.3`; nncompile.memory draws them); nothing where `on` is
+    False."""
+    if not on:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"nncompile.offload.{direction}" +
+                                          (f" {what}" if what else ""))
 
 
 def all_gather_along(t: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
@@ -251,11 +262,8 @@ class ZeroRuntime:
     def _issue(self, unit: Unit, async_op: bool) -> tuple:
         """(gathered, work, float8 scales): the unit's pieces all-gathered; a float8 unit's
         as bytes, its weights cast first (runtime/zero_float8.py)."""
-        if self.offload:            # named on the profiler's timeline (runtime/zero.py)
-            with torch.profiler.record_function(f"nncompile.offload.to_device {unit.path}"):
-                local = self.flat(unit).detach().to(self.device, non_blocking=True)
-        else:
-            local = self.flat(unit).detach()
+        with offload_copy("to_device", self.offload, unit.path):
+            local = self.flat(unit).detach().to(self.device, non_blocking=True)
         scales = None
         if unit.float8 is not None:
             local, scales = unit.float8.pack(local)
@@ -356,10 +364,8 @@ class ZeroRuntime:
                 piece = piece * unit.scale
         else:
             piece = g[mine]
-        if self.offload:
-            with torch.profiler.record_function(f"nncompile.offload.to_host {unit.path}"):
-                return copy_to_host(piece)
-        return piece.clone()
+        with offload_copy("to_host", self.offload, unit.path):
+            return copy_to_host(piece) if self.offload else piece.clone()
 
     # ---- tied weights (pipeline stages sharing one) ------------------------------------------
     def tied_grad(self, name: str) -> torch.Tensor:
