@@ -208,6 +208,7 @@ class Cell:
     loop: Loop = Loop()
     zero: int = 0
     offload: bool = False
+    offload_params: bool = False    # ZeRO-3's parameter pieces in host memory too
     stages: int = 0                 # pipeline_stages (microbatches = loop.accum)
     schedule: str = "1f1b"          # the pipeline schedule (with stages)
     dynamic: bool = False
@@ -245,6 +246,9 @@ CELLS = [
     Cell("zero3", "tp", 2, 4, replace(DROP, formats=HF), zero=3),
     Cell("zero3_dp", "dp", 1, 2, zero=3),
     Cell("offload", "tp", 2, 4, DROP, zero=1, offload=True),
+    # ZeRO-3 with both offloads: the pieces, gradients and optimizer state in host memory,
+    # the host step on the optimizer's fused kernel
+    Cell("zero3_offload", "tp", 2, 4, DROP, zero=3, offload=True, offload_params=True),
     Cell("dynamic", "tp", 2, 2, DYN, dynamic=True),
     # nanoGPT's fused c_attn: tp holds parts of it; checkpoints give back the fused layout
     Cell("tp_fused", "tp", 2, 2, FUSED),
@@ -306,7 +310,8 @@ def compute_config(cell: Cell) -> nncompile.ComputeConfig:
     if cell.recompute:
         pas["recompute_modules"] = list(cell.recompute)
     return nncompile.ComputeConfig(cell.plan, cell.runtime, use_zero=cell.zero,
-                                   offload_optimizer=cell.offload, compile=cell.compile,
+                                   offload_optimizer=cell.offload,
+                                   offload_params=cell.offload_params, compile=cell.compile,
                                    parallel=pas, float8=float8_spec(cell.loop))
 
 
