@@ -9,8 +9,9 @@ it across many devices.
 """
 from .version import __version__
 
-from .compat import check_torch_version  # noqa: E402
+from .compat import check_torch_version, quiet_known_import_noise  # noqa: E402
 check_torch_version()                    # an older torch: ImportError naming the minimum
+quiet_known_import_noise()               # torchao's import (transformers') prints no noise
 
 from .config import ComputeConfig  # noqa: E402
 from .parallel_spec import ParallelSpec  # noqa: E402

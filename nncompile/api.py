@@ -270,6 +270,22 @@ def _what_changed(old: dict, config: ComputeConfig, traced_text: str, policy: st
               "differs, or another instance_name." + kept)
 
 
+def _check_plan_fits_job(config: ComputeConfig, distributed: bool) -> None:
+    """plan_ngpus must divide the job's ranks when runtime_ngpus is left to the world size.
+    Raised here, in the user's call, so each rank's traceback is two frames, the rank named."""
+    if config.runtime_ngpus is not None:
+        return
+    world = dist.get_world_size() if distributed else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
+    if world % config.plan_ngpus == 0:
+        return
+    fits = [n for n in range(1, world + 1) if world % n == 0]
+    raise ConfigError(f"plan_ngpus={config.plan_ngpus} does not divide this job's {world} "
+                      f"ranks (each data-parallel unit is plan_ngpus ranks): use plan_ngpus "
+                      f"in {fits}, or launch a multiple of {config.plan_ngpus} ranks (torchrun "
+                      f"--nproc_per_node={config.plan_ngpus})" + (f" [rank {rank}]" if rank else ""))
+
+
 def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: ComputeConfig, *,
                 pas_policy: Any = "autodist", gen_savedir: str | os.PathLike = "./.nncompile",
                 reuse: str = "match", instance_name: str | None = None,
@@ -299,6 +315,8 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
+    if load_module:
+        _check_plan_fits_job(compute_config, distributed)
     config = compute_config.resolved(world if load_module else compute_config.plan_ngpus)
     if load_module and config.runtime_ngpus != world:
         raise ConfigError(f"runtime_ngpus={config.runtime_ngpus} but the world size is {world}; "

@@ -306,3 +306,26 @@ def torchao_auto_filter(recipe: str):
     from torchao.float8 import float8_linear_utils
     make = getattr(float8_linear_utils, "_auto_filter_for_recipe", None)
     return make(recipe, []) if make is not None else None
+
+
+class _KnownImportNoise:
+    """A logging filter for two messages torch 2.13 and torchao 0.18 print whenever torchao is
+    imported (transformers imports it too): torchao's CUDA kernel libraries that this machine
+    cannot load ("Failed to load .../torchao/_C_mxfp8...so", which float8 training does not
+    use: it runs on torch._scaled_mm), and torch's deprecation notice to torchao for
+    registering its enums with pytree. Every other record passes."""
+
+    def filter(self, record) -> bool:
+        text = record.getMessage()
+        return not ((text.startswith("Failed to load ") and "/torchao/_C" in text)
+                    or "is an Enum subclass and is now natively supported" in text)
+
+
+def quiet_known_import_noise() -> None:
+    """Install _KnownImportNoise on the two loggers (once; imports after nncompile's are
+    quiet, one that came before has printed already)."""
+    import logging
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownImportNoise) for f in logger.filters):
+            logger.addFilter(_KnownImportNoise())

@@ -128,7 +128,8 @@ class ComputeConfig:
                 raise ConfigError(
                     f"runtime_ngpus={self.runtime_ngpus} is not a multiple of plan_ngpus="
                     f"{self.plan_ngpus}: every data-parallel unit needs all plan_ngpus ranks; "
-                    f"use runtime_ngpus in {[self.plan_ngpus * k for k in (1, 2, 4)]}...")
+                    f"use a multiple of {self.plan_ngpus} for runtime_ngpus (and the ranks "
+                    f"launched), or a plan_ngpus that divides {self.runtime_ngpus}")
         cap = self.reducer_bucket_cap_mb
         if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0:
             raise ConfigError(f"reducer_bucket_cap_mb must be a positive number (megabytes), "

@@ -11,6 +11,15 @@ Blocks, by the info string after the opening fence:
                       after a python or bash block, where it would read as its output)
     diff              a change to a file in unified diff format, shown as text (a page
                       that relies on it checks it in a python block)
+    python fragment   a piece of a program shown to the reader (it names a `model` or a
+                      `loader` the page never builds): compiled, not run, and every
+                      `nncompile.<name>` it uses must exist
+    bash setup        the repository's own set-up and test commands (a virtual environment,
+                      scripts/setup.sh, `python -m pytest`): not run, since the page runs
+                      inside the test suite (tests/test_docs.py checks that .ci/run runs
+                      them and that the test files they name exist)
+    bash gpu          commands that need GPUs: run where CUDA has as many devices as their
+                      largest --nproc_per_node, reported as skipped elsewhere
 
 Any other info string (an empty one included) is an error, and so is a page without a python
 or bash block, or an output block that does not follow a python or bash block (only blank
@@ -119,14 +128,15 @@ class PageError(Exception):
 
 @dataclass
 class Block:
-    kind: str            # "python", "file", "bash", "output" or "text"
-    line: int            # page line of the block's first code line (1-based)
-    code: str
+    kind: str            # "python", "file", "bash", "output", "text", "python_fragment",
+    line: int            # "bash_setup" or "bash_gpu"; the page line of the block's first
+    code: str            # code line (1-based)
     name: str | None = None     # file=NAME
 
     @property
     def label(self) -> str:
-        return f"python file={self.name}" if self.kind == "file" else self.kind
+        return f"python file={self.name}" if self.kind == "file" else \
+            self.kind.replace("_", " ")
 
 
 def parse(path: str | os.PathLike) -> list[Block]:
@@ -169,6 +179,8 @@ def parse(path: str | os.PathLike) -> list[Block]:
                             "the block prints), or put prose between")
         elif info in ("python", "bash", "text"):
             blocks.append(Block(info, start + 1, code))
+        elif info in ("python fragment", "bash setup", "bash gpu"):
+            blocks.append(Block(info.replace(" ", "_"), start + 1, code))
         elif file_m:
             blocks.append(Block("file", start + 1, code, file_m["name"]))
         elif info == "diff":          # a change to a file, shown to the reader: like text
@@ -186,7 +198,42 @@ def parse(path: str | os.PathLike) -> list[Block]:
 
 def counts(blocks: list[Block]) -> dict[str, int]:
     return {k: sum(b.kind == k for b in blocks)
-            for k in ("python", "bash", "file", "output", "text")}
+            for k in ("python", "bash", "file", "output", "text", "python_fragment",
+                      "bash_setup", "bash_gpu")}
+
+
+def check_fragment(code: str, page: str, line: int) -> None:
+    """A `python fragment` block compiles, and each `nncompile.a.b` it names exists (its
+    module imported where the name is a submodule)."""
+    import ast
+    import importlib
+    import textwrap
+    tree = ast.parse("\n" * (line - 1) + textwrap.dedent(code), filename=page)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        parts, inner = [], node
+        while isinstance(inner, ast.Attribute):
+            parts.append(inner.attr)
+            inner = inner.value
+        if not (isinstance(inner, ast.Name) and inner.id == "nncompile"):
+            continue
+        obj, path = importlib.import_module("nncompile"), "nncompile"
+        for name in reversed(parts):
+            path += "." + name
+            if not hasattr(obj, name):
+                try:
+                    obj = importlib.import_module(path)
+                    continue
+                except ImportError:
+                    raise AttributeError(f"{page}:{node.lineno}: the fragment "
+                                         f"uses {path}, which does not exist") from None
+            obj = getattr(obj, name)
+
+
+def gpus_needed(code: str) -> int:
+    """The largest --nproc_per_node of a `bash gpu` block (1 without torchrun)."""
+    return max([int(n) for n in re.findall(r"--nproc_per_node[= ](\d+)", code)] or [1])
 
 
 def _trim(text: str) -> list[str]:
@@ -325,8 +372,22 @@ def run_page(page: str, workdir: Path, keep_going: bool = False,
     start = time.perf_counter()
     for block in blocks:
         t0 = time.perf_counter()
-        if block.kind == "text":
+        if block.kind in ("text", "bash_setup"):
             continue
+        if block.kind == "python_fragment":
+            try:
+                check_fragment(block.code, str(page_path), block.line)
+            except (SyntaxError, AttributeError):
+                return _fail(page, block, traceback.format_exc(limit=0))
+            print(f"doc_runner: {page}:{block.line} {block.label} compiled", flush=True)
+            continue
+        if block.kind == "bash_gpu":
+            import torch
+            need = gpus_needed(block.code)
+            if not torch.cuda.is_available() or torch.cuda.device_count() < need:
+                print(f"doc_runner: {page}:{block.line} {block.label} skipped (needs {need} "
+                      f"CUDA devices)", flush=True)
+                continue
         if block.kind == "output":
             seen[block.line] = printed
             if printed_json:
@@ -354,8 +415,10 @@ def run_page(page: str, workdir: Path, keep_going: bool = False,
                 return _fail(page, block, traceback.format_exc())
             printed = tee.copy.getvalue()
         else:
+            ends_in = workdir / ".doc_runner_pwd"      # where a pasted block leaves the shell
+            code = f"trap 'pwd > {ends_in}' EXIT\n{block.code}"
             try:
-                proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code],
+                proc = subprocess.run(["bash", "-euo", "pipefail", "-c", code],
                                       cwd=workdir, env=shell_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True,
                                       timeout=BASH_TIMEOUT_S)
@@ -367,6 +430,13 @@ def run_page(page: str, workdir: Path, keep_going: bool = False,
                 return _fail(page, block, f"exit status {proc.returncode}; output tail:\n"
                                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             printed = proc.stdout
+            left_in = ends_in.read_text().strip() if ends_in.exists() else str(workdir)
+            ends_in.unlink(missing_ok=True)
+            if Path(left_in).resolve() != workdir.resolve():
+                return _fail(page, block, f"the block leaves the shell in {left_in}, not where "
+                                          "it started: the next block, pasted into the same "
+                                          "shell, would run there; cd back, or cd in a "
+                                          "subshell ( ... )")
         sys.stdout.flush()
         print(f"doc_runner: {page}:{block.line} {block.label} ok "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)

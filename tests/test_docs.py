@@ -145,6 +145,8 @@ def test_index_links_every_page_in_order():
     ("```python\nx = 1\n```\n\n```bash\necho ok\n```\n\n```python\nassert x == 2, 'x is 1'\n```\n",
      "FAILED page.md:10 (python block)"),
     ("```bash\nfalse\necho unre\"\"achable\n```\n", "FAILED page.md:2 (bash block)"),
+    ("```bash\nmkdir -p sub && cd sub\n```\n\n```bash\necho unre\"\"achable\n```\n",
+     "the block leaves the shell in"),
     ("```output\nhi\n```\n\n```bash\necho hi\n```\n", "output block must follow"),
     ("```bash\necho hi\n```\n\nSome prose.\n\n```output\nhi\n```\n", "output block must follow"),
     ("```python\nprint('PYTHONPATH' in __import__('os').environ)\n```\n```output\nTrue\n```\n"
@@ -239,3 +241,40 @@ def test_wrong_shown_output_fails_with_a_diff(tmp_path):
 ])
 def test_output_matching_rules(shown, printed, ok):
     assert doc_runner.output_matches(shown, printed) is ok
+
+
+# The repository's README and the nanoGPT example's: every command block runs as a docs page
+# does (python fragments compile and name only what nncompile has, GPU commands run where
+# there are GPUs); the set-up and test commands, which the suite cannot run inside itself, are
+# what CI runs (tests/test_first_run.py checks them).
+READMES = ["README.md", "examples/nanogpt/README.md"]
+
+
+@pytest.mark.parametrize("name", READMES)
+def test_readme_runs(name, tmp_path):
+    page = ROOT / name
+    blocks = doc_runner.parse(page)
+    n = doc_runner.counts(blocks)
+    since_ns = time.time_ns()
+    proc = _run(page, tmp_path, timeout=1200)
+    out = proc.stdout
+    if proc.returncode != 0:
+        at = out.find("doc_runner: FAILED")
+        pytest.fail(f"{name} failed (exit {proc.returncode})\n{out[at:][-8000:]}\n"
+                    f"---- output tail ----\n{out[-3000:]}", pytrace=False)
+    assert (f"ok: {n['python']} python, {n['bash']} bash, {n['file']} file blocks, "
+            f"{n['output']} outputs") in out, out[-3000:]
+    compiled = len(re.findall(r"^doc_runner: \S+:\d+ python fragment compiled", out, re.M))
+    assert compiled == n["python_fragment"]
+    left = _left_behind(tmp_path, since_ns)
+    assert not left, f"{name} leaves files that .gitignore does not ignore: {left[:20]}"
+
+
+def test_fragment_check_names_a_missing_name(tmp_path):
+    (tmp_path / "page.md").write_text("```python fragment\npm = nncompile.parallelizee(m)\n```\n\n"
+                                      "```bash\necho ok\n```\n")
+    proc = subprocess.run([sys.executable, str(RUNNER), "page.md", "--workdir", "."],
+                          cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 1 and "nncompile.parallelizee, which does not exist" in \
+        proc.stdout, proc.stdout

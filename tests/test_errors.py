@@ -22,6 +22,20 @@ def test_runtime_not_multiple_of_plan():
         ComputeConfig(plan_ngpus=2, runtime_ngpus=3)
 
 
+def test_plan_ngpus_that_does_not_divide_the_job(tmp_path, monkeypatch):
+    """plan_ngpus=3 under `torchrun --nproc_per_node=2` (before any process group): the fix
+    is a plan_ngpus that divides 2, said in one line from the user's call, the rank named."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError) as e:
+        nncompile.parallelize(models.build("mlp"), models.batch("mlp", 0), ComputeConfig(3),
+                              pas_policy="tp", gen_savedir=tmp_path)
+    assert str(e.value) == ("plan_ngpus=3 does not divide this job's 2 ranks (each data-parallel "
+                            "unit is plan_ngpus ranks): use plan_ngpus in [1, 2], or launch a "
+                            "multiple of 3 ranks (torchrun --nproc_per_node=3) [rank 1]")
+    assert e.traceback[-1].name == "_check_plan_fits_job" and len(e.traceback) == 3
+
+
 def test_world_size_differs_from_runtime_ngpus(tmp_path):
     with pytest.raises(ConfigError, match=r"runtime_ngpus=2 but the world size is 1.*"
                                           r"--nproc_per_node=2"):
@@ -47,10 +61,12 @@ class Branchy(torch.nn.Module):
         return -y.sum()
 
 
-def test_data_dependent_branch_names_user_line(tmp_path):
+def test_data_dependent_branch_names_user_line(tmp_path, capfd):
     line = Branchy.forward.__code__.co_firstlineno + 2
     with pytest.raises(TraceError) as err:
         compile_only(Branchy(), (torch.randn(2, 4),), tmp_path)
+    # torch.export's dump of the partial FX graph is not printed before the error
+    assert "def forward(self" not in capfd.readouterr().err
     msg = str(err.value)
     assert "branches on a tensor's value" in msg
     assert f"test_errors.py:{line}" in msg and "if y.sum() > 0" in msg

@@ -103,3 +103,16 @@ def test_readme_runs_what_ci_runs_and_its_quick_files_exist():
     assert quick, "README.md: no quick subset of the tests"
     for name in quick.group(1).split():
         assert (Path(ROOT) / name).is_file(), f"README.md's quick subset names missing {name}"
+
+
+def test_importing_hugging_face_after_nncompile_prints_nothing():
+    """torchao's unloadable CUDA kernels and torch's pytree notice to torchao are not printed
+    when transformers (which imports torchao) comes after nncompile; other warnings still are."""
+    code = ("import logging, nncompile\n"
+            "from transformers import GPT2LMHeadModel\n"
+            "import torchao.float8\n"
+            "logging.getLogger('torchao').warning('Failed to load something else')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.strip() == "Failed to load something else", proc.stderr

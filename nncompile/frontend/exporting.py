@@ -4,7 +4,10 @@ user's file:line (export), with a run of identical layers replayed from one trac
 (functionalize)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import sys
 import traceback
 from typing import Any
 
@@ -51,6 +54,45 @@ def functionalize(ep: ExportedProgram) -> ExportedProgram:
     return ep.run_decompositions({}) if _mutates(ep.graph_module) else ep
 
 
+class _StderrRecord(io.TextIOBase):
+    """What was written to sys.stderr, write by write, to pass on later."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+
+@contextlib.contextmanager
+def without_partial_graph_dump():
+    """torch.export prints a failing trace's partial FX graph to stderr before it raises
+    (once per wrapper it passes through: tens of lines of aten code). The TraceError that
+    follows names the user's source line instead, so the dump is left out; whatever else was
+    written to stderr meanwhile (warnings, the forward's own prints) is passed on, in order,
+    when the export returns or raises."""
+    record = _StderrRecord()
+    dump = None
+    try:
+        with contextlib.redirect_stderr(record):
+            yield
+    except Exception as e:  # noqa: BLE001 - re-raised
+        dump = getattr(e, "partial_fx_graph", None)
+        raise
+    finally:
+        writes, skip_newline = [], False
+        for text in record.writes:
+            if dump is not None and text == str(dump):
+                skip_newline = True
+                continue
+            if not (skip_newline and text == "\n"):
+                writes.append(text)
+            skip_newline = False
+        if writes:
+            sys.stderr.write("".join(writes))
+
+
 def _meta_args(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if any(p.is_meta for p in module.parameters()):
         return _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
@@ -67,7 +109,7 @@ def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
     watch = WatchFunctions()
     try:
         with watch, user_checkpoint.traced(), layer_replay.installed(runs), \
-                compat.export_leaves_no_hooks():
+                compat.export_leaves_no_hooks(), without_partial_graph_dump():
             ep = torch.export.export(module, args, kwargs, strict=False)
         if watch.found:
             return None
@@ -89,7 +131,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
     args, kwargs = _meta_args(module, args, kwargs)
     watch = WatchFunctions()
     try:
-        with watch, user_checkpoint.traced(), compat.export_leaves_no_hooks():
+        with watch, user_checkpoint.traced(), compat.export_leaves_no_hooks(), \
+                without_partial_graph_dump():
             try:
                 ep = torch.export.export(module, args, kwargs, strict=False,
                                          dynamic_shapes=dynamic_shapes)
