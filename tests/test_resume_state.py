@@ -16,11 +16,12 @@ from nncompile.runtime import resume_state
 
 
 def global_batches(units: int, micro: int, accum: int, steps: int, n: int = 40, seed: int = 3,
-                   state: dict | None = None) -> tuple[list[list[int]], dict]:
+                   state: dict | None = None, **kw) -> tuple[list[list[int]], dict]:
     """The global batches (unit order within a micro-step) `steps` optimizer steps see when
-    `units` units draw micro-batches of `micro`, `accum` per step, and the state after."""
-    samplers = [nncompile.DataParallelSampler(n, micro, dp_rank=u, dp_units=units, seed=seed)
-                for u in range(units)]
+    `units` units draw micro-batches of `micro`, `accum` per step, and the state after (`kw`:
+    the samplers' other arguments)."""
+    samplers = [nncompile.DataParallelSampler(n, micro, dp_rank=u, dp_units=units, seed=seed,
+                                              **kw) for u in range(units)]
     if state is not None:
         for s in samplers:
             s.load_state_dict(state)
@@ -56,10 +57,56 @@ def test_every_layout_of_a_global_batch_sees_the_same_global_batches():
 def test_the_state_continues_the_same_sequence_on_another_layout():
     want, _ = global_batches(units=2, micro=4, accum=1, steps=9)
     head, state = global_batches(units=2, micro=4, accum=1, steps=3)
-    assert state == {"seed": 3, "epoch": 0, "position": 24, "num_samples": 40, "shuffle": True}
+    assert state == {"seed": 3, "epoch": 0, "position": 24, "num_samples": 40, "shuffle": True,
+                     "global_batch": 8, "drop_last": True}
     for units, micro, accum in [(1, 4, 2), (4, 2, 1), (2, 4, 1)]:
         tail, _ = global_batches(units, micro, accum, steps=6, state=state)
         assert head + tail == want, (units, micro, accum)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_dataset_that_does_not_divide_the_global_batch_resumes_on_any_layout(drop_last):
+    # a global batch of 8 saved under 4 units x 2 after every step of two epochs, resumed as
+    # 4 x 2, 2 x 2 x 2 accumulation, 1 x 2 x 4 and 1 x 4 x 2: the uninterrupted global batches
+    layouts = [(4, 2, 1), (2, 2, 2), (1, 2, 4), (1, 4, 2)]
+    for n in range(17, 25):
+        per_epoch = n // 8 if drop_last else -(-n // 8)
+        steps = 4 * per_epoch
+        want, _ = global_batches(4, 2, 1, steps, n=n, global_batch=8, drop_last=drop_last)
+        for units, micro, accum in layouts:               # every layout, uninterrupted
+            got, _ = global_batches(units, micro, accum, steps, n=n, global_batch=8,
+                                    drop_last=drop_last)
+            assert got == want, (n, units, micro, accum)
+        epoch = sorted(i for b in want[:per_epoch] for i in b)
+        if drop_last:                                     # the first 8 * (n // 8) of a perm
+            assert len(set(epoch)) == len(epoch) == 8 * per_epoch
+        else:                                             # all, the first few twice
+            assert set(epoch) == set(range(n)) and len(epoch) == 8 * per_epoch
+        for saved_after in range(2 * per_epoch + 1):
+            head, state = global_batches(4, 2, 1, saved_after, n=n, global_batch=8,
+                                         drop_last=drop_last)
+            for units, micro, accum in layouts:
+                tail, _ = global_batches(units, micro, accum, steps - saved_after, n=n,
+                                         state=state, global_batch=8, drop_last=drop_last)
+                assert head + tail == want, (n, saved_after, units, micro, accum)
+
+
+def test_a_resume_that_would_cut_epochs_elsewhere_is_refused():
+    _, state = global_batches(4, 2, 1, 1, n=20)                      # global batches of 8
+    with pytest.raises(nncompile.ConfigError, match=r"into global batches of 8 \(drop_last="
+                       r"True: 16 samples an epoch\), this one into global batches of 4 .*"
+                       r"build it with global_batch=8, drop_last=True"):
+        global_batches(1, 4, 2, 1, n=20, state=state)                # global_batch forgotten
+    with pytest.raises(nncompile.ConfigError, match="drop_last=False: 24"):
+        global_batches(1, 4, 2, 1, n=20, state=state, global_batch=8, drop_last=False)
+    # where every cut hands out the same samples the global batches agree: accepted
+    _, state = global_batches(4, 2, 1, 1, n=24)
+    assert global_batches(1, 4, 2, 2, n=24, state=state)[0] == \
+        global_batches(4, 2, 1, 3, n=24)[0][1:]
+    # a state saved before it held the cut (no global_batch) continues at its position
+    old = {"seed": 3, "epoch": 0, "position": 8, "num_samples": 20, "shuffle": True}
+    assert global_batches(1, 4, 2, 3, n=20, state=old, global_batch=8)[0] == \
+        global_batches(4, 2, 1, 4, n=20)[0][1:]
 
 
 def test_epochs_and_orders():
@@ -81,14 +128,16 @@ def test_bad_arguments_and_states_say_what_to_change():
         nncompile.DataParallelSampler(10, 0)
     with pytest.raises(nncompile.ConfigError, match="dp_rank=2 is not a unit of 0..1"):
         nncompile.DataParallelSampler(10, 1, dp_rank=2, dp_units=2)
-    with pytest.raises(nncompile.ConfigError, match="fewer than one global micro-step"):
+    with pytest.raises(nncompile.ConfigError, match="fewer than one global batch"):
         nncompile.DataParallelSampler(10, 4, dp_rank=0, dp_units=4)
+    with pytest.raises(nncompile.ConfigError, match="choose a micro-batch that divides 6"):
+        nncompile.DataParallelSampler(40, 4, dp_rank=0, dp_units=2, global_batch=12)
     saved = nncompile.DataParallelSampler(40, 4, seed=1)
     next(iter(saved))
     with pytest.raises(nncompile.ConfigError, match="build the sampler with the saved seed"):
         nncompile.DataParallelSampler(40, 4, seed=2).load_state_dict(saved.state_dict())
     with pytest.raises(nncompile.ConfigError, match="not a whole number of this job's global"):
-        nncompile.DataParallelSampler(40, 3, seed=1).load_state_dict(saved.state_dict())
+        nncompile.DataParallelSampler(40, 8, seed=1).load_state_dict(saved.state_dict())
 
 
 def test_torchdata_stateful_dataloader_saves_the_sampler():

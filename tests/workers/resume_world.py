@@ -55,7 +55,8 @@ def main() -> None:
                                pas_policy="tp" if args.plan > 1 else "dp",
                                gen_savedir=str(out / "gen"))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
-    sampler = nncompile.DataParallelSampler(data, args.micro, pm=pm, seed=11)
+    sampler = nncompile.DataParallelSampler(data, args.micro, pm=pm, global_batch=8, seed=11)
+    assert sampler.accumulation_steps == args.accum
     loader = DataLoader(data, batch_sampler=sampler)
     start = 0
     if args.resume:
