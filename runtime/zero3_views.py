@@ -112,7 +112,9 @@ def view_pm_params(pm) -> dict[str, torch.nn.Parameter]:
             view._nnc_view = True            # stepped as a DTensor (its local run in place)
             pm._parameters[name] = view
             views[name] = view
-            by_unit.setdefault(unit.attr, []).append([view, view, view.requires_grad, None, seg])
+            if unit.trainable:              # a unit frozen at parallelize gets no gradient
+                by_unit.setdefault(unit.attr, []).append(
+                    [view, view, view.requires_grad, None, seg])
     _link_grads(pm, by_unit)
     return views
 

@@ -106,6 +106,8 @@ def build_model(loop: "Loop", reference: bool = False) -> nn.Module:
     if loop.model == "moe":
         return TinyMoE(loop.dropout, layers=loop.layers).train()
     model = TinyGPT(loop.dropout, layers=loop.layers, fused=loop.model == "gpt_fused").train()
+    for name in loop.freeze:
+        model.get_submodule(name).requires_grad_(False)
     if reference and loop.float8:
         from torchao.float8 import convert_to_float8_training
         from nncompile.runtime.float8 import recipe_config
@@ -141,6 +143,8 @@ class Loop:
                                     # evaluates the unit's whole batch: accum)
     float8: str | None = None       # torchao's float8 recipe for the linears (the reference
                                     # converts them with convert_to_float8_training)
+    freeze: tuple = ()              # submodules frozen (requires_grad_(False)) before
+                                    # parallelize, as LoRA's base weights or a fixed table
 
 
 def lr_lambda(loop: Loop):
@@ -249,6 +253,9 @@ CELLS = [
     # ZeRO-3 with both offloads: the pieces, gradients and optimizer state in host memory,
     # the host step on the optimizer's fused kernel
     Cell("zero3_offload", "tp", 2, 4, DROP, zero=3, offload=True, offload_params=True),
+    # parameters frozen before parallelize: the position table a ZeRO-3 unit of its own, h.0's
+    # attention a frozen unit beside its block's trainable one
+    Cell("zero3_frozen", "tp", 2, 4, replace(DROP, freeze=("wpe", "h.0.attn")), zero=3),
     Cell("dynamic", "tp", 2, 2, DYN, dynamic=True),
     # nanoGPT's fused c_attn: tp holds parts of it; checkpoints give back the fused layout
     Cell("tp_fused", "tp", 2, 2, FUSED),

@@ -1,9 +1,10 @@
 """Frozen parameters stay frozen (LoRA fine-tuning): the GPT with every weight frozen and
-low-rank adapters on q/v/fc trains 5 AdamW steps under dp, data, tp and autodist (and ZeRO) on
-2 simulated ranks with the single-device losses and adapters; the frozen weights come out
-bit-for-bit unchanged, get no gradient, no reduction and no optimizer state, and are kept in
-checkpoints and merges. requires_grad is part of the fingerprint and of autodist's memory
-model."""
+low-rank adapters on q/v/fc trains 5 AdamW steps under dp, data, tp and autodist (and ZeRO-1,
+ZeRO-3 over dp 2 and tp 2 x ZeRO-3) on simulated ranks with the single-device losses and
+adapters; the frozen weights come out bit-for-bit unchanged, get no gradient, no reduction and
+no optimizer state, and are kept in checkpoints and merges. Hugging Face's Whisper, whose
+encoder freezes its position table itself, trains under tp 2 x dp 2 with ZeRO-3 as on one
+device. requires_grad is part of the fingerprint and of autodist's memory model."""
 from __future__ import annotations
 
 import copy
@@ -50,11 +51,44 @@ def _batches():
              "targets": torch.randint(0, 64, (4, 16), generator=g)} for _ in range(STEPS)]
 
 
-def _reference(model):
+class Whisper(nn.Module):
+    """Hugging Face's WhisperForConditionalGeneration returning its loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_features, decoder_input_ids, labels):
+        return self.model(input_features=input_features, decoder_input_ids=decoder_input_ids,
+                          labels=labels, use_cache=False).loss
+
+
+def whisper() -> nn.Module:
+    """A tiny random Whisper; its encoder's sinusoidal position table is frozen by
+    transformers itself (requires_grad_(False)), a ZeRO-3 unit of its own."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    cfg = WhisperConfig(vocab_size=64, num_mel_bins=8, d_model=32, encoder_layers=2,
+                        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+                        max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        decoder_start_token_id=1)
+    return Whisper(WhisperForConditionalGeneration(cfg)).train()
+
+
+def _whisper_batches():
+    g = torch.Generator().manual_seed(0)
+    return [{"input_features": torch.randn(4, 8, 32, generator=g),
+             "decoder_input_ids": torch.randint(3, 64, (4, 8), generator=g),
+             "labels": torch.randint(3, 64, (4, 8), generator=g)} for _ in range(STEPS)]
+
+
+def _reference(model, batches=_batches, **adamw):
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                            **{"lr": 1e-2, **adamw})
     losses = []
-    for b in _batches():
+    for b in batches():
         loss = model(**b)
         loss.backward()
         opt.step()
@@ -63,19 +97,19 @@ def _reference(model):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _train(model, policy, plan, world, use_zero, savedir):
+def _train(model, policy, plan, world, use_zero, savedir, batches=_batches, **adamw):
     dp = world // plan
 
     def rank_fn(rank):
-        unit_batch = tuple(v[:v.shape[0] // dp] for v in _batches()[0].values())
+        unit_batch = tuple(v[:v.shape[0] // dp] for v in batches()[0].values())
         pm = nncompile.parallelize(copy.deepcopy(model), unit_batch,
                                    ComputeConfig(plan, world, use_zero=use_zero),
                                    pas_policy=policy, gen_savedir=savedir)
-        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, **{"lr": 1e-2, **adamw})
         unit = rank // plan
         losses, frozen_grads = [], []
-        for b in _batches():
-            rows = b["idx"].shape[0] // dp             # this unit's rows of the global batch
+        for b in batches():
+            rows = len(next(iter(b.values()))) // dp   # this unit's rows of the global batch
             loss = pm(**{k: v[unit * rows:(unit + 1) * rows] for k, v in b.items()})
             loss.backward()
             frozen_grads += [n for n, p in pm.named_parameters()
@@ -89,39 +123,67 @@ def _train(model, policy, plan, world, use_zero, savedir):
                 "trainable_numel": sum(   # this rank's elements (a DTensor's local ones)
                     (p.to_local() if isinstance(p, DTensor) else p).numel()
                     for p in pm.parameters() if p.requires_grad),
-                "opt_numel": sum(t.numel() for st in state["state"].values()
+                "opt_numel": sum((t.to_local() if isinstance(t, DTensor) else t).numel()
+                                 for st in state["state"].values()
                                  for t in st.values() if torch.is_tensor(t) and t.dim()),
                 "model_sd": pm.state_dict(), "opt_sd": state}
     return run_ranks(world, rank_fn)
 
 
+def _check_like_one_device(model, out, ref, plan, world, rtol):
+    """Losses and trainable weights as on one device; the frozen ones unchanged, no gradient."""
+    (ref_losses, ref_params), dp = ref, world // plan
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for r in out:
+        assert not r["frozen_grads"], f"frozen parameters got gradients: {r['frozen_grads']}"
+        for fqn, p in model.named_parameters():
+            if not p.requires_grad:
+                assert torch.equal(r["params"][fqn], before[fqn]), f"{fqn} changed"
+                continue
+            assert not torch.equal(r["params"][fqn], before[fqn]), f"{fqn} did not train"
+            torch.testing.assert_close(r["params"][fqn], ref_params[fqn], rtol=rtol, atol=1e-6)
+    losses = torch.stack([torch.stack(out[u * plan]["losses"]) for u in range(dp)]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("policy,plan,world,use_zero", [
     ("dp", 1, 2, False), ("dp", 1, 2, True), ("data", 2, 2, False), ("tp", 2, 2, False),
-    ("autodist", 2, 2, False)])
+    ("autodist", 2, 2, False), ("dp", 1, 2, 3), ("tp", 2, 4, 3)])
 def test_lora_trains_like_one_device(tmp_path, policy, plan, world, use_zero):
     torch.manual_seed(0)
     model = lora_gpt()
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert len(frozen) > len(trainable) > 0
-    ref_losses, ref_params = _reference(model)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = _reference(model)
     out = _train(model, policy, plan, world, use_zero, tmp_path / "gen")
-    for r in out:
-        assert not r["frozen_grads"], f"frozen parameters got gradients: {r['frozen_grads']}"
-        for fqn in frozen:
-            assert torch.equal(r["params"][fqn], before[fqn]), f"{fqn} changed under {policy}"
-        for fqn in trainable:
-            assert not torch.equal(r["params"][fqn], before[fqn]), f"{fqn} did not train"
-            torch.testing.assert_close(r["params"][fqn], ref_params[fqn], rtol=1e-4, atol=1e-5)
-    dp = world // plan
-    losses = torch.stack([torch.stack(out[u * plan]["losses"]) for u in range(dp)]).mean(0)
-    torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    _check_like_one_device(model, out, ref, plan, world, rtol=1e-5)
     # the optimizer holds state (exp_avg, exp_avg_sq) for the rank's adapters only; under ZeRO
-    # the data-parallel ranks' shards of them add up to that
+    # the data-parallel ranks' shards of them add up to that (under ZeRO-3 each rank's
+    # adapters are its shards already)
+    dp = world // plan
     for shard in range(plan):
         ranks = [u * plan + shard for u in range(dp)] if use_zero else [shard]
-        assert sum(out[r]["opt_numel"] for r in ranks) == 2 * out[shard]["trainable_numel"]
+        held = ranks if use_zero == 3 else [shard]
+        assert sum(out[r]["opt_numel"] for r in ranks) == \
+            2 * sum(out[r]["trainable_numel"] for r in held)
+
+
+def test_whisper_zero3_keeps_its_frozen_positions_and_trains_like_one_device(tmp_path):
+    """Whisper's frozen position table is a ZeRO-3 unit of its own: under tp 2 x dp 2 with
+    ZeRO-3 it stays frozen and the rest trains as on one device. AdamW at lr 1e-3, eps 1e-6:
+    the cross-attention key projections' gradients fall below the default eps (1e-8), where
+    AdamW's first steps (lr * g / (|g| + eps)) would turn the plan's float32 reordering of
+    their sums (4e-7 of the gradients' scale) into lr-sized steps."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = whisper()
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == \
+        ["model.model.encoder.embed_positions.weight"]
+    adamw = {"lr": 1e-3, "eps": 1e-6}
+    ref = _reference(model, _whisper_batches, **adamw)
+    out = _train(model, "tp", 2, 4, 3, tmp_path / "gen", _whisper_batches, **adamw)
+    _check_like_one_device(model, out, ref, 2, 4, rtol=1e-5)
 
 
 def test_frozen_weights_kept_in_merged_checkpoint(tmp_path):
