@@ -117,6 +117,7 @@ def _probe(module: torch.nn.Module, args: tuple, kwargs: dict, cands: list[int])
     """Run forward on fake tensors, dim 0 of each candidate (a leaf index of (args, kwargs))
     a fresh size; returns each candidate's size after it, as the model constrained it: a
     number (fixed by the model), the same symbol as another candidate's (tied) or its own."""
+    from .frontend import attributes
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
@@ -139,7 +140,7 @@ def _probe(module: torch.nn.Module, args: tuple, kwargs: dict, cands: list[int])
     saved = [(m, dict(m.__dict__)) for m in module.modules()]   # attributes forward may set
     rng = torch.get_rng_state()
     try:
-        with torch.no_grad(), mode:
+        with attributes.kept(module), torch.no_grad(), mode:   # and objects the module holds
             torch.func.functional_call(module, state, fargs, fkwargs, strict=False)
     finally:
         for m, attrs in saved:

@@ -19,8 +19,6 @@ proved (sizes 0 and 1 are specialized, so ranges start at 2); generated code che
 against them (SIZES in gencode{rank}.py)."""
 from __future__ import annotations
 
-import inspect
-
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -211,11 +209,10 @@ def _spec(arg: str, dim: Any, spec: Any) -> SizeSpec:
     return SizeSpec(spec["name"], lo, hi - hi % m, m)
 
 
-def export_dims(specs: dict[str, dict[int, SizeSpec]], args: list[tuple[str, Any]],
-                fn: Any = None):
-    """torch.export's dynamic_shapes for the bound arguments: one Dim per name (a derived
-    m * Dim for multiples). `fn`: the forward; arguments its `**kwargs` takes (Hugging Face's
-    num_items_in_batch) go under that parameter's name, as torch.export wants them."""
+def export_dims(specs: dict[str, dict[int, SizeSpec]], args: list[tuple[str, Any]]):
+    """torch.export's dynamic_shapes for the bound arguments, by name (those forward takes
+    through `**kwargs` too: frontend/exporting.py names them in forward's signature): one Dim
+    per size name (a derived m * Dim for multiples)."""
     dims: dict[str, Any] = {}
     for spec in {s.name: s for d in specs.values() for s in d.values()}.values():
         m = spec.multiple_of
@@ -241,14 +238,6 @@ def export_dims(specs: dict[str, dict[int, SizeSpec]], args: list[tuple[str, Any
             out[name] = {dim: dims[spec.name] for dim, spec in specs[name].items()}
         else:
             out[name] = None
-    if fn is not None:
-        params = inspect.signature(fn).parameters
-        var = next((p.name for p in params.values() if p.kind == p.VAR_KEYWORD), None)
-        extra = [n for n in out if n not in params]
-        if var is not None and extra:
-            nested = {n: out.pop(n) for n in extra}
-            out = {n: out[n] for n in params if n in out}      # the signature's order
-            out[var] = nested
     return out
 
 

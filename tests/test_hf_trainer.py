@@ -16,6 +16,9 @@ history, metrics, predictions and saved model; the tests compare them:
               accumulation steps x 1 unit = 4 rows per step in both)
     4 ranks:  tp2x2 (ComputeConfig(2, 4): 2 units of 2 tp ranks)  vs  ddp on 2 ranks: the same
               2 x 2 x 2 = 8 rows per step, unit u reading what DDP rank u reads
+
+The 2-rank launch also runs a tiny GPT-2 on batches padded to their longest row (gpt2_dp with
+dynamic_dims vs gpt2_ddp) and a tiny T5 that generates after training (t5_tp, t5_dp).
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ from nncompile.integration.hf import NnCompileTrainer
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = "tests/workers/hf_trainer_runs.py"
 TWO_RANKS = ["ddp", "dp", "zero2", "zero3", "tp", "dp_stop3", "dp_resume", "tp_stop3",
-             "tp_resume", "dp_gc", "dp_compile", "ddp_bf16", "dp_bf16"]
+             "tp_resume", "dp_gc", "dp_compile", "ddp_bf16", "dp_bf16", "gpt2_ddp", "gpt2_dp",
+             "t5_tp", "t5_dp"]
 RTOL = 1e-4        # float32 runs: the same math, summed in another order
 LOGGED = ("loss", "grad_norm", "learning_rate", "eval_loss")
 
@@ -199,6 +203,32 @@ def test_progress_and_logs_on_rank_0_only(runs):
     """Each run prints its train summary once (PrinterCallback on the main process only)."""
     printed = runs[1]
     assert printed.count("'train_runtime'") == len(TWO_RANKS)
+
+
+def test_padded_batches_train_like_trainer_with_dynamic_dims(runs):
+    """DataCollatorForLanguageModeling(mlm=False) pads each batch to its longest row, so the
+    sequence length changes from batch to batch (and the last evaluation batch is smaller):
+    with dynamic_dims on both dims, GPT-2 (whose forward takes num_items_in_batch through
+    **kwargs) is compiled once and logs what Trainer + DDP logs."""
+    got, want = _run(runs, "gpt2_dp"), _run(runs, "gpt2_ddp")
+    assert sum("eval_loss" in e for e in want["log_history"]) == 3
+    assert _compare_logs(got["log_history"], want["log_history"]) < RTOL
+    assert _rel(got["evaluate"]["eval_loss"], want["evaluate"]["eval_loss"]) < RTOL
+    code = (runs[0] / "gen_gpt2_dp" / "GPT2LMHeadModel" / "gencode0.py").read_text()
+    assert "s_seq = input_ids.shape[1]" in code and "num_items_in_batch" in code
+
+
+def test_generate_is_refused_where_parameters_are_views(runs):
+    """After training under tp the model's parameters are DTensor views of pm's shards:
+    model.generate(...) raises a ConfigError naming the single-device copy to generate with
+    (torch's "aten.embedding.default got mixed torch.Tensor and DTensor" before), and that copy
+    generates what save_model's files generate. Under dp the model holds pm's own tensors and
+    generates as it is."""
+    tp, dp = _run(runs, "t5_tp"), _run(runs, "t5_dp")
+    assert tp["error"].startswith("ConfigError: T5ForConditionalGeneration itself was called")
+    assert "trainer.parallel_module.gather_params()" in tp["error"]
+    assert tp["copy"] == tp["saved"]
+    assert "error" not in dp and dp["model"] == dp["copy"] == dp["saved"]
 
 
 @pytest.mark.parametrize("change,fix", [

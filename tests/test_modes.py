@@ -430,3 +430,88 @@ def test_autodist_plans_a_batchnorm_cnn_eval_program_with_the_training_placement
     plan = (out / "graphs" / "04_plan.py").read_text()
     split = [line for line in plan.splitlines() if "S(" in line and "stem" in line]
     assert split, "autodist split nothing of the stem: the pinning case is not exercised"
+
+
+class _RouterStats:
+    """A plain object a module holds (no nn.Module): what forward writes there is no module
+    attribute torch.export puts back."""
+
+
+class JitterMoE(nn.Module):
+    """A mixture of experts whose router adds capacity jitter to its logits, drawn on the first
+    call and kept (`self.noise`, or on a plain stats object) for the calls after it; dropout on
+    its output, so it is traced in training and in eval mode."""
+
+    def __init__(self, keep_on: str, d=16, experts=4, eps=1e-2):
+        super().__init__()
+        self.gate = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+        self.keep_on, self.eps = keep_on, eps
+        self.stats = _RouterStats()
+
+    def forward(self, x):
+        logits = self.gate(x)
+        holder = self if self.keep_on == "module" else self.stats
+        if getattr(holder, "noise", None) is None:
+            holder.noise = torch.rand_like(logits) * self.eps
+        w = (logits + holder.noise).softmax(-1)
+        out = sum(w[..., i:i + 1] * e(x) for i, e in enumerate(self.experts))
+        return F.dropout(out, 0.1, self.training).pow(2).mean()
+
+
+def _fake_tensors_on(model: nn.Module) -> list[str]:
+    """Where a fake tensor (torch.export's, of a finished trace) hangs off the model."""
+    from torch._subclasses.fake_tensor import is_fake
+    found = []
+    for path, m in model.named_modules():
+        for name, v in vars(m).items():
+            inner = vars(v).items() if isinstance(v, _RouterStats) else [("", v)]
+            found += [f"{path}.{name}.{k}" for k, x in inner
+                      if isinstance(x, torch.Tensor) and is_fake(x)]
+    return found
+
+
+def _compile_ten_times(model, args, tmp_path, monkeypatch):
+    """Ten compiles of one model object in a row, each traced afresh (training and eval mode):
+    none fails, none leaves a fake tensor on the model, and the eval program is traced."""
+    monkeypatch.setenv("NNCOMPILE_TRACE_MEMO", "0")
+    for i in range(10):
+        out = nncompile.parallelize(model, args, nncompile.ComputeConfig(1), pas_policy="dp",
+                                    gen_savedir=tmp_path, instance_name=f"c{i}",
+                                    reuse="override", load_module=False)
+        assert _fake_tensors_on(model) == [], i
+        code = (out / "gencode0.py").read_text()
+        assert "EVAL_ERROR" not in code, code[code.index("EVAL_ERROR"):][:400]
+
+
+@pytest.mark.parametrize("keep_on", ["module", "stats"])
+def test_tensor_kept_by_forward_is_no_later_traces_constant(tmp_path, monkeypatch, keep_on):
+    """torch.export traces on fake tensors, and puts back the module attributes that existed
+    before it, but not one forward added nor what it wrote into an object the module holds. The
+    jitter kept there was a fake tensor of the training trace, which the eval-mode trace read
+    as a constant ("We found a fake tensor in the exported program constant's list" from an
+    object, a size of the old trace where a number belongs from the module). The frontend puts
+    the model back as it was after each export (nncompile/frontend/attributes.py)."""
+    model = JitterMoE(keep_on)
+    _compile_ten_times(model, (torch.randn(4, 16),), tmp_path, monkeypatch)
+    assert getattr(model if keep_on == "module" else model.stats, "noise", None) is None
+    # eager calls keep a real tensor, which a trace does not touch
+    model(torch.randn(4, 16))
+    kept = model.noise if keep_on == "module" else model.stats.noise
+    _compile_ten_times(model, (torch.randn(4, 16),), tmp_path, monkeypatch)
+    assert (model.noise if keep_on == "module" else model.stats.noise) is kept
+
+
+def test_bart_compiles_ten_times_in_a_row(tmp_path, monkeypatch):
+    """Tiny BartForConditionalGeneration (training mode: dropout, so an eval program too),
+    compiled ten times in one process."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    torch.manual_seed(0)
+    cfg = BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                     decoder_ffn_dim=64, max_position_embeddings=32, use_cache=False)
+    model = BartForConditionalGeneration(cfg).train()
+    g = torch.Generator().manual_seed(0)
+    args = {"input_ids": torch.randint(3, 64, (2, 8), generator=g),
+            "labels": torch.randint(3, 64, (2, 8), generator=g)}
+    _compile_ten_times(model, args, tmp_path, monkeypatch)

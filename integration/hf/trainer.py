@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 from transformers import Trainer
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
@@ -187,6 +189,7 @@ class NnCompileTrainer(Trainer):
             pm.compile(backend=self.args.torch_compile_backend or "inductor",
                        **({"mode": mode} if mode else {}))
         self.parallel_module = self.model_wrapped = pm
+        _refuse_eager_calls(self.model)
         if self._pending_weights is not None:
             path, self._pending_weights = self._pending_weights, None
             nncompile.load_pretrained(pm, path)
@@ -368,6 +371,34 @@ class NnCompileTrainer(Trainer):
         best = self.state.best_model_checkpoint
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         nncompile.load_pretrained(self._parallel(), best)
+
+
+def _refuse_eager_calls(model) -> None:
+    """Under a plan that shards parameters (tp, ZeRO-3) the model's parameters are DTensor
+    views of pm's shards, and the model's own code (`model.generate(...)`, an eager
+    `model(**batch)`) cannot run on plain tensors: torch would stop at the first op with
+    "aten.embedding.default got mixed torch.Tensor and DTensor". Its token embeddings (T5's
+    shared one and its encoder's and decoder's), where such a call starts, refuse plain
+    tensors with a ConfigError naming the fix instead. Where the parameters are pm's own
+    tensors (dp, ZeRO-1/2) the model runs as it is."""
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                  and isinstance(m.weight, DTensor)]
+    name = type(model).__name__
+
+    def refuse(module, args, kwargs):
+        if any(type(x) is torch.Tensor for x in pytree.tree_leaves((args, kwargs))):
+            raise ConfigError(
+                f"{name} itself was called (model.generate(...), or model(...) outside the "
+                f"trainer), but its parameters are DTensor views of the parallel module's "
+                f"shards (a plan that shards them: tp, ZeRO-3), which its own code cannot run "
+                f"on. The trainer runs the compiled program (trainer.model_wrapped) for "
+                f"training and evaluation losses; to generate, use a single-device copy of the "
+                f"trained weights: on every rank full = trainer.parallel_module.gather_params(), "
+                f"then gen = {name}(model.config).to(device); gen.load_state_dict(full, "
+                f"strict=False); gen.generate(...) (or trainer.save_model(dir) on every rank "
+                f"and {name}.from_pretrained(dir))")
+    for m in embeddings:
+        m.register_forward_pre_hook(refuse, with_kwargs=True)
 
 
 def _inner(optimizer):

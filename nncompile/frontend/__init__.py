@@ -426,7 +426,7 @@ def _trace(module: torch.nn.Module, dummy_args: Any, dynamic_dims: Any) -> Graph
     arguments.check_constants(items)
     dynamic = symbolic.parse_dynamic_dims(
         dynamic_dims, [k for k, v in items if isinstance(v, torch.Tensor)])
-    shapes = symbolic.export_dims(dynamic, items, module.forward) if dynamic else None
+    shapes = symbolic.export_dims(dynamic, items) if dynamic else None
     # every input its own tensor: the same tensor passed twice (labels=input_ids) or two views
     # of one storage would be traced as one input, and code would read one where the other
     # belongs

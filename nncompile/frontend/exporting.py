@@ -1,10 +1,11 @@
 """torch.export, as the frontend calls it: with errors translated into TraceError naming the
 user's file:line (export), with a run of identical layers replayed from one traced layer
 (_export_replaying, layer_replay.py), and functionalized where the program writes in place
-(functionalize)."""
+(functionalize). Each export leaves the module's tensors as it found them (attributes.py)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import re
 import sys
@@ -18,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from .. import compat
 from ..errors import TraceError
-from . import layer_replay, user_checkpoint
+from . import attributes, layer_replay, user_checkpoint
 from .function_watch import WatchFunctions, user_frame_from_text
 
 # Ops that only assert facts about their input: dropped.
@@ -93,6 +94,39 @@ def without_partial_graph_dump():
             sys.stderr.write("".join(writes))
 
 
+@contextlib.contextmanager
+def _var_kwargs_named(module: torch.nn.Module, kwargs: dict, dynamic_shapes: dict | None):
+    """With dynamic_shapes: the call's arguments that forward takes through `**kwargs`
+    (Hugging Face's num_items_in_batch) named in the signature torch.export reads, for the
+    export's duration. torch 2.13 matches dynamic_shapes against forward's signature bound to
+    the call (such an argument nested under `kwargs`) and, after tracing, against the call's
+    keywords (not nested): no one dict passes both ("Must provide a tree_name when there might
+    be a mismatch"). Named, the argument is a top-level key in both. forward itself is called
+    as before.
+
+        forward(input_ids, ..., labels, **kwargs)                    as torch.export reads it:
+        -> forward(input_ids, ..., labels, *, num_items_in_batch)   dynamic_shapes keys alike
+    """
+    params = inspect.signature(module.forward).parameters
+    extra = [k for k in kwargs if k not in params]
+    if not dynamic_shapes or not extra or "forward" in vars(module) or \
+            not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        yield
+        return
+    bound = module.forward
+
+    def forward(*args, **kw):
+        return bound(*args, **kw)
+    forward.__signature__ = inspect.signature(bound).replace(parameters=[
+        p for p in params.values() if p.kind != p.VAR_KEYWORD] + [
+        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in extra])
+    module.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        del module.__dict__["forward"]
+
+
 def _meta_args(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if any(p.is_meta for p in module.parameters()):
         return _move_to(args, torch.device("meta")), _move_to(kwargs, torch.device("meta"))
@@ -108,8 +142,9 @@ def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
     args, kwargs = _meta_args(module, args, kwargs)
     watch = WatchFunctions()
     try:
-        with watch, user_checkpoint.traced(), layer_replay.installed(runs), \
-                compat.export_leaves_no_hooks(), without_partial_graph_dump():
+        with attributes.kept(module), watch, user_checkpoint.traced(), \
+                layer_replay.installed(runs), compat.export_leaves_no_hooks(), \
+                without_partial_graph_dump():
             ep = torch.export.export(module, args, kwargs, strict=False)
         if watch.found:
             return None
@@ -131,8 +166,9 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
     args, kwargs = _meta_args(module, args, kwargs)
     watch = WatchFunctions()
     try:
-        with watch, user_checkpoint.traced(), compat.export_leaves_no_hooks(), \
-                without_partial_graph_dump():
+        with attributes.kept(module), watch, user_checkpoint.traced(), \
+                compat.export_leaves_no_hooks(), without_partial_graph_dump(), \
+                _var_kwargs_named(module, kwargs, dynamic_shapes):
             try:
                 ep = torch.export.export(module, args, kwargs, strict=False,
                                          dynamic_shapes=dynamic_shapes)

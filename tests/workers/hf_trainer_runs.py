@@ -10,6 +10,15 @@ process) or NnCompileTrainer with a ComputeConfig and policy. Every run uses the
 model, data and TrainingArguments (cosine schedule with warmup, weight decay 0.1, clipping at
 0.5, 2 accumulation steps with num_items_in_batch, evaluation and checkpoints every 3 of 6
 steps, the best checkpoint (highest eval loss, so the step-3 one) loaded at the end).
+
+Two other kinds of run, under torchrun:
+    gpt2_ddp, gpt2_dp   a tiny GPT-2 on rows of different lengths that
+                        DataCollatorForLanguageModeling(mlm=False) pads to each batch's longest:
+                        plain Trainer + DDP, and NnCompileTrainer with dynamic_dims on the
+                        batch and sequence dims (OUT/<name>.json: log history, eval loss)
+    t5_tp, t5_dp        a tiny T5 trained 2 steps, then model.generate(...): refused under tp
+                        (its parameters are DTensor views), run as is under dp; the tokens of
+                        the single-device copy the refusal names and of save_model's files
 """
 from __future__ import annotations
 
@@ -136,10 +145,101 @@ def run(name: str, out_root: str) -> None:
                        "compile_options": getattr(pm, "compile_options", None)}, f)
 
 
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+                                      n_head=4, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                      use_cache=False))
+
+
+class Rows(Dataset):
+    """Token rows of 4 to 23 tokens (ids 1..63), as a tokenized text dataset gives them."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(4, 24, (n,), generator=g)
+        self.rows = [torch.randint(1, 64, (int(k),), generator=g).tolist() for k in lengths]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def padded_run(name: str, out_root: str) -> None:
+    """gpt2_ddp / gpt2_dp: batches padded to their longest row (the length differs from batch
+    to batch, the last evaluation batch is smaller): dynamic_dims name both dims."""
+    from tokenizers import Tokenizer, models as tokenizer_models
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+    vocab = {f"t{i}": i for i in range(64)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="t1")),
+        pad_token="t0", eos_token="t0")
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    args = arguments(os.path.join(out_root, name), per_device_train_batch_size=4,
+                     per_device_eval_batch_size=4, max_steps=4, eval_steps=2,
+                     save_strategy="no", load_best_model_at_end=False)
+    kw = dict(model=tiny_gpt2(), args=args, train_dataset=Rows(64, 1),
+              eval_dataset=Rows(12, 2), data_collator=collator)
+    if name == "gpt2_ddp":
+        trainer = Trainer(**kw)
+    else:
+        dims = {k: {0: "batch", 1: "seq"} for k in ("input_ids", "attention_mask", "labels")}
+        trainer = NnCompileTrainer(**kw, compute_config=nncompile.ComputeConfig(1, 2),
+                                   pas_policy="dp", dynamic_dims=dims,
+                                   gen_savedir=os.path.join(out_root, f"gen_{name}"))
+    trainer.train()
+    metrics = trainer.evaluate()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(os.path.join(out_root, f"{name}.json"), "w") as f:
+            json.dump({"log_history": trainer.state.log_history, "evaluate": metrics}, f)
+
+
+def generate_run(name: str, out_root: str) -> None:
+    """t5_tp / t5_dp: train 2 steps, then generate with the trainer's model, with the
+    single-device copy of gathered weights, and with save_model's files."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1, use_cache=False))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(2, 64, (16, 8), generator=g)
+    rows = [{"input_ids": a, "labels": (a * 3 + 1) % 62 + 2} for a in x]
+    out = os.path.join(out_root, name)
+    args = arguments(out, max_steps=2, eval_strategy="no", save_strategy="no",
+                     load_best_model_at_end=False, learning_rate=1e-2)
+    config = dict(plan_ngpus=2) if name == "t5_tp" else dict(plan_ngpus=1)
+    trainer = NnCompileTrainer(model=model, args=args, train_dataset=rows,
+                               compute_config=nncompile.ComputeConfig(**config),
+                               pas_policy="tp" if name == "t5_tp" else "dp",
+                               gen_savedir=os.path.join(out_root, f"gen_{name}"))
+    trainer.train()
+    ids, got = x[:2], {}
+    try:
+        got["model"] = trainer.model.generate(input_ids=ids, max_new_tokens=6).tolist()
+    except nncompile.NNCompileError as e:
+        got["error"] = f"{type(e).__name__}: {e}"
+    full = trainer.parallel_module.gather_params()          # the refusal's recipe
+    copy = T5ForConditionalGeneration(trainer.model.config)
+    copy.load_state_dict(full, strict=False)
+    got["copy"] = copy.generate(input_ids=ids, max_new_tokens=6).tolist()
+    trainer.save_model(os.path.join(out, "final"))
+    saved = T5ForConditionalGeneration.from_pretrained(os.path.join(out, "final"))
+    got["saved"] = saved.generate(input_ids=ids, max_new_tokens=6).tolist()
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_root, f"{name}.json"), "w") as f:
+            json.dump(got, f)
+
+
 def main() -> None:
     out_root, names = sys.argv[1], sys.argv[2:]
     for name in names:
-        run(name, out_root)
+        kind = name.split("_")[0]
+        {"gpt2": padded_run, "t5": generate_run}.get(kind, run)(name, out_root)
         if dist.is_initialized():
             dist.barrier()
     if dist.is_initialized():
