@@ -308,9 +308,11 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint directory under `root`, or None when there is none.
 
     Complete: save_checkpoint finished it (it has checkpoint.json and is no `.NAME.partial`
-    staging directory); an interrupted save is skipped. Newest: the largest number at the
-    end of the name (step_900 < step_1000); among names without one, the last completed
-    (checkpoint.json's time). A resume script calls it on every rank:
+    staging directory), its checkpoint.json parses, and the files it names are there and not
+    empty (every rank's rank{r}.pt; a dcp checkpoint's .metadata and extra.pt); an
+    interrupted or damaged save is skipped. Newest: the largest number at the end of the name
+    (step_900 < step_1000); among names without one, the last completed (checkpoint.json's
+    time). A resume script calls it on every rank:
 
         path = nncompile.latest_checkpoint("ckpt")
         extra = nncompile.load_checkpoint(path, pm, opt) if path else None
@@ -319,7 +321,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     if not root.is_dir():
         return None
     done = [d for d in root.iterdir()
-            if d.is_dir() and not d.name.startswith(".") and (d / META).is_file()]
+            if d.is_dir() and not d.name.startswith(".") and _complete(d)]
     if not done:
         return None
 
@@ -338,7 +340,34 @@ def read_meta(directory: Path) -> dict:
         hint = f" ({partial} is an unfinished save)" if partial.exists() else ""
         raise CheckpointError(f"{directory} is not a complete nncompile checkpoint: it has no "
                               f"{META}{hint}; load an earlier checkpoint")
-    return json.loads(meta.read_text())
+    try:
+        info = json.loads(meta.read_bytes())
+    except ValueError as e:                 # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{meta} is not valid JSON ({e}): the file is truncated or "
+                              f"corrupted, so {directory} is not a complete checkpoint; load "
+                              "an earlier one (nncompile.latest_checkpoint skips it)") from e
+    if not isinstance(info, dict) or not {"format", "world_size"} <= info.keys():
+        raise CheckpointError(f"{meta} does not describe an nncompile checkpoint (it has no "
+                              "'format' and 'world_size'); load an earlier checkpoint")
+    return info
+
+
+def _complete(directory: Path) -> bool:
+    """Whether `directory` holds a finished save: its checkpoint.json parses and the files it
+    names are there and not empty (checked by name and size, nothing is read)."""
+    if not (directory / META).is_file():
+        return False
+    try:
+        meta = read_meta(directory)
+    except CheckpointError:
+        return False
+    if meta["format"] == "dcp":
+        files = [".metadata", "extra.pt"]
+    elif isinstance(meta["world_size"], int):
+        files = [f"rank{r}.pt" for r in range(meta["world_size"])]
+    else:
+        return False
+    return all((directory / f).is_file() and (directory / f).stat().st_size > 0 for f in files)
 
 
 def load_checkpoint(path: str | os.PathLike, pm, optimizer=None, *, data=None,

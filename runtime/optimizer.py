@@ -1,7 +1,9 @@
 """build_optimizer: ZeRO stages 1-3 and optimizer offload.
 
-Without ZeRO or offload this is just `optimizer_cls(params, **kwargs)`: the reducer
-has already averaged the gradients, so every replica takes the same step.
+Without ZeRO or offload this is `optimizer_cls(params, **kwargs)` over this rank's tensors:
+the reducer has already averaged the gradients, so every replica takes the same step. Where
+pm's parameters are DTensor views of the pieces it computes with (tp), a PieceOptimizer holds
+those DTensors in its param_groups and steps the pieces under them with that optimizer.
 
 With ZeRO, the ranks holding the same parameter shard (the data-parallel group, or one of
 `zero_ngroups` slices of it) split the flattened parameters into equal contiguous pieces; each
@@ -34,12 +36,14 @@ steps need no extra call.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from nncompile.errors import CheckpointError, ConfigError
 from nncompile.log import log
@@ -71,8 +75,9 @@ def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None 
     and offload need (they step pieces of tensors)."""
     inst = None
     if isinstance(optimizer_cls, torch.optim.Optimizer):
-        if isinstance(optimizer_cls, ZeroOptimizer):
-            raise ConfigError("build_optimizer got a ZeroOptimizer; it is built already")
+        if isinstance(optimizer_cls, (ZeroOptimizer, PieceOptimizer)):
+            raise ConfigError(f"build_optimizer got a {type(optimizer_cls).__name__}; it is "
+                              "built already")
         inst = optimizer_cls
         optimizer_cls = type(inst)
         if params is None:
@@ -90,6 +95,9 @@ def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None 
         by_name = dict(local_parameters(pm))
         opt = optimizer_cls([{**g, "params": [by_name[n] for n in g["params"]]}
                              for g in groups], **kwargs)
+        views = _views(pm, groups)
+        if views is not None and pm.__dict__.get("_nnc_pieces"):
+            opt = PieceOptimizer(pm, opt, views)
     else:
         check_elementwise(optimizer_cls, stage, elementwise)
         opt = ZeroOptimizer(pm, optimizer_cls, params=groups, **kwargs)
@@ -106,6 +114,138 @@ def _constructor_args(cls: type, defaults: dict) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(defaults)
     return {k: v for k, v in defaults.items() if k in params}
+
+
+def _views(pm, groups: list[dict]) -> list[list] | None:
+    """pm's DTensor parameters (pm.parameters(), the module's) for the local names in `groups`,
+    group by group; None where one of them is not a DTensor view."""
+    out = []
+    for g in groups:
+        ps = [pm._parameters.get(n) for n in g["params"]]
+        if not all(isinstance(p, DTensor) and getattr(p, "_nnc_view", False) for p in ps):
+            return None
+        out.append(ps)
+    return out
+
+
+# ---- an optimizer over pm's DTensor parameters that steps the tensors under them ------------
+# param_groups (the inner optimizer's) hold the DTensors, which torch's get/set_optimizer_
+# state_dict name, except while the inner optimizer steps, saves or loads: then the plain
+# tensors it steps (tp's pieces, ZeRO-3's runs), one per DTensor. state_dict() gives state
+# shaped like a parameter's local tensor as a DTensor like it: DCP stores each piece once.
+
+@contextlib.contextmanager
+def _holding(groups: list[dict], tensors: list):
+    """`groups`' parameter lists hold `tensors` (in order) for the block, then what they held."""
+    held = [list(g["params"]) for g in groups]
+    lists = [g["params"] for g in groups]
+    it = iter(tensors)
+    for ps in lists:
+        ps[:] = [next(it) for _ in ps]
+    try:
+        yield
+    finally:
+        for ps, old in zip(lists, held):
+            ps[:] = old
+
+
+def _as_views(sd: dict, views: list) -> dict:
+    """The inner optimizer's state dict with each tensor that holds one element per element
+    of its tensor as a DTensor like that tensor's parameter."""
+    state = {}
+    for i, st in sd["state"].items():
+        view = views[i]
+        local = view.to_local()
+        state[i] = {k: DTensor.from_local(v.reshape(local.shape), view.device_mesh,
+                                          view.placements, run_check=False, shape=view.shape,
+                                          stride=view.stride())
+                    if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() and
+                    v.numel() == local.numel() else v for k, v in st.items()}
+    return {**sd, "state": state}
+
+
+def _from_views(sd: dict, views: list | None, params: list) -> dict:
+    """A state dict of this optimizer (by index, or by name as torch's
+    set_optimizer_state_dict passes it, its groups naming the parameters in param_groups'
+    order) as the inner optimizer's: by index, each DTensor as this rank's local tensor."""
+    order = [key for g in sd.get("param_groups", []) for key in g.get("params", [])]
+    index = {key: i for i, key in enumerate(order)}
+    state = {}
+    for key, st in sd.get("state", {}).items():
+        i = key if isinstance(key, int) else index.get(key)
+        if i is None or not 0 <= i < len(params):
+            raise CheckpointError(f"the optimizer state dict has state for {key!r}, which its "
+                                  "param_groups do not list among this optimizer's parameters; "
+                                  "load a state dict of the same parameters and groups")
+        state[i] = {k: _local_state(v, None if views is None else views[i], params[i], key, k)
+                    for k, v in st.items()}
+    groups = [{**g, "params": [index[key] for key in g.get("params", [])]}
+              for g in sd.get("param_groups", [])]
+    return {**sd, "state": state, "param_groups": groups}
+
+
+def _local_state(v: Any, view, param: torch.Tensor, key, name: str) -> Any:
+    """A state value as the inner optimizer holds it: a DTensor as this rank's local tensor,
+    laid out like the DTensor parameter `view` (redistributed if it is not), shaped like
+    `param`; anything else as it is."""
+    if not isinstance(v, DTensor):
+        return v
+    if view is not None and v.device_mesh == view.device_mesh and \
+            tuple(v.placements) != tuple(view.placements):
+        v = v.redistribute(view.device_mesh, view.placements)
+    local = v.to_local()
+    if local.numel() != param.numel() or (view is not None and v.shape != view.shape):
+        raise CheckpointError(
+            f"the optimizer state {name!r} of {key!r} is a DTensor {list(v.shape)} with "
+            f"{local.numel()} elements on this rank, which steps {param.numel()}: another "
+            "model's, or laid out for another plan; load it through get_optimizer_state_dict "
+            "(on this optimizer), dcp.load and set_optimizer_state_dict, or load_checkpoint")
+    return local.reshape(param.shape)
+
+
+class PieceOptimizer(torch.optim.Optimizer):
+    """`inner`, the optimizer over the pieces pm computes with, where pm's parameters are
+    DTensor views of them (tp): param_groups hold the DTensors, as `optimizer_cls(pm.
+    parameters())`'s do, while the step runs on the plain pieces (no DTensor dispatch, one
+    foreach kernel per group). param_groups and state are the inner optimizer's."""
+
+    def __init__(self, pm, inner: torch.optim.Optimizer, views: list[list]):
+        self.pm, self.inner = pm, inner
+        super().__init__([p for ps in views for p in ps], inner.defaults)
+        self._pieces = [p for g in inner.param_groups for p in g["params"]]
+        self._views = [p for ps in views for p in ps]
+        for g, ps in zip(inner.param_groups, views):
+            g["params"][:] = ps
+        self.param_groups, self.state = inner.param_groups, inner.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for view, piece in zip(self._views, self._pieces):
+            if piece.grad is None and view.grad is not None:   # set on the DTensor itself
+                piece.grad = view.grad.to_local().reshape(piece.shape)
+        with _holding(self.inner.param_groups, self._pieces):
+            self.inner.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        with _holding(self.inner.param_groups, self._pieces):
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        with _holding(self.inner.param_groups, self._pieces):
+            sd = self.inner.state_dict()
+        return _as_views(sd, self._views)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        sd = _from_views(state_dict, self._views, self._pieces)
+        with _holding(self.inner.param_groups, self._pieces):
+            self.inner.load_state_dict(sd)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
 
 def _named_groups(pm, params) -> list[dict]:
@@ -165,9 +305,10 @@ def _host_step(optimizer_cls: type, groups: list, kwargs: dict, shards: list, me
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1-3 and/or offload around `optimizer_cls`; use it like the optimizer it
-    wraps (param_groups is the inner optimizer's, one per group given, so LR schedulers
-    work). The inner optimizer steps one segment per parameter: the run of this rank's piece
-    holding its elements, in the group the parameter was given in."""
+    wraps (param_groups: one per group given, so LR schedulers work). The inner optimizer
+    steps one segment per parameter: the run of this rank's piece holding its elements, in
+    the group the parameter was given in. Under ZeRO-3 without offload, where pm's parameters
+    are Shard(0) DTensors over the segments, param_groups hold those, as PieceOptimizer's."""
 
     def __init__(self, pm, optimizer_cls: type, params=None, **kwargs: Any):
         cfg, memory = pm.compute_config, pm.memory
@@ -211,8 +352,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner = _host_step(optimizer_cls, groups, kwargs, self.shards, memory)
         super().__init__([seg for g in self.inner.param_groups for seg in g["params"]],
                          self.inner.defaults)
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self._segs = [seg for g in self.inner.param_groups for seg in g["params"]]
+        # ZeRO-3 on the device: param_groups hold pm's DTensors where each segment has one
+        views = _views(pm, named) if pm.zero is not None and self.host is None else None
+        self._views = None if views is None else [p for ps in views for p in ps]
+        self._view_of = {n: p for g, ps in zip(named, views or ()) for n, p in zip(g["params"], ps)}
+        for g, ps in zip(self.inner.param_groups, views or ()):
+            g["params"][:] = ps
         self._where = {id(p): (s, i) for s in self.shards for i, p in enumerate(s.params)}
         if self.stage == 2 and pm._reducer is not None:
             pm._reducer.sink = self.take_grads
@@ -264,6 +411,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for s in self.shards:
             if s.flat is not None:                     # ZeRO-3: the piece is the parameter
+                if s.flat.grad is None and self._view_of:
+                    self._grad_from_views(s)
                 g = s.flat.grad
                 if s.param is not s.flat:
                     with offload_copy("to_host", self.host is not None):
@@ -285,7 +434,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for i, (seg, (a, b, _, _)) in enumerate(zip(s.segs, s.cuts)):
                 # a parameter no rank computed a gradient for is skipped, as on one device
                 seg.grad = grad[a:b] if (s.params[i].grad is not None or i in s.got) else None
-        self.inner.step()
+        with self._holding_segments():
+            self.inner.step()
         for s in self.shards:
             for seg in s.segs:
                 seg.grad = None
@@ -300,6 +450,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for p, value in zip(s.params, s.layout.unflatten(full)):
                 p.copy_(value)
         return loss
+
+    def _grad_from_views(self, s: _Shard) -> None:
+        """Gradients set on pm's DTensor parameters, not by a backward (torch's get_optimizer_
+        state_dict steps zeros): into their piece's flat gradient, if every one has one."""
+        views = [self._view_of.get(n) for n in s.names]
+        if any(v is None or v.grad is None for v in views):
+            return
+        grad = torch.zeros_like(s.flat)
+        for v, (a, b, _, _) in zip(views, s.cuts):
+            grad[a:b] = v.grad.to_local().reshape(-1)
+        s.flat.grad = grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.pm.zero_grad(set_to_none=set_to_none)      # clears the pieces too (ZeRO-2)
@@ -316,7 +477,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ---- state --------------------------------------------------------------------------
     def _segments(self) -> list:
-        return [p for g in self.inner.param_groups for p in g["params"]]
+        return self._segs
+
+    def _holding_segments(self):
+        """The inner optimizer's groups hold the segments (not pm's DTensors) for the block."""
+        return contextlib.nullcontext() if self._views is None else \
+            _holding(self.inner.param_groups, self._segs)
 
     def layout(self) -> dict:
         """How the inner optimizer's parameters (one segment per local tensor, in its index
@@ -324,19 +490,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return segment_layout(self._segments(), self.ranks, self.zero_rank, self.stage)
 
     def state_dict(self) -> dict:
-        """This rank's piece of the optimizer state, with the layout it was cut by."""
-        return {**self.inner.state_dict(), "nncompile_zero": self.layout()}
+        """This rank's piece of the optimizer state, with the layout it was cut by (where
+        param_groups hold pm's DTensor parameters, its tensors as DTensors like them)."""
+        with self._holding_segments():
+            sd = {**self.inner.state_dict(), "nncompile_zero": self.layout()}
+        return sd if self._views is None else _as_views(sd, self._views)
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("nncompile_zero")
-        if saved != self.layout():
+        by_name = any(isinstance(k, str) for k in state_dict.get("state", {})) or \
+            any(isinstance(k, str) for g in state_dict.get("param_groups", [])
+                for k in g.get("params", []))
+        if saved != self.layout() and not (saved is None and by_name and self._views):
             raise CheckpointError(
                 "this ZeRO optimizer state was cut for another layout "
                 f"(zero rank/size {saved and (saved['zero_rank'], saved['zero_size'])} vs "
                 f"{(self.zero_rank, self.zero_size)}, or other parameters or groups); load a "
                 "deduped, merged or dcp checkpoint instead (nncompile.load_checkpoint)")
-        self.inner.load_state_dict({k: v for k, v in state_dict.items()
-                                    if k != "nncompile_zero"})
+        sd = _from_views({k: v for k, v in state_dict.items() if k != "nncompile_zero"},
+                         self._views, self._segs)
+        with self._holding_segments():
+            self.inner.load_state_dict(sd)
         self.param_groups = self.inner.param_groups    # torch replaced both: keep LR
         self.state = self.inner.state                  # schedulers writing into the live ones
 

@@ -26,7 +26,7 @@ from nncompile.pipeline_config import PipelineConfig
 
 from .groups import pipe_group
 from .pieces import local_parameters
-from .optimizer import ZeroOptimizer, load_segment_state, segment_state_by_name
+from .optimizer import PieceOptimizer, ZeroOptimizer, load_segment_state, segment_state_by_name
 from .param_handles import adopt, local_names, zero3_segments
 from .zero import all_gather_along
 from nncompile.rows import buffer_rows, param_rows
@@ -205,7 +205,10 @@ def check_same_plan(saved: dict, pm, where: str) -> None:
         pipe_ranks(saved) == pipe_ranks(mine)
     if same_size and saved.get("rank") != mine["rank"]:
         raise CheckpointError(f"{where} holds rank {saved.get('rank')}'s shards but this is rank "
-                              f"{mine['rank']}; load the file named after this rank")
+                              f"{mine['rank']}; load the file named after this rank (a state "
+                              "dict of pm saved with torch.distributed.checkpoint holds one "
+                              "rank's shards: save and load pm.module's instead, "
+                              "get_model_state_dict(pm.module))")
     why = plan_mismatch(saved, mine)
     if why is not None:
         raise CheckpointError(
@@ -325,7 +328,10 @@ def local_optimizer_state(pm, opt, copy: bool = True) -> dict[str, Any]:
 
 def _stepped_views(opt) -> dict[str, torch.Tensor]:
     """{local name: DTensor view} for the module's DTensor parameters `opt` steps as they are
-    (runtime/module_views.py); their state is saved as its local pieces, like pm's own."""
+    (runtime/module_views.py); their state is saved as its local pieces, like pm's own. A
+    PieceOptimizer steps the pieces under them: none."""
+    if isinstance(opt, PieceOptimizer):
+        return {}
     return {p._nnc_handle[1]: p for g in opt.param_groups for p in g["params"]
             if getattr(p, "_nnc_view", False)}
 

@@ -3,6 +3,7 @@ torch.load(weights_only=True), a crafted file is refused with a CheckpointError 
 does not run), extra= is checked at save time, and a missing path says it does not exist.
 All in one process (one rank, no process group)."""
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -231,6 +232,43 @@ def test_latest_checkpoint_is_the_newest_complete_save(tmp_path):
     for name in ("best", "last"):                                   # no numbers: the last done
         nncompile.save_checkpoint(named / name, pm, extra={"name": name})
     assert nncompile.latest_checkpoint(named).name == "last"
+
+
+def test_damaged_checkpoint_is_skipped_by_latest_and_refused_by_load(tmp_path):
+    """A checkpoint.json cut short (a full disk, a copy that stopped) is a CheckpointError
+    naming the file, not a JSONDecodeError, and latest_checkpoint falls back to the previous
+    complete checkpoint; likewise past one whose rank file is missing or empty, and past a
+    dcp one without its .metadata."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    pm = nncompile.parallelize(torch.nn.Linear(4, 4), {"input": x},
+                               nncompile.ComputeConfig(1, 1), pas_policy="dp",
+                               gen_savedir=str(tmp_path / "gen"))
+    root = tmp_path / "ckpt"
+    for step in range(1, 6):
+        nncompile.save_checkpoint(root / f"step_{step}", pm, extra={"step": step})
+    index = root / "step_5" / "checkpoint.json"
+    _truncate(index)
+    assert nncompile.latest_checkpoint(root) == (root / "step_4").absolute()
+    with pytest.raises(nncompile.CheckpointError) as e:
+        nncompile.load_checkpoint(root / "step_5", pm)
+    msg = str(e.value)
+    assert str(index) in msg and "not valid JSON" in msg and "truncated" in msg, msg
+    assert "load an earlier one" in msg, msg
+    index.write_text("[]")                                         # JSON, but not an index
+    with pytest.raises(nncompile.CheckpointError, match="does not describe an nncompile"):
+        nncompile.load_checkpoint(root / "step_5", pm)
+    (root / "step_4" / "rank0.pt").write_bytes(b"")                # an empty rank file
+    assert nncompile.latest_checkpoint(root) == (root / "step_3").absolute()
+    (root / "step_3" / "rank0.pt").unlink()                        # a missing one
+    assert nncompile.latest_checkpoint(root) == (root / "step_2").absolute()
+    dcp_index = json.loads((root / "step_2" / "checkpoint.json").read_text())
+    (root / "step_9").mkdir()                                      # a dcp save without .metadata
+    (root / "step_9" / "extra.pt").write_bytes(b"x")
+    (root / "step_9" / "checkpoint.json").write_text(json.dumps({**dcp_index, "format": "dcp"}))
+    latest = nncompile.latest_checkpoint(root)
+    assert latest == (root / "step_2").absolute()
+    assert nncompile.load_checkpoint(latest, pm)["step"] == 2
 
 
 def test_accumulation_steps_keep_the_global_batch():

@@ -423,6 +423,59 @@ def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path, sou
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
 
 
+def test_torch_state_dict_api_with_build_optimizer_from_tp_into_zero3(tmp_path):
+    """nncompile.build_optimizer's optimizer (it steps the pieces under pm's DTensors) through
+    torch's API: get_model_state_dict + get_optimizer_state_dict + dcp.save under tp 2 after
+    step 1, with pm.module and with pm given to the optimizer's; a fresh ZeRO-3 dp 2 pm and
+    build_optimizer, dcp.load + set_model_state_dict + set_optimizer_state_dict: the next
+    two steps equal the uninterrupted run's. (The model's state goes through pm.module:
+    pm.state_dict() is this rank's shards by local name.)"""
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    base = models.build("gpt")
+
+    def build(module, plan, zero, name):
+        pm = nncompile.parallelize(module, _batch(0), ComputeConfig(plan, WORLD, use_zero=zero),
+                                   pas_policy="tp" if plan > 1 else "dp",
+                                   gen_savedir=tmp_path, instance_name=name)
+        return pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+
+    def run(pm, opt, steps):
+        out = []
+        for step in steps:
+            opt.zero_grad()
+            loss = pm(**_batch(step))
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    def rank_fn(rank):
+        pm, opt = build(copy.deepcopy(base), 2, 0, "build_tp")
+        run(pm, opt, [0, 1])
+        for via in ("module", "pm"):
+            dcp.save({"model": get_model_state_dict(pm.module),
+                      "optim": get_optimizer_state_dict(pm.module if via == "module" else pm,
+                                                        opt)},
+                     checkpoint_id=tmp_path / f"build_{via}")
+        want = run(pm, opt, [2, 3])
+        out = {}
+        for via in ("module", "pm"):
+            pm2, opt2 = build(models.build("gpt", seed=7), 1, 3, "build_z3")
+            holder = pm2.module if via == "module" else pm2
+            state = {"model": get_model_state_dict(pm2.module),
+                     "optim": get_optimizer_state_dict(holder, opt2)}
+            dcp.load(state, checkpoint_id=tmp_path / f"build_{via}")
+            set_model_state_dict(pm2.module, state["model"])
+            set_optimizer_state_dict(holder, opt2, state["optim"])
+            out[via] = run(pm2, opt2, [2, 3])
+        return want, out
+    for want, outs in run_ranks(WORLD, rank_fn):
+        for via, got in outs.items():
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"via {via}: {m}")
+
+
 @pytest.mark.parametrize("fmt", ["sharded", "deduped", "dcp"])
 def test_nncompile_checkpoints_of_an_optimizer_over_the_modules_dtensors(tmp_path, fmt):
     """Under ZeRO-3, AdamW over the module's Shard(0) DTensors; nncompile.save_checkpoint after
