@@ -30,7 +30,7 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError
 
 from .groups import pipe_group
-from .pieces import pieces_of
+from .pieces import local_named_parameters, pieces_of
 from nncompile.rows import param_rows
 from .state import first_holder, split_axes
 from .torch_patches import wrap_once
@@ -204,7 +204,7 @@ def _check_all_given(pm, given: list) -> None:
     names = set()
     for n in (_local_name(pm, p) for p in given):      # a tuple: an original held as parts
         names.update(n if isinstance(n, tuple) else () if n is None else (n,))
-    missing = [n for n, p in pm.named_parameters() if p.requires_grad and id(p) not in ids
+    missing = [n for n, p in local_named_parameters(pm) if p.requires_grad and id(p) not in ids
                and n not in names
                and (p.grad is not None or pm.zero is not None or pm._grad_shards is not None)]
     if missing:
@@ -278,7 +278,7 @@ def torch_get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bo
     inf = math.isinf(norm_type)
     total = None
     for pm, given in owned.items():
-        missing = [n for n, p in pm.named_parameters()
+        missing = [n for n, p in local_named_parameters(pm)
                    if p.requires_grad and p.grad is not None and id(p.grad) not in given]
         if missing or pm.zero is not None or pm._grad_shards is not None:
             raise ConfigError(

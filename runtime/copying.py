@@ -97,6 +97,7 @@ def deepcopy_parallel_module(pm, memo: dict) -> Any:
     if pm.pipeline is not None:
         from .pipeline import PipelineRuntime
         new.pipeline = PipelineRuntime(new)
+    new.order_as_model()
     register_copy(new)                          # its own number in the lockstep exchange
     options = pm.__dict__.get("compile_options")
     if options is not None:

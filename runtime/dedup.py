@@ -26,6 +26,7 @@ from nncompile.ir.placement import Shard
 from nncompile.mesh import PP, replica_dims
 
 from .groups import group_along, tie_group
+from .pieces import local_named_buffers, local_named_parameters
 from nncompile.rows import param_rows, state_rows
 from .state import (check_same_plan, first_holder, holders, is_owner, load_local_optimizer_state,
                     local_optimizer_state, mesh_of, owner_rank, plan_info, split_axes,
@@ -124,7 +125,7 @@ def load_deduped_model_state(pm, model_sd: dict) -> None:
 def _local_dtypes(pm) -> dict[str, torch.dtype]:
     """Each parameter's and buffer's dtype by local name (ZeRO-3: its handle's, the flat
     piece's)."""
-    return {n: t.dtype for n, t in [*pm.named_parameters(), *pm.named_buffers()]}
+    return {n: t.dtype for n, t in [*local_named_parameters(pm), *local_named_buffers(pm)]}
 
 
 def load_deduped_optimizer_state(pm, optimizer, optimizer_sd: dict | None) -> None:

@@ -51,7 +51,7 @@ from nncompile.log import log
 from .full_state import register_optimizer
 from .carry_state import carry
 from .groups import get_zero_group
-from .pieces import local_parameters
+from .pieces import local_named_parameters, local_parameters
 from nncompile.rows import param_rows
 from .param_handles import (check_elementwise, cut, declare_elementwise, groups_by_name,
                             segment_layout, segment_params, zero3_segments, zero_stage)
@@ -251,7 +251,7 @@ class PieceOptimizer(torch.optim.Optimizer):
 def _named_groups(pm, params) -> list[dict]:
     """Group dicts of local names; None: one group of every trainable parameter."""
     if params is None:
-        return [{"params": [n for n, p in pm.named_parameters() if p.requires_grad]}]
+        return [{"params": [n for n, p in local_named_parameters(pm) if p.requires_grad]}]
     return groups_by_name(pm, params)
 
 

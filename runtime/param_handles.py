@@ -137,8 +137,8 @@ def local_name(pm, p) -> str | tuple[str, ...] | None:
         return span[0]
     names = pm.__dict__.get("_nnc_names")
     if names is None:
-        names = {id(q): n for n, q in pm.named_parameters()}
-        from .pieces import local_parameters
+        from .pieces import local_named_parameters, local_parameters
+        names = {id(q): n for n, q in local_named_parameters(pm)}
         names.update({id(q): n for n, q in local_parameters(pm)})
         names.update(pm.__dict__.get("_nnc_orig_ids", {}))
         pm.__dict__["_nnc_names"] = names

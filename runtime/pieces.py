@@ -6,8 +6,9 @@ and this rank's pieces sit under them, in pm.__dict__, where the generated code'
 `self.<name>` finds them. The reducer, build_optimizer's fast path, clipping and checkpoints
 work on the pieces:
 
-    pm.named_parameters()  -> ("h0_mlp_fc_weight", DTensor [128, 32] (Shard(0),))
-    local_parameters(pm)   -> ("h0_mlp_fc_weight", tensor [64, 32])    its local tensor's base
+    pm.named_parameters()        -> ("h.0.mlp_fc.weight", DTensor [128, 32] (Shard(0),))
+    local_named_parameters(pm)   -> ("h0_mlp_fc_weight", the same DTensor)   the rank file's name
+    local_parameters(pm)         -> ("h0_mlp_fc_weight", tensor [64, 32])    its local tensor's base
 """
 from __future__ import annotations
 
@@ -20,10 +21,21 @@ def pieces_of(pm) -> dict[str, torch.Tensor]:
     return pm.__dict__.get("_nnc_pieces", {})
 
 
+def local_named_parameters(pm):
+    """pm's parameters under their local names (the rank file's attributes, what the
+    runtime's bookkeeping is keyed by); pm.named_parameters() gives the model's names."""
+    return torch.nn.Module.named_parameters(pm)
+
+
+def local_named_buffers(pm):
+    """pm's buffers under their local names (see local_named_parameters)."""
+    return torch.nn.Module.named_buffers(pm)
+
+
 def local_parameters(pm) -> list[tuple[str, torch.Tensor]]:
-    """pm.named_parameters() with each DTensor view replaced by the piece under it."""
+    """local_named_parameters(pm) with each DTensor view replaced by the piece under it."""
     pieces = pieces_of(pm)
-    return [(n, pieces.get(n, p)) for n, p in pm.named_parameters()]
+    return [(n, pieces.get(n, p)) for n, p in local_named_parameters(pm)]
 
 
-__all__ = ["pieces_of", "local_parameters"]
+__all__ = ["pieces_of", "local_parameters", "local_named_parameters", "local_named_buffers"]

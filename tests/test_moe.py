@@ -66,10 +66,9 @@ EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def expert_elements(pm) -> int:
-    """This rank's expert parameter elements (local names: dots become underscores)."""
-    local = tuple(e.replace(".", "_") for e in EXPERTS)
+    """This rank's expert parameter elements (pm.named_parameters(): the model's names)."""
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel()
-               for n, p in pm.named_parameters() if n.endswith(local))
+               for n, p in pm.named_parameters() if n.endswith(EXPERTS))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])

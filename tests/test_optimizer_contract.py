@@ -131,7 +131,36 @@ def test_nanogpt_groups_equal_one_device(gpt, gen, zero, offload, how):
     assert_like(out, ref)
     # grouping code sees the same names, shapes, dims, requires_grad and dtypes as under dp
     assert out[0]["named"] == dp_named(gpt, gen)
-    assert ("h0_attn_q_proj_weight", (32, 32), 2, True, torch.float32) in out[0]["named"]
+    assert [n for n, *_ in out[0]["named"]] == [n for n, _ in gpt.named_parameters()]
+    assert ("h.0.attn.q_proj.weight", (32, 32), 2, True, torch.float32) in out[0]["named"]
+
+
+def name_groups(named):
+    """Weight decay by name, as DDP scripts and Hugging Face's Trainer group: none on biases,
+    layer norms and the position table."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    skip = [n.endswith(".bias") or ".ln_" in n or n.startswith(("ln_f.", "wpe.")) for n, _ in named]
+    return [{"params": [p for (_, p), s in zip(named, skip) if not s], "weight_decay": 0.5},
+            {"params": [p for (_, p), s in zip(named, skip) if s], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("plan,policy,zero,how", [
+    (1, "dp", 0, "plain"), (1, "dp", 3, "build"), (2, "tp", 0, "plain"), (2, "tp", 0, "build")])
+def test_decay_groups_by_name_equal_one_device(gpt, gen, plan, policy, zero, how):
+    """pm.named_parameters() names parameters as the model does, so groups made by name
+    (the split one device makes: 13 of 36 tensors decayed) train like one device."""
+    ref = one_device(gpt, lambda m: torch.optim.AdamW(name_groups(m.named_parameters()),
+                                                      **ADAMW))
+    assert [len(g["params"]) for g in name_groups(gpt.named_parameters())] == [13, 23]
+
+    def make(pm, module):
+        groups = name_groups(pm.named_parameters())
+        if how == "plain":
+            return torch.optim.AdamW(groups, **ADAMW)
+        return nncompile.build_optimizer(pm, torch.optim.AdamW, params=groups, **ADAMW)
+    out = on_ranks(gpt, gen, f"names{plan}{policy}{zero}", make, policy=policy, plan=plan,
+                   use_zero=zero)
+    assert_like(out, ref, plan=plan)
 
 
 def test_group_lrs_and_scheduler_survive_zero(gpt, gen):
@@ -351,3 +380,26 @@ def test_optimizer_built_before_parallelize(gpt, gen, policy, plan, zero):
     else:                                 # split or flat: released, the step adopted pm's
         msg = out[0]["called"]
         assert msg is not None and "parallelized" in msg and "pm(...)" in msg, msg
+
+
+@pytest.mark.parametrize("world,plan,policy,extra", [
+    (2, 2, "tp_sp", {}), (4, 2, "tp", {"use_zero": 3}),
+    (2, 2, "tp", {"parallel": {"pp": 2, "microbatches": 2}})])
+def test_parameters_are_named_as_in_the_model(gpt, gen, world, plan, policy, extra):
+    """pm.named_parameters() under tp_sp, tp x ZeRO-3 and a pipeline: the model's names in
+    its order (a pipeline rank: its stages' subset, in order), the objects pm.parameters()
+    yields."""
+    want = [n for n, _ in gpt.named_parameters()]
+
+    def rank_fn(rank):
+        module = copy.deepcopy(gpt)
+        pm = nncompile.parallelize(module, _unit_batch(world // plan), ComputeConfig(
+            plan, world, **extra), pas_policy=policy, gen_savedir=gen,
+            instance_name=f"names{world}{policy}{len(extra)}")
+        named = list(pm.named_parameters())
+        assert all(a is b for (_, a), b in zip(named, pm.parameters(), strict=True))
+        return [n for n, _ in named]
+    for got in run_ranks(world, rank_fn):
+        assert got == [n for n in want if n in got] and len(got) > len(want) // 3, got
+        if "parallel" not in extra:
+            assert got == want

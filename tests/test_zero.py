@@ -9,6 +9,7 @@ import torch
 
 import models
 import nncompile
+from nncompile.rows import param_rows
 from nncompile import ComputeConfig
 
 
@@ -23,9 +24,10 @@ def test_generated_code_gathers_prefetches_and_frees_per_unit(tmp_path):
     code = (tmp_path / "z3" / "gencode0.py").read_text()
     units = [u.path for u in pm.zero.units]
     assert units == ["wte", "wpe", "h.0", "h.1", "ln_f"], units
-    # the flat pieces are stored per unit; named_parameters() shows the local parameters
+    # the flat pieces are stored per unit; named_parameters() shows the model's parameters
     assert [f.grad_fn is None and f.dim() for f in pm.stored_parameters()] == [1] * len(units)
-    assert [n for n, _ in pm.named_parameters()] == [n for u in pm.zero.units
+    local = {row.name: row.fqn for row in param_rows(pm)}
+    assert [n for n, _ in pm.named_parameters()] == [local[n] for u in pm.zero.units
                                                      for n in u.layout.names]
     lines = code.splitlines()
     gathers = [i for i, ln in enumerate(lines) if "comm.zero_gather(self.zero_" in ln]
