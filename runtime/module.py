@@ -26,7 +26,7 @@ from nncompile.mesh import Mesh, grad_reduction
 from nncompile.rows import buffer_rows, const_rows, param_rows, take
 from nncompile import arguments, rank_file
 
-from . import consistency
+from . import consistency, model_names
 from .lockstep import agree, lockstep_group, meet
 from .copying import deepcopy_parallel_module
 from .float8 import Float8
@@ -517,76 +517,31 @@ class ParallelModule(torch.nn.Module):
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
 
-    # ---- the model's names -----------------------------------------------------------------
+    # ---- the model's names (runtime/model_names.py) -----------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
         """pm's parameters under the model's own names (FQNs), in the model's order, as on one
-        device: grouping by name (`n.endswith(".bias")`, `"norm" in n`, the Hugging Face
-        Trainer's decay names) sees what the model shows. A pipeline rank lists its stages'
-        parameters; a parameter held as parts (q|k|v rows split by heads) is listed per part,
-        `fqn[i/n]`. The rank file's own attribute names: runtime/pieces.py
-        local_named_parameters."""
+        device (runtime/model_names.py); the rank file's names: pieces.local_named_parameters."""
         items = torch.nn.Module.named_parameters(self, recurse=recurse,
                                                  remove_duplicate=remove_duplicate)
-        yield from self._by_model_names(items, prefix)
+        return model_names.as_model(self, items, prefix)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True):
-        """pm's buffers under the model's names, as named_parameters; the constants the
-        plan computes once (CONSTS) keep their local names."""
+        """pm's buffers under the model's names; computed constants keep their local names."""
         items = torch.nn.Module.named_buffers(self, recurse=recurse,
                                               remove_duplicate=remove_duplicate)
-        yield from self._by_model_names(items, prefix)
+        return model_names.as_model(self, items, prefix)
 
     def __getattr__(self, name: str):
-        """The model's children by name after pm's own attributes, so that a parameter's
-        FQN (`pm.named_parameters()`) leads to it by attribute as on the model (torch's
-        distributed state-dict functions walk it so)."""
+        """pm's own attributes, then the model's children (model_names.child_of)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
-            model = self.__dict__.get("_original_module")
-            if model is not None and name in model._modules:
-                return model._modules[name]
-            raise
+            return model_names.child_of(self, name)
 
     def order_as_model(self) -> None:
-        """Register the parameters and buffers in the model's order, so that torch's own
-        traversal (a module holding pm, such as AveragedModel) lists them in the order
-        pm.parameters() does."""
-        fqns, order = self._model_names()
-        for table in (self._parameters, self._buffers):
-            items = sorted(table.items(),
-                           key=lambda kv: order.get(fqns.get(kv[0], kv[0]).split("[")[0],
-                                                    len(order)))
-            table.clear()
-            table.update(items)
-
-    def _by_model_names(self, items, prefix: str):
-        """(local name, tensor) pairs as (prefix + FQN, tensor), sorted into the model's
-        order (its named_parameters, then its named_buffers)."""
-        fqns, order = self._model_names()
-        named = [(fqns.get(name, name), t) for name, t in items]
-        named.sort(key=lambda item: order.get(item[0].split("[")[0], len(order)))
-        for name, t in named:
-            yield prefix + name, t
-
-    def _model_names(self) -> tuple[dict[str, str], dict[str, int]]:
-        """({local name: FQN}, {FQN: its place in the model}), computed once."""
-        cached = self.__dict__.get("_names_as_model")
-        if cached is not None:
-            return cached
-        rows = [*param_rows(self), *buffer_rows(self)]
-        fqns = {row.name: row.fqn for row in rows}
-        model = self.module
-        names = [n for n, _ in [*model.named_parameters(remove_duplicate=False),
-                                *model.named_buffers(remove_duplicate=False)]] \
-            if model is not None else [row.source for row in rows]
-        order = {}
-        for i, name in enumerate(names):
-            order.setdefault(name, i)
-        self.__dict__["_names_as_model"] = (fqns, order)
-        return fqns, order
+        model_names.order_as_model(self)
 
     # ---- parameters as stored -------------------------------------------------------------
     def stored_parameters(self):
