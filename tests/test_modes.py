@@ -507,7 +507,7 @@ def test_bart_compiles_ten_times_in_a_row(tmp_path, monkeypatch):
     compiled ten times in one process."""
     from transformers import BartConfig, BartForConditionalGeneration
     torch.manual_seed(0)
-    cfg = BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+    cfg = BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
                      decoder_ffn_dim=64, max_position_embeddings=32, use_cache=False)
     model = BartForConditionalGeneration(cfg).train()
