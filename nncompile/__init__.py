@@ -18,8 +18,7 @@ from .parallel_spec import ParallelSpec  # noqa: E402
 from .float8_spec import Float8Spec, module_filter as float8_module_filter  # noqa: E402
 from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError,  # noqa: E402
                      InputMismatchError, NNCompileError, PipelineError, PlanCheckError, PolicyError,
-                     ReuseError,
-                     TraceError)
+                     ReuseError, TraceError, ValueReadError)
 from .api import parallelize, verify  # noqa: E402
 from .custom_ops import register_op  # noqa: E402
 from nncompile.passes.autodist import explain, report_table as plan_report  # noqa: E402
@@ -27,6 +26,7 @@ from nncompile.passes.autodist import PlanInfeasibleError  # noqa: E402
 from nncompile.runtime.clip import clip_grad_norm_  # noqa: E402
 from nncompile.runtime import grad_scaler as _grad_scaler  # noqa: E402,F401  (GradScaler agrees)
 from nncompile.runtime.distributed import init_distributed  # noqa: E402
+from nncompile.runtime.value_reads import grad_norms  # noqa: E402
 from nncompile.runtime.optimizer import build_optimizer, declare_elementwise  # noqa: E402
 from nncompile.runtime.dedup import deduped_state_dict, load_deduped_state_dict  # noqa: E402
 from nncompile.runtime.merge import load_merged_state_dict, merge_state_dicts  # noqa: E402
@@ -49,4 +49,5 @@ __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "Co
            "load_merged_state_dict", "CheckpointError", "EditedCodeWarning",
            "NNCompileError", "ConfigError", "TraceError", "PolicyError", "ReuseError",
            "GraphError", "InputMismatchError", "PlanInfeasibleError", "PlanCheckError", "PipelineError",
+           "ValueReadError", "grad_norms",
            "__version__"]

@@ -37,6 +37,11 @@ class PlanCheckError(NNCompileError):
     """ComputeConfig(check=True): the compiled plan does not compute what the model does."""
 
 
+class ValueReadError(NNCompileError, RuntimeError):
+    """A number was read (`.item()`, `float()`) out of one of pm's DTensors whose value is
+    spread over the ranks (runtime/value_reads.py)."""
+
+
 class EditedCodeWarning(UserWarning):
     """A generated file was edited after nncompile wrote it; the edited file runs."""
 

@@ -139,6 +139,7 @@ _MESHES = job_cache()           # default group -> meshes
 
 def _mesh(pm):
     from torch.distributed.device_mesh import init_device_mesh
+    from .value_reads import own_mesh
     mesh = pm.mesh
     device = "cuda" if pm.device.type == "cuda" else "cpu"
     key = (device, mesh.dims)
@@ -146,6 +147,7 @@ def _mesh(pm):
     if key not in meshes:
         meshes[key] = init_device_mesh(device, tuple(size for _, size in mesh.dims),
                                        mesh_dim_names=mesh.names)
+        own_mesh(meshes[key])             # reading a partial over it: runtime/value_reads.py
     return meshes[key]
 
 

@@ -66,3 +66,9 @@ def child_of(pm, name: str):
     if model is not None and name in model._modules:
         return model._modules[name]
     raise AttributeError(f"'{type(pm).__name__}' object has no attribute '{name}'")
+
+
+def children(pm):
+    """(name, child) of the model pm was built from (none without it)."""
+    model = pm.__dict__.get("_original_module")
+    return iter(model._modules.items()) if model is not None else iter(())

@@ -533,6 +533,14 @@ class ParallelModule(torch.nn.Module):
                                               remove_duplicate=remove_duplicate)
         return model_names.as_model(self, items, prefix)
 
+    def named_children(self):
+        """pm's own children (none, as generated), then the model's: code that walks a
+        model's tree (the HF Trainer's get_decay_parameter_names, `pm.apply(init_fn)`,
+        `pm.train()`) walks the model's, as on one device (model_names.children)."""
+        yield from super().named_children()
+        if not self.__dict__.get("_own_children_only"):
+            yield from model_names.children(self)
+
     def __getattr__(self, name: str):
         """pm's own attributes, then the model's children (model_names.child_of)."""
         try:
@@ -572,15 +580,19 @@ class ParallelModule(torch.nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """ZeRO-3's handles have no storage to move or convert; the flat pieces stay where
         offload_params put them."""
-        if self.zero is None:
-            with pieces_registered(self):
-                return super()._apply(fn, recurse)
-        handles = dict(self._parameters)
-        self._parameters.clear()
+        self.__dict__["_own_children_only"] = True     # the model's own tensors stay
         try:
-            return super()._apply(fn, recurse)
+            if self.zero is None:
+                with pieces_registered(self):
+                    return super()._apply(fn, recurse)
+            handles = dict(self._parameters)
+            self._parameters.clear()
+            try:
+                return super()._apply(fn, recurse)
+            finally:
+                self._parameters.update(handles)
         finally:
-            self._parameters.update(handles)
+            self.__dict__.pop("_own_children_only", None)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Like nn.Module's, but checks the plan before touching any tensor."""

@@ -37,7 +37,8 @@ from nncompile.rows import param_rows
 
 from .dcp import _dtensor
 from .param_handles import ReleasedParameter
-from .pieces import local_parameters, pieces_of  # noqa: F401 (imported from here too)
+from .pieces import local_parameters, pieces_of
+from .reducer import ours  # noqa: F401 (imported from here too)
 
 
 def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
@@ -219,7 +220,56 @@ def watch_grad(entry) -> None:
     if local.requires_grad and getattr(local, "_nnc_watched", None) != key:
         local._nnc_watched = key
         local.register_hook(lambda g, entry=entry: follow_cleared(entry))
-        local.register_post_accumulate_grad_hook(lambda _, entry=entry: link_grad(entry))
+        local.register_post_accumulate_grad_hook(ours(lambda _, entry=entry: landed(entry)))
+
+
+def landed(entry) -> None:
+    """pm's gradient behind a view accumulated: link the view's .grad, and run the hooks
+    the user put on the view once this backward's gradients are complete."""
+    link_grad(entry)
+    view = entry[0]
+    if view._backward_hooks or view._post_accumulate_grad_hooks:
+        handle = getattr(view, "_nnc_handle", None)
+        pm = handle[0]() if handle is not None else None
+        if pm is not None:
+            hooks_due(pm, entry)
+
+
+def hooks_due(pm, entry) -> None:
+    """The view's own hooks (`register_hook`, `register_post_accumulate_grad_hook`: it is not
+    in the autograd graph, so torch never runs them) run when this backward ends, after the
+    reduction (run_view_hooks)."""
+    due = pm.__dict__.setdefault("_nnc_hooks_due", [])
+    if not due:
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: run_view_hooks(pm))
+    due.append(entry)
+
+
+def run_view_hooks(pm) -> None:
+    """Once per backward, after the reduction (queued after the reducer's own end-of-backward
+    callback): for each view whose gradient came in this backward, its `register_hook` hooks
+    on the complete DTensor gradient (a returned tensor replaces it, in place: pm's
+    gradient under it changes too), then its post-accumulate-grad hooks, as one device runs
+    them after each backward. Under no_sync() (a gradient not reduced yet) they wait for the
+    backward that reduces."""
+    due = pm.__dict__.pop("_nnc_hooks_due", [])
+    reducer = pm._reducer
+    if reducer is not None and not reducer.sync:
+        return
+    link_grads(pm)
+    seen: set[int] = set()
+    for entry in due:
+        view = entry[0]
+        if id(view) in seen or view.grad is None:
+            continue
+        seen.add(id(view))
+        with torch.no_grad():
+            for hook in list((view._backward_hooks or {}).values()):
+                new = hook(view.grad)
+                if new is not None and new is not view.grad:
+                    view.grad.copy_(new)
+        for hook in list((view._post_accumulate_grad_hooks or {}).values()):
+            hook(view)
 
 
 def link_grad(entry) -> None:
@@ -291,4 +341,4 @@ def follow_cleared(entry) -> None:
 
 
 __all__ = ["view_released", "view_pieces", "pieces_of", "local_parameters", "pieces_registered",
-           "sync_views", "follow_cleared", "link_grad", "link_grads"]
+           "sync_views", "follow_cleared", "link_grad", "link_grads", "landed"]

@@ -122,7 +122,7 @@ def view_pm_params(pm) -> dict[str, torch.nn.Parameter]:
 def _link_grads(pm, by_unit: dict) -> None:
     """After each unit's gradient lands (and at the end of the reduction), each view's .grad
     is a DTensor over its run of the flat gradient."""
-    from .module_views import add_entries, follow_cleared, link_grad, link_grads
+    from .module_views import add_entries, follow_cleared, landed, link_grads
     if not by_unit:
         return
     add_entries(pm, [e for entries in by_unit.values() for e in entries])
@@ -130,7 +130,7 @@ def _link_grads(pm, by_unit: dict) -> None:
     def linker(unit_entries):
         def hook(_):
             for e in unit_entries:
-                link_grad(e)
+                landed(e)
         return hook
     def follower(unit_entries):
         def hook(_):

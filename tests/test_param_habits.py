@@ -195,7 +195,7 @@ def test_gradients_through_the_module_equal_one_device(tmp_path, case):
             grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
             full = {n: _full(g).clone() for n, g in grads.items()}
             norms = {n: float(_full(g.norm())) for n, g in grads.items()}
-            nans = any(bool(g.isnan().any()) for g in grads.values())
+            nans = any(bool(_full(g.isnan().any())) for g in grads.values())
             seen.append((full, norms, nans))
             opt.step()
         return seen

@@ -357,7 +357,8 @@ def profile(pm: torch.nn.Module, step_fn: Callable[[], Any], steps: int = 3,
     def on_grad(p):
         if p.grad is not None:
             grad_max[id(p)] = max(grad_max.get(id(p), 0), _tensor_bytes(p.grad))
-    hooks = [p.register_post_accumulate_grad_hook(on_grad)
+    from nncompile.runtime.reducer import ours
+    hooks = [p.register_post_accumulate_grad_hook(ours(on_grad))
              for p in _stored(pm) if p.requires_grad]
     if cuda:
         torch.cuda.synchronize(device)
