@@ -69,6 +69,12 @@ def child_of(pm, name: str):
 
 
 def children(pm):
-    """(name, child) of the model pm was built from (none without it)."""
+    """(name, child) of the model pm was built from (none without it), as torch's
+    named_children gives them."""
     model = pm.__dict__.get("_original_module")
-    return iter(model._modules.items()) if model is not None else iter(())
+    if model is None:
+        return iter(())
+    # a child holding pm (a LightningModule whose model attribute became pm) is not one:
+    # walking it would come back here
+    return ((name, child) for name, child in model.named_children()
+            if not any(m is pm for m in child.modules()))

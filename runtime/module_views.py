@@ -38,7 +38,7 @@ from nncompile.rows import param_rows
 from .dcp import _dtensor
 from .param_handles import ReleasedParameter
 from .pieces import local_parameters, pieces_of
-from .reducer import ours  # noqa: F401 (imported from here too)
+from .user_hooks import ours
 
 
 def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
@@ -50,8 +50,7 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
         from .zero3_views import view_zero3
         released = view_zero3(pm, module, params, rows)
         follow_flags(pm, list(module.named_parameters(remove_duplicate=False)), rows)
-    if pm.zero is not None or pm.PIPELINE is not None or pm.INFERENCE_ONLY or \
-            not dist.is_initialized():
+    if pm.zero is not None or pm.INFERENCE_ONLY or not dist.is_initialized():
         return released
     whole_rows = {r.fqn: r for r in rows if r.part is None}
     row_of: dict[int, object] = {}       # id(parameter) -> its row (a tied one: its first FQN's)
@@ -61,22 +60,27 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
     local_of = {id(p): pm._parameters.get(row.name) for p in dict(params).values()
                 if (row := row_of.get(id(p))) is not None}
     split_plan = pm.PLAN_NGPUS > 1 or dict(pm.mesh.dims).get(CP, 1) > 1
-    whole = split_plan and all(
+    # a pipeline rank holds its stages' parameters: every one of them viewed is "whole"
+    mine = [(fqn, p) for fqn, p in params if id(p) in row_of] \
+        if pm.PIPELINE is not None else params
+    whole = split_plan and bool(mine) and all(
         (local := local_of.get(id(p))) is not None and local.is_contiguous() and
         local.device == p.device and (isinstance(p, ReleasedParameter) or p is local)
-        for _, p in params)
+        for _, p in mine) and \
+        {row_of[id(p)].name for _, p in mine} == set(pm._parameters)
     if not released and not whole:
         return released
     if whole:                 # every parameter: pm's own become these views too
-        views = view_pieces(pm, {id(p): row_of[id(p)].name for _, p in params})
-        for fqn, p in params:
+        views = view_pieces(pm, {id(p): row_of[id(p)].name for _, p in mine})
+        for fqn, p in mine:
             owner, _, leaf = fqn.rpartition(".")
             module.get_submodule(owner)._parameters[leaf] = views[row_of[id(p)].name]
         if not getattr(module, "_nnc_guard", False):
             from .param_handles import _released_forward
             module._nnc_guard = True
             module.register_forward_pre_hook(_released_forward(params[0][0]))
-        return []
+        return [fqn for fqn, p in params if id(p) not in row_of] \
+            if pm.PIPELINE is not None else []
     made: dict[int, torch.nn.Parameter] = {}     # id(original) -> its view (ties share one)
     views, still = [], []
     for fqn, p in params:
@@ -245,13 +249,26 @@ def hooks_due(pm, entry) -> None:
     due.append(entry)
 
 
+@contextlib.contextmanager
+def hold_view_hooks(pm):
+    """Inside (a pipeline's schedule: a backward per micro-batch), the views' hooks wait; on
+    leaving, each runs once, on the complete gradient."""
+    pm.__dict__["_nnc_hold_view_hooks"] = True
+    try:
+        yield
+    finally:
+        pm.__dict__.pop("_nnc_hold_view_hooks", None)
+
+
 def run_view_hooks(pm) -> None:
     """Once per backward, after the reduction (queued after the reducer's own end-of-backward
     callback): for each view whose gradient came in this backward, its `register_hook` hooks
     on the complete DTensor gradient (a returned tensor replaces it, in place: pm's
     gradient under it changes too), then its post-accumulate-grad hooks, as one device runs
     them after each backward. Under no_sync() (a gradient not reduced yet) they wait for the
-    backward that reduces."""
+    backward that reduces; in a pipeline, for the end of the schedule (hold_view_hooks)."""
+    if pm.__dict__.get("_nnc_hold_view_hooks"):
+        return                  # a pipeline's schedule: its train_step runs them at the end
     due = pm.__dict__.pop("_nnc_hooks_due", [])
     reducer = pm._reducer
     if reducer is not None and not reducer.sync:

@@ -56,7 +56,9 @@ from nncompile.pipeline_config import PipelineConfig
 from nncompile.rows import param_rows
 from nncompile import arguments
 
-from . import rng
+from . import rng, user_hooks
+from .module_views import hold_view_hooks, run_view_hooks
+from .pieces import local_parameters
 from .groups import pipe_group, tie_group
 
 
@@ -289,7 +291,9 @@ class PipelineRuntime:
         reducer = pm._reducer
         if pm.zero is not None:
             pm.zero.reset()
-        with (pm.no_sync() if reducer is not None else contextlib.nullcontext()):
+        held = user_hooks.defer(p for _, p in local_parameters(pm))
+        with (pm.no_sync() if reducer is not None else contextlib.nullcontext()), \
+                hold_view_hooks(pm):
             if reducer is not None:
                 reducer.reset()
             with self._one_device_rng():
@@ -299,6 +303,8 @@ class PipelineRuntime:
             self._sum_tied(name, group)
         if reducer is not None:
             reducer.reduce_now()
+        user_hooks.run(held)          # once, on the step's complete gradients
+        run_view_hooks(pm)
         return self._mean_loss(losses)
 
     def evaluate(self, inputs: list[torch.Tensor]) -> torch.Tensor:
@@ -404,6 +410,10 @@ def accumulate(pm, inputs: list[torch.Tensor]) -> torch.Tensor:
     m = max(1, getattr(pm, "MICROBATCHES", 1))
     batched = set(pm.BATCHED)
     total = torch.zeros((), device=pm.device)
+    # without a reducer (which runs them after its reduction) the user's post-accumulate
+    # hooks run once, after the last micro-batch (runtime/user_hooks.py)
+    held = user_hooks.defer(p for _, p in local_parameters(pm)) \
+        if pm._reducer is None and m > 1 else {}
     for i in range(m):
         mb = [x.chunk(m)[i] if name in batched and m > 1 else x
               for x, (name, _, _) in zip(inputs, pm.INPUTS)]
@@ -418,6 +428,7 @@ def accumulate(pm, inputs: list[torch.Tensor]) -> torch.Tensor:
                                   "first among the outputs)")
             (loss / m).backward()
         total += loss.detach().float() / m
+    user_hooks.run(held)
     return total
 
 

@@ -60,14 +60,14 @@ nothing to overlap, and async mode runs the sync trigger.
 """
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from nncompile import compat
+from . import user_hooks
+from .user_hooks import ours
 
 _will_execute = compat.will_engine_execute_node()
 FIRST_BUCKET_MB = 1.0
@@ -101,27 +101,6 @@ class Bucket:
 
     def free(self) -> None:
         self.buffer, self.views = None, []
-
-
-def ours(hook):
-    """Mark a post-accumulate-grad hook as nncompile's own (the reducer leaves it in place)."""
-    if hasattr(hook, "__self__"):            # a bound method takes no attributes
-        hook = functools.partial(hook)
-    hook._nncompile = True
-    return hook
-
-
-class _AfterReduction:
-    """A user's post-accumulate-grad hook the reducer runs after the reduction; torch's own
-    call of it, before, does nothing."""
-    __slots__ = ("hook",)
-    _nncompile = True
-
-    def __init__(self, hook):
-        self.hook = hook
-
-    def __call__(self, param) -> None:
-        return None
 
 
 class Reducer:
@@ -165,7 +144,7 @@ class Reducer:
         # does the same, and the per-parameter hook only lands the gradient in its bucket
         self.async_ = async_ = async_ and len(self.buckets) > 1
         self._params = [p for p, _, _, _ in params]
-        self._deferred: dict[int, torch.nn.Parameter] = {}   # params with a user's hook
+        self._deferred: dict[int, torch.nn.Parameter] = {}   # user hooks: runtime/user_hooks.py
         for param, group, size, scale in reversed(params):
             b = self._where[id(param)]
             # a gradient of the bucket's dtype lives in its bucket (gradient_as_bucket_view);
@@ -185,37 +164,11 @@ class Reducer:
                 self._prescaled.add(id(param))
                 param.register_hook(self._prescale_hook(param, prescale))
 
-    # ---- the user's post-accumulate-grad hooks ---------------------------------------------
-    def defer_user_hooks(self) -> None:
-        """A post-accumulate-grad hook the user put on a parameter (torch's optimizer-in-backward
-        recipe) runs after the parameter's gradient is reduced, once per reducing backward, as
-        on one device (DDP runs it before, on this rank's part). Called before each forward:
-        a hook added since is marked so torch's own call of it does nothing (removing it
-        with its handle still works); _finish calls it."""
-        for p in self._params:
-            hooks = p._post_accumulate_grad_hooks
-            if not hooks or all(getattr(h, "_nncompile", False) for h in hooks.values()):
-                continue
-            for key, hook in list(hooks.items()):
-                if not getattr(hook, "_nncompile", False):
-                    hooks[key] = _AfterReduction(hook)
-            self._deferred[id(p)] = p
-
-    def _run_deferred(self) -> None:
-        for p in list(self._deferred.values()):
-            hooks = [h for h in (p._post_accumulate_grad_hooks or {}).values()
-                     if isinstance(h, _AfterReduction)]
-            if not hooks:
-                del self._deferred[id(p)]
-            elif p.grad is not None:
-                for h in hooks:
-                    h.hook(p)
-
     # ---- triggers ------------------------------------------------------------------------
     def watch(self, outputs) -> None:
         """Sync mode: a backward through any of these forward outputs reduces the gradients
         when it ends (one pre-hook per distinct autograd node; nothing per parameter)."""
-        self.defer_user_hooks()
+        self._deferred = user_hooks.defer(self._params)   # run after the reduction
         if self.async_:
             return
         if isinstance(outputs, torch.Tensor):
@@ -348,7 +301,7 @@ class Reducer:
         for fn in self.on_finish:
             fn()
         if self._deferred:
-            self._run_deferred()
+            user_hooks.run(self._deferred)
 
     def reduce_now(self) -> None:
         """Reduce every bucket from the current .grad now (after a pipeline schedule ran all

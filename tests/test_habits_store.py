@@ -70,6 +70,9 @@ for _plan in ("zero3", "zero3_offload", "tp", "tp_sp", "tp_dp", "tp_zero3", "ep"
               "float8_zero3", "pp_tp"):
     REFUSALS[(_plan, "grad_item")] = REFUSALS[(_plan, "grad_item_rank0")] = "ValueReadError"
     REFUSALS[(_plan, "param_item")] = "ValueReadError"
+# a pipeline rank's module holds the other stages' parameters released: reading one is an
+# error naming the stage that holds it (rank 0's first read under pp x tp is its own shard's)
+REFUSALS[("pp", "param_item")] = "ConfigError"
 
 
 def _model(kind: str):
@@ -159,18 +162,19 @@ def store_loop(model, module, batch_of, rank: int, micro: int = 1) -> dict:
         h.remove()
     out["register_hook"] = {n: _full(p.grad).clone() for n, p in module.named_parameters()
                             if p.grad is not None}
-    out["grad_item"] = _attempt(lambda: [p.grad.norm().item() for p in params])
-    out["grad_item_rank0"] = _attempt(lambda: [p.grad.norm().item() for p in params]) \
+    out["grad_item"] = _attempt(lambda: {n: p.grad.norm().item() for n, p in named})
+    out["grad_item_rank0"] = _attempt(lambda: {n: p.grad.norm().item() for n, p in named}) \
         if rank == 0 else None
     sgd.step()
     out["plain_sgd"] = _weights(model)
 
     sgd.zero_grad(set_to_none=True)
     inner = {p: torch.optim.SGD([p], lr=0.1) for p in params}
+    name_of = {id(p): n for n, p in named}
     calls = []
 
     def step_in_backward(p):
-        calls.append(1)
+        calls.append(name_of[id(p)])
         inner[p].step()
         inner[p].zero_grad(set_to_none=True)
     handles = [p.register_post_accumulate_grad_hook(step_in_backward) for p in params]
@@ -178,8 +182,9 @@ def store_loop(model, module, batch_of, rank: int, micro: int = 1) -> dict:
     for h in handles:
         h.remove()
     out["opt_in_backward"] = _weights(model)
-    out["opt_in_backward_calls"] = len(calls)
-    out["param_item"] = _attempt(lambda: [p.norm().item() for p in module.parameters()])
+    out["opt_in_backward_calls"] = sorted(calls)      # each parameter's hook once
+    out["param_item"] = _attempt(lambda: {n: p.norm().item()
+                                          for n, p in module.named_parameters()})
     return out
 
 
@@ -189,11 +194,11 @@ def _difference(habit: str, got, want) -> float | str:
     if habit == "names":
         return 0.0 if got == want else f"names differ: {got[:3]}..."
     if habit in ("grad_item", "grad_item_rank0", "param_item"):
-        if len(got) != len(want):
-            return f"{len(got)} values for {len(want)}"
+        if set(got) != set(want):
+            return f"values of {sorted(set(want) ^ set(got))[:3]} missing"
         if habit == "param_item":
-            return max(abs(a - b) for a, b in zip(got, want))
-        return max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(got, want))
+            return max(abs(got[n] - want[n]) for n in want)
+        return max(abs(got[n] - want[n]) / max(abs(want[n]), 1e-6) for n in want)
     if habit == "register_hook":
         if set(got) != set(want):
             return "gradients missing"
@@ -241,10 +246,12 @@ def table_row(results: list[dict], want: dict) -> dict[str, float | str]:
         diffs = [_difference(habit, got[habit], want[habit]) for got in results
                  if got[habit] is not None]
         words = [d for d in diffs if isinstance(d, str)]
-        row[habit] = words[0] if words else max(diffs)
-    calls = {got["opt_in_backward_calls"] for got in results}
-    if calls != {want["opt_in_backward_calls"]} and not isinstance(row["opt_in_backward"], str):
-        row["opt_in_backward"] = f"hooks ran {sorted(calls)} times"
+        row[habit] = words[0] if words else max(diffs, default=0.0)   # (rank 0 alone reads)
+    wrong = [got["opt_in_backward_calls"] for got in results
+             if got["opt_in_backward_calls"] != want["opt_in_backward_calls"]]
+    if wrong and not isinstance(row["opt_in_backward"], str):
+        row["opt_in_backward"] = f"hooks ran {len(wrong[0])} times for " \
+                                 f"{len(want['opt_in_backward_calls'])} parameters"
     return row
 
 

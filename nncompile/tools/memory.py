@@ -357,7 +357,7 @@ def profile(pm: torch.nn.Module, step_fn: Callable[[], Any], steps: int = 3,
     def on_grad(p):
         if p.grad is not None:
             grad_max[id(p)] = max(grad_max.get(id(p), 0), _tensor_bytes(p.grad))
-    from nncompile.runtime.reducer import ours
+    from nncompile.runtime.user_hooks import ours
     hooks = [p.register_post_accumulate_grad_hook(ours(on_grad))
              for p in _stored(pm) if p.requires_grad]
     if cuda:
