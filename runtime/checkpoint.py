@@ -287,7 +287,7 @@ def save_checkpoint(directory: str | os.PathLike, pm, optimizer=None, *, format:
         return _start_async_save(directory, pm, optimizer, meta, side)
     with staged_directory(directory, pm, meta) as staging:
         if format == "sharded":
-            save_torch({"model": pm.state_dict(),
+            save_torch({"model": pm.local_state_dict(),
                         "optimizer": with_members(pm, optimizer, optimizer.state_dict())
                         if optimizer is not None else None,
                         "extra": extra, "resume": resume}, staging / f"rank{rank}.pt")
@@ -415,7 +415,7 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None, *, data=None,
     if meta["format"] == "sharded" and optimizer is not None:
         _check_optimizer_layout(path, meta, saved_info, blob["optimizer"], pm, optimizer)
     if meta["format"] == "sharded":
-        pm.load_state_dict(blob["model"])                # checks the plan first
+        pm.load_local_state_dict(blob["model"])          # checks the plan first
         if optimizer is not None:
             optimizer.load_state_dict(without_members(blob["optimizer"]))
     else:

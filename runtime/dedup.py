@@ -41,7 +41,7 @@ def deduped_state_dict(pm, optimizer=None) -> tuple[dict, dict | None]:
 
 
 def deduped_model_state(pm) -> dict:
-    full = pm.state_dict()
+    full = pm.local_state_dict()
     owned = {row.name for row in state_rows(pm) if is_owner(pm, row)}
     return {k: v for k, v in full.items() if k in owned or k == "_extra_state"}
 

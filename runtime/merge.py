@@ -62,7 +62,7 @@ def _info(sd: dict, i: int) -> dict:
     info = sd.get("_extra_state")
     if not isinstance(info, dict) or "params" not in info:
         raise CheckpointError(f"state dict #{i} is not a ParallelModule state dict (no plan "
-                              f"metadata under '_extra_state'); pass pm.state_dict() or "
+                              f"metadata under '_extra_state'); pass pm.local_state_dict() or "
                               f"nncompile.deduped_state_dict(pm, opt)[0] of every rank")
     return info
 

@@ -26,7 +26,7 @@ from nncompile.mesh import Mesh, grad_reduction
 from nncompile.rows import buffer_rows, const_rows, param_rows, take
 from nncompile import arguments, rank_file
 
-from . import consistency, model_names
+from . import consistency, model_names, model_state
 from .lockstep import agree, lockstep_group, meet
 from .copying import deepcopy_parallel_module
 from .float8 import Float8
@@ -36,7 +36,7 @@ from .zero import ZeroRuntime, all_gather_along, memory_settings
 from .meta_buffers import with_real_buffers
 from .param_handles import make_handles, release_original, take_original
 from .module_views import link_grads, pieces_registered
-from .pieces import local_parameters, pieces_of
+from .pieces import local_named_parameters, local_parameters, pieces_of
 from .parts import assemble_sources
 from .state import check_same_plan, gather_split_axes, plan_info, share_over_pipeline
 
@@ -594,11 +594,34 @@ class ParallelModule(torch.nn.Module):
         finally:
             self.__dict__.pop("_own_children_only", None)
 
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The model's state dict, as FSDP2's: the model's names, in its order, a tensor the
+        plan splits as a DTensor over this rank's piece (runtime/model_state.py), so torch's
+        get_model_state_dict(pm) and DCP work as for a DDP or FSDP2 model. nncompile's
+        per-rank form: local_state_dict()."""
+        if args:                            # torch's old positional form
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+        return model_state.model_state(self, prefix, keep_vars, destination)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Like nn.Module's, but checks the plan before touching any tensor."""
+        """Load the model's form (state_dict(); DTensors of any plan or full tensors), or
+        nncompile's per-rank form (local_state_dict(), whose plan is checked first)."""
+        local = {n for n, _ in local_named_parameters(self)}
+        if "_extra_state" in state_dict or any(k in local for k in state_dict):
+            return self.load_local_state_dict(state_dict, strict=strict, assign=assign)
+        return model_state.load_model_state(self, state_dict, strict=strict)
+
+    def local_state_dict(self, keep_vars: bool = False) -> dict:
+        """nncompile's per-rank form: this rank's pieces by the rank file's names, and the
+        plan they belong to under `_extra_state` (what the "sharded" checkpoint format,
+        dedup and merge_state_dicts read)."""
+        return torch.nn.Module.state_dict(self, keep_vars=keep_vars)
+
+    def load_local_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load local_state_dict()'s form, checking its plan before touching any tensor."""
         if "_extra_state" in state_dict:
             check_same_plan(state_dict["_extra_state"], self, "this state dict")
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        return torch.nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
 
 def _dtype(name: str) -> torch.dtype | None:

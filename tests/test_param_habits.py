@@ -512,3 +512,76 @@ def test_nncompile_checkpoints_of_an_optimizer_over_the_modules_dtensors(tmp_pat
     for want, got, moments in run_ranks(WORLD, rank_fn):
         assert moments == len(list(base.parameters())), moments
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, (got, want)
+
+
+@pytest.mark.parametrize("kind", ["plain", "build_optimizer"])
+def test_torch_dcp_api_through_pm_from_tp_dp_into_zero3_and_tp(tmp_path, kind):
+    """torch's API given the wrapper, as a DDP or FSDP2 script does: AdamW over
+    pm.parameters() (or nncompile.build_optimizer's) under tp 2 x dp 2,
+    get_model_state_dict(pm) + get_optimizer_state_dict(pm, opt) + dcp.save after step 1 (and
+    the same through pm.module); a fresh ZeRO-3 dp 4 pm and a fresh tp 2 x dp 2 pm,
+    dcp.load + set_model_state_dict + set_optimizer_state_dict: the weights equal one
+    device's after step 1, and the next two losses one device's. (AdamW's eps 1e-5: a key
+    projection's bias has a gradient of float32 noise, which eps 1e-8 would scale up to a
+    full step.)"""
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    world = 4
+    base = models.build("gpt")
+
+    def optimizer(pm):
+        if kind == "plain":
+            return torch.optim.AdamW(pm.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
+        return nncompile.build_optimizer(pm, torch.optim.AdamW, lr=3e-3, weight_decay=0.1, eps=1e-5)
+
+    def run(model, opt, steps):
+        out = []
+        for step in steps:
+            opt.zero_grad()
+            loss = model(**_batch(step))
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
+    run(ref, ref_opt, [0, 1])
+    saved = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    want = run(ref, ref_opt, [2, 3])
+
+    def rank_fn(rank):
+        pm = nncompile.parallelize(copy.deepcopy(base), _batch(0), ComputeConfig(2, world),
+                                   pas_policy="tp", gen_savedir=tmp_path,
+                                   instance_name="dcp_api_tp")
+        opt = optimizer(pm)
+        run(pm, opt, [0, 1])
+        for via in ("pm", "module"):
+            holder = pm if via == "pm" else pm.module
+            dcp.save({"model": get_model_state_dict(holder),
+                      "optim": get_optimizer_state_dict(holder, opt)},
+                     checkpoint_id=tmp_path / f"ckpt_{via}")
+        out = {}
+        for via in ("pm", "module"):
+            for plan, zero in ((1, 3), (2, 0)):
+                pm2 = nncompile.parallelize(models.build("gpt", seed=7), _batch(0),
+                                            ComputeConfig(plan, world, use_zero=zero),
+                                            pas_policy="tp" if plan > 1 else "dp",
+                                            gen_savedir=tmp_path,
+                                            instance_name=f"dcp_api_{plan}_{zero}")
+                opt2 = optimizer(pm2)
+                holder = pm2 if via == "pm" else pm2.module
+                state = {"model": get_model_state_dict(holder),
+                         "optim": get_optimizer_state_dict(holder, opt2)}
+                dcp.load(state, checkpoint_id=tmp_path / f"ckpt_{via}")
+                set_model_state_dict(holder, state["model"])
+                set_optimizer_state_dict(holder, opt2, state["optim"])
+                weights = pm2.gather_params()
+                out[f"{via} into plan {plan} ZeRO-{zero}"] = (weights, run(pm2, opt2, [2, 3]))
+        return out
+    for outs in run_ranks(world, rank_fn):
+        for where, (weights, losses) in outs.items():
+            for fqn, w in saved.items():
+                torch.testing.assert_close(weights[fqn], w, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{where} {fqn}: {m}")
+            torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{where}: {m}")

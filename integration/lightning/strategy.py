@@ -356,7 +356,7 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
     # ---- checkpoints ---------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         pm = self.parallel_module
-        return pm.state_dict() if self.state_dict_type == "sharded" else deduped_model_state(pm)
+        return pm.local_state_dict() if self.state_dict_type == "sharded" else deduped_model_state(pm)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         if self.state_dict_type == "sharded":        # with each group's members, for merging
@@ -413,7 +413,7 @@ class NnCompileStrategy(TrainStepPlans, ParallelStrategy):
         elif self._is_deduped(sd):
             load_deduped_model_state(pm, sd)
         else:
-            pm.load_state_dict(sd, strict=strict)
+            pm.load_local_state_dict(sd, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: dict) -> None:
         opt_sd = checkpoint["optimizer_states"][0]
