@@ -329,3 +329,18 @@ def quiet_known_import_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _KnownImportNoise) for f in logger.filters):
             logger.addFilter(_KnownImportNoise())
+
+
+def add_dtensor_op_handler(op, handler) -> None:
+    """Register `handler(op, args, kwargs)` for `op` in DTensor's table of per-op handlers
+    (`DTensor._op_dispatcher._custom_op_handlers`, the table torch's loss_parallel and context
+    parallelism use; private, present in torch 2.4-2.13); an op with a handler already keeps
+    it."""
+    from torch.distributed.tensor import DTensor
+    DTensor._op_dispatcher._custom_op_handlers.setdefault(op, handler)
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]):
+    """What nn.Module.load_state_dict returns (torch's `_IncompatibleKeys` namedtuple)."""
+    from torch.nn.modules.module import _IncompatibleKeys
+    return _IncompatibleKeys(missing, unexpected)

@@ -74,13 +74,13 @@ def _cpu(obj):
 
 @service("full_state")
 def _full_state(pm, index: int | None, leader: int | None):
-    """Each rank's (pm.state_dict(), optimizer.state_dict()) to `leader` (None: to all), then
-    merged there."""
+    """Each rank's (pm.local_state_dict(), optimizer.state_dict()) to `leader` (None: to
+    all), then merged there."""
     optimizer = None
     if index is not None:
         optimizer = pm.__dict__["_nnc_optimizers"][index]()
     from .state import with_members        # (state imports the optimizer, which us)
-    mine = (_cpu(pm.state_dict()), None if optimizer is None else
+    mine = (_cpu(pm.local_state_dict()), None if optimizer is None else
             _cpu(with_members(pm, optimizer, optimizer.state_dict())))
     group = _group(pm)
     if group is None:

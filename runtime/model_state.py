@@ -24,8 +24,8 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import _IncompatibleKeys
 
+from nncompile import compat
 from nncompile.rows import ParamRow, state_rows, take
 
 from . import model_names
@@ -63,9 +63,11 @@ def model_state(pm, prefix: str = "", keep_vars: bool = False,
             continue
         t = live.get(key) if isinstance(row, ParamRow) else getattr(pm, row.name)
         if t is None or t.is_meta or getattr(row, "part", None) is not None:
-            if built is None:
-                built = _model_state(pm)          # parts whole, ZeRO-3 shards gathered
-            t = built[key] if split else built[key].full_tensor()
+            if built is None:                     # parts whole, ZeRO-3 shards gathered
+                built = _model_state(pm) if dist.is_initialized() else pm.local_tensors()
+            t = built[key] if dist.is_initialized() else built[row.name]
+            if dist.is_initialized() and not split:
+                t = t.full_tensor()
         elif split and not isinstance(t, DTensor):
             t = _dtensor(pm, t if keep_vars else t.detach(), row)
         out[key] = t if keep_vars else t.detach()
@@ -81,7 +83,7 @@ def model_state(pm, prefix: str = "", keep_vars: bool = False,
 
 
 @torch.no_grad()
-def load_model_state(pm, state: dict, strict: bool = True) -> _IncompatibleKeys:
+def load_model_state(pm, state: dict, strict: bool = True):
     """Copy a state in the model's form (values DTensors of any plan, or full tensors) into
     pm's tensors; missing and unexpected keys as nn.Module.load_state_dict reports them."""
     from .dcp import _mesh
@@ -116,7 +118,7 @@ def load_model_state(pm, state: dict, strict: bool = True) -> _IncompatibleKeys:
                            f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
                            "(pm.state_dict() holds the model's names; nncompile's per-rank "
                            "form is pm.local_state_dict())")
-    return _IncompatibleKeys(missing, unexpected)
+    return compat.incompatible_keys(missing, unexpected)
 
 
 __all__ = ["model_state", "load_model_state"]

@@ -4,8 +4,10 @@ It takes this rank's shards from the original module's current weights, computes
 once, checks inputs against the traced ones, runs the generated forward, and reduces
 gradients like DDP (reducer.py: bucketed, optionally overlapped with backward; `no_sync()`
 for gradient accumulation). `gather_params` / `gather_grads` rebuild full tensors keyed by
-the original FQNs (collectives: every rank calls them). `state_dict()` is this rank's shard
-plus the plan it belongs to (checkpoint.py builds deduped, merged and resharding formats).
+the original FQNs (collectives: every rank calls them). `state_dict()` is the model's (FQNs,
+DTensors where the plan splits: runtime/model_state.py); `local_state_dict()` is this rank's
+shard plus the plan it belongs to (checkpoint.py builds deduped, merged and resharding
+formats from it).
 """
 from __future__ import annotations
 
@@ -487,7 +489,7 @@ class ParallelModule(torch.nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------
     def get_extra_state(self) -> dict:
-        """Stored under `_extra_state` in state_dict(): the plan these shards belong to."""
+        """Stored under `_extra_state` in local_state_dict(): the plan these shards belong to."""
         return plan_info(self)
 
     def set_extra_state(self, state: dict) -> None:

@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from nncompile import compat
 from nncompile.errors import ValueReadError
 
 _MESHES: "weakref.WeakSet" = weakref.WeakSet()     # meshes nncompile made
@@ -37,15 +38,13 @@ def _local_scalar(op, args, kwargs):
             "first, on every rank (for example p.grad.norm().full_tensor().item()), or "
             "nncompile.grad_norms(pm) for every parameter's gradient norm (every rank calls "
             "them: they communicate)")
-    return op(t._local_tensor, *args[1:], **kwargs)
+    return op(t.to_local(), *args[1:], **kwargs)
 
 
 def own_mesh(mesh) -> None:
     """`mesh` is nncompile's: reading a partial DTensor over it is refused (installs the
     handler the first time)."""
-    from torch.distributed.tensor import DTensor
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    handlers.setdefault(torch.ops.aten._local_scalar_dense.default, _local_scalar)
+    compat.add_dtensor_op_handler(torch.ops.aten._local_scalar_dense.default, _local_scalar)
     _MESHES.add(mesh)
 
 

@@ -178,7 +178,7 @@ def _train(model, kind, policy, plan, world, opt_name, savedir, use_zero=0, save
         result = {"losses": losses, "params": pm.gather_params(), "buffers": buffers,
                   "eval_loss": eval_loss,
                   "state_dict": {k: v.clone() if torch.is_tensor(v) else v
-                                 for k, v in pm.state_dict().items()}}
+                                 for k, v in pm.local_state_dict().items()}}
         if save is not None:        # each format saved, then loaded back into pm
             result["loaded"] = {}
             for fmt in ("sharded", "deduped", "dcp"):
@@ -235,7 +235,7 @@ def test_batchnorm_trains_like_one_device(tmp_path, kind, policy, plan, world, o
 
 
 def test_checkpoints_of_units_keep_the_first_units_statistics(tmp_path):
-    """Two data-parallel units with their own statistics: pm.state_dict() and a `sharded`
+    """Two data-parallel units with their own statistics: pm.local_state_dict() and a `sharded`
     checkpoint hold each rank's own (a resume restores every unit's); `deduped`, `dcp` and
     merged state dicts hold the first unit's (as a DDP checkpoint saved by rank 0 does), and
     loading them gives every unit those."""
@@ -283,12 +283,12 @@ def test_checkpoint_resume_keeps_running_statistics(tmp_path):
         opt.zero_grad()
         losses.append(loss.item())
     nncompile.save_checkpoint(tmp_path / "ckpt", pm, opt)
-    sd = pm.state_dict()
+    sd = pm.local_state_dict()
     assert int(sd["stem1_num_batches_tracked"]) == 2
     pm2, opt2 = make("b")
-    assert int(pm2.state_dict()["stem1_num_batches_tracked"]) == 0
+    assert int(pm2.local_state_dict()["stem1_num_batches_tracked"]) == 0
     nncompile.load_checkpoint(tmp_path / "ckpt", pm2, opt2)
-    for k, v in pm2.state_dict().items():
+    for k, v in pm2.local_state_dict().items():
         if torch.is_tensor(v):
             assert torch.equal(v, sd[k]), k
     loss = pm2(*batches[2])

@@ -185,24 +185,24 @@ def test_state_dict_of_another_plan_is_refused_before_any_tensor_changes(tmp_pat
                               gen_savedir=tmp_path, instance_name="other")
     narrow = nncompile.parallelize(models.MLP(d_hidden=32), batch, nncompile.ComputeConfig(1),
                                    pas_policy="data", gen_savedir=tmp_path, instance_name="narrow")
-    sd = a.state_dict()
+    sd = a.local_state_dict()
     assert sd["_extra_state"]["policy"] == "dp"
     sd = {k: (v + 1 if torch.is_tensor(v) else v) for k, v in sd.items()}
-    before = {k: v.clone() for k, v in narrow.state_dict().items() if torch.is_tensor(v)}
+    before = {k: v.clone() for k, v in narrow.local_state_dict().items() if torch.is_tensor(v)}
     with pytest.raises(nncompile.CheckpointError) as e:
         narrow.load_state_dict(sd)
     assert "policy 'dp', plan_ngpus 1" in str(e.value) and "policy 'data'" in str(e.value)
     assert "format='dcp'" in str(e.value)
     assert "parameter 'fc1.weight': full shape [64, 16] in the checkpoint, [32, 16] here" \
         in str(e.value)
-    for k, v in narrow.state_dict().items():
+    for k, v in narrow.local_state_dict().items():
         if torch.is_tensor(v):
             assert torch.equal(v, before[k]), f"{k} changed before the plan check"
     b.load_state_dict(sd)         # another policy, the same shards: shards decide, not plans
-    for k, v in b.state_dict().items():
+    for k, v in b.local_state_dict().items():
         if torch.is_tensor(v):
             assert torch.equal(v, sd[k]), k
-    merged, _ = nncompile.merge_state_dicts([a.state_dict()])
+    merged, _ = nncompile.merge_state_dicts([a.local_state_dict()])
     assert set(merged) == set(model.state_dict())
     nncompile.load_merged_state_dict(b, merged)          # a merged state dict loads anywhere
     for k, v in b.gather_params().items():

@@ -158,7 +158,7 @@ def test_groups_without_members_are_refused(gpt, reference, saved):
         pm, opt, sched, mine = _parallelize(gpt, "dp", rank, gen)
         for b in _batches(SAVE_AT):
             _step(pm, opt, sched, mine(b))
-        return pm.state_dict(), opt.state_dict(), with_members(pm, opt, opt.state_dict())
+        return pm.local_state_dict(), opt.state_dict(), with_members(pm, opt, opt.state_dict())
     outs = run_ranks(WORLD, rank_fn)
     models_sd = [o[0] for o in outs]
     with pytest.raises(CheckpointError, match="2 parameter groups but does not record"):

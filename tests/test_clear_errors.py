@@ -127,19 +127,19 @@ def test_sharded_optimizer_state_under_another_zero_stage_is_refused(tmp_path, s
     ck = nncompile.save_checkpoint(tmp_path / "ck", src, _trained(src), format="sharded")
     pm = _gpt(tmp_path, "dst", loaded_zero)
     opt = _trained(pm)
-    before = {k: v.clone() for k, v in pm.state_dict().items() if torch.is_tensor(v)}
+    before = {k: v.clone() for k, v in pm.local_state_dict().items() if torch.is_tensor(v)}
     with pytest.raises(nncompile.CheckpointError) as e:
         nncompile.load_checkpoint(ck, pm, opt)
     msg = str(e.value)
     assert "sharded format is tied to its ZeRO layout" in msg, msg
     assert ("ZeRO-3" in msg) == (3 in (saved_zero, loaded_zero)), msg
     assert "format='deduped' or format='dcp'" in msg and "nncompile merge" in msg, msg
-    after = pm.state_dict()
+    after = pm.local_state_dict()
     assert all(torch.equal(v, after[k]) for k, v in before.items())    # nothing loaded
     # the model weights alone load across ZeRO stages, equal to the saved ones
     nncompile.load_checkpoint(ck, pm)
-    want = {k: v for k, v in src.state_dict().items() if torch.is_tensor(v)}
-    got = pm.state_dict()
+    want = {k: v for k, v in src.local_state_dict().items() if torch.is_tensor(v)}
+    got = pm.local_state_dict()
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
 

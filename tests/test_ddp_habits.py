@@ -261,7 +261,7 @@ def test_merged_zero_checkpoint_resumes_a_plain_adamw(tmp_path, zero):
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
-        return pm.state_dict(), opt.state_dict(), losses
+        return pm.local_state_dict(), opt.state_dict(), losses
     out = run_ranks(4, rank_fn)
     model_sd, opt_sd = nncompile.merge_state_dicts([o[0] for o in out], [o[1] for o in out])
     buf = io.BytesIO()

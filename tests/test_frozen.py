@@ -126,7 +126,7 @@ def _train(model, policy, plan, world, use_zero, savedir, batches=_batches, **ad
                 "opt_numel": sum((t.to_local() if isinstance(t, DTensor) else t).numel()
                                  for st in state["state"].values()
                                  for t in st.values() if torch.is_tensor(t) and t.dim()),
-                "model_sd": pm.state_dict(), "opt_sd": state}
+                "model_sd": pm.local_state_dict(), "opt_sd": state}
     return run_ranks(world, rank_fn)
 
 

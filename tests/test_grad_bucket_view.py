@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import nncompile
 from nncompile import ComputeConfig
+from nncompile.runtime.user_hooks import ours
 from nncompile.runtime.reducer import Reducer
 from nncompile.tools.simulate import run_ranks
 
@@ -78,7 +79,7 @@ def _train(net, rank: int, *, async_=False, micro=1, no_sync=True, scale=0.5, si
     def count(p):
         outside.append(sum(q.grad is not None and not _in_buckets(r, q.grad) for q in params))
     for p in params:                  # registered after the reducer's hooks: runs after them
-        p.register_post_accumulate_grad_hook(count)
+        p.register_post_accumulate_grad_hook(ours(count))    # (a probe: at accumulation)
     taken = {}
     if sink:
         def take(ps, views):

@@ -361,7 +361,7 @@ def test_tp_parts_checkpoint_merge_dcp_end_to_end(tiny, tmp_path):
         for fmt in ("dcp", "sharded", "deduped"):
             nncompile.save_checkpoint(ck / f"tp_{fmt}", pm, opt, format=fmt)
         opt_sd = with_members(pm, opt, opt.state_dict())       # each group's members by FQN
-        return parts, pm.gather_params(), pm.state_dict(), opt_sd, norms
+        return parts, pm.gather_params(), pm.local_state_dict(), opt_sd, norms
     out = run_ranks(WORLD, train)
     parts = out[0][0]
     assert {r.source for r in parts} == {f"{fused}.weight", f"{fused}.bias"}, parts
@@ -424,7 +424,7 @@ def test_tp_parts_checkpoint_merge_dcp_end_to_end(tiny, tmp_path):
         nncompile.load_merged_state_dict(pm, merged, opt, merged_opt)
         _step(pm, opt, _batches()[STEPS])
         got["zero3"] = pm.gather_params()
-        return got, pm.state_dict(), opt.state_dict(), init
+        return got, pm.local_state_dict(), opt.state_dict(), init
     want, want_opt, _ = ref[STEPS]
     out = run_ranks(WORLD, resume)
     for rank, (got, _, _, init) in enumerate(out):
@@ -464,7 +464,7 @@ def test_parts_with_data_parallel_units(tmp_path):
         for b in _batches(STEPS):
             _step(pm, opt, _mine(b, rank, 2, world=4))
         nncompile.save_checkpoint(ck, pm, opt, format="dcp")
-        sd = pm.state_dict()
+        sd = pm.local_state_dict()
         pm = _parallelize(model, gen, 1, "dp", rank, world=4)
         opt = _adamw(pm.named_parameters())
         nncompile.load_checkpoint(ck, pm, opt)

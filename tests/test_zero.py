@@ -96,7 +96,7 @@ def test_one_rank_parity_and_plain_adamw(tmp_path, recompute):
     full = pm.gather_params()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(full[n], p.detach(), rtol=1e-5, atol=1e-6)
-    sd = pm.state_dict()                                      # local names, as without ZeRO
+    sd = pm.local_state_dict()                                   # local names, as without ZeRO
     assert not any(k.startswith("zero_") for k in sd) and "h0_mlp_fc_weight" in sd
 
 

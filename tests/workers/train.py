@@ -267,7 +267,7 @@ def check(policy: str, plan: int, runtime: int, v: Variant, savedir: str) -> str
     assert_near(f"{what} losses", torch.tensor(losses), ref_losses, [o[0] for o in others])
     # the merged weights and optimizer state equal the single-device ones, and load into it
     sds = [None] * dist.get_world_size()
-    dist.all_gather_object(sds, (pm.state_dict(), opt.state_dict()))
+    dist.all_gather_object(sds, (pm.local_state_dict(), opt.state_dict()))
     model_sd, opt_sd = nncompile.merge_state_dicts([s[0] for s in sds], [s[1] for s in sds])
     assert set(model_sd) == set(ref_sd), sorted(set(model_sd) ^ set(ref_sd))
     for k, want in ref_sd.items():
