@@ -38,15 +38,24 @@ def _split(pm) -> bool:
         any(isinstance(p, DTensor) for p in pm._parameters.values()))
 
 
-def _aliases(pm) -> dict[str, list[str]]:
-    """{FQN: the model's other names of the same tensor} (tied weights)."""
+def _aliases(pm) -> dict[str, str]:
+    """{another name of a tied tensor: its first name} in the model."""
     model = pm.module
     if model is None:
         return {}
-    by_id: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
+    out = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(fqn)
-    return {names[0]: names[1:] for names in by_id.values() if len(names) > 1}
+        if id(p) in first:
+            out[fqn] = first[id(p)]
+        else:
+            first[id(p)] = fqn
+    return out
+
+
+def _key(row) -> str:
+    """The model's name of what `row` holds (a part: the parameter it is a part of)."""
+    return row.fqn if getattr(row, "part", None) is None else row.source
 
 
 def model_state(pm, prefix: str = "", keep_vars: bool = False,
@@ -54,11 +63,11 @@ def model_state(pm, prefix: str = "", keep_vars: bool = False,
     """pm's state under the model's names (see the module docstring)."""
     from .dcp import _dtensor, _model_state      # (the mesh's DTensors)
     split = _split(pm)
-    live = dict(model_names.as_model(pm, torch.nn.Module.named_parameters(pm)))
+    live = dict(pm.named_parameters())
     built = None
     out: dict = {}
     for row in state_rows(pm):
-        key = row.fqn if getattr(row, "part", None) is None else row.source
+        key = _key(row)
         if key in out:
             continue
         t = live.get(key) if isinstance(row, ParamRow) else getattr(pm, row.name)
@@ -71,10 +80,9 @@ def model_state(pm, prefix: str = "", keep_vars: bool = False,
         elif split and not isinstance(t, DTensor):
             t = _dtensor(pm, t if keep_vars else t.detach(), row)
         out[key] = t if keep_vars else t.detach()
-    for fqn, others in _aliases(pm).items():
-        for other in others:
-            if fqn in out:
-                out[other] = out[fqn]
+    for other, fqn in _aliases(pm).items():
+        if fqn in out:
+            out[other] = out[fqn]
     _, order = model_names._names(pm)
     dest = OrderedDict() if destination is None else destination
     for key in sorted(out, key=lambda k: order.get(k, len(order))):
@@ -89,12 +97,10 @@ def load_model_state(pm, state: dict, strict: bool = True):
     from .dcp import _mesh
     expected: dict[str, list] = {}
     for row in state_rows(pm):
-        key = row.fqn if getattr(row, "part", None) is None else row.source
-        expected.setdefault(key, []).append(row)
-    for fqn, others in _aliases(pm).items():
-        for other in others:
-            if fqn in expected:
-                expected.setdefault(other, [])     # a tied name: loaded through its first
+        expected.setdefault(_key(row), []).append(row)
+    aliases = {other: fqn for other, fqn in _aliases(pm).items() if fqn in expected}
+    for other in aliases:
+        expected.setdefault(other, [])     # a tied name: loaded through its first
     mesh = _mesh(pm) if _split(pm) else None
     local: dict[str, torch.Tensor] = {}
     for key, value in state.items():
@@ -110,8 +116,7 @@ def load_model_state(pm, state: dict, strict: bool = True):
                 full = value.full_tensor() if isinstance(value, DTensor) else value
                 local[row.name] = take(row, full.to(pm.device))
     pm.load_local_tensors(local)
-    missing = [k for k, rows in expected.items() if k not in state and
-               not any(k in (a, *others) and a in state for a, others in _aliases(pm).items())]
+    missing = [k for k in expected if k not in state and aliases.get(k) not in state]
     unexpected = [k for k in state if k not in expected and k != "_extra_state"]
     if strict and (missing or unexpected):
         raise RuntimeError(f"Error(s) in loading state_dict for {type(pm).__name__}: "

@@ -30,15 +30,14 @@ import json
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
 import models
 import nncompile
 from conftest import torchrun
 from nncompile import ComputeConfig
-from nncompile.errors import NNCompileError
 from nncompile.runtime.module import ParallelModule
 from nncompile.tools.simulate import run_ranks
+from test_habits import _attempt, _full, _loss, _weights, _model as habits_model
 
 HABITS = ("names", "decay_by_name", "hf_decay", "register_hook", "grad_item",
           "grad_item_rank0", "plain_sgd", "opt_in_backward", "param_item")
@@ -82,33 +81,8 @@ def _model(kind: str):
             b["targets"].clamp_(min=0)
             return b
         return models.build("gpt"), batch_of
-    if kind == "llama":
-        from test_context_parallel import batch, hf
-        return hf("llama"), lambda step: batch(32)
-    from test_moe import batch, moe
-    return moe("mixtral"), lambda step: batch()
-
-
-def _loss(out):
-    return out if isinstance(out, torch.Tensor) else out["loss"]
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _weights(model) -> dict[str, torch.Tensor]:
-    if isinstance(model, ParallelModule):
-        return model.gather_params()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _attempt(fn):
-    """fn's result, or the name of the nncompile error it raised (a clear refusal)."""
-    try:
-        return fn()
-    except NNCompileError as e:
-        return type(e).__name__
+    model, batch_of, _ = habits_model(kind)
+    return model, batch_of
 
 
 def _no_decay(name: str) -> bool:

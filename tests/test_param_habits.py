@@ -26,6 +26,18 @@ def _batch(step: int):
     return models.batch("gpt", step, batch_size=2, seq=16)
 
 
+def _run_steps(model, opt, steps) -> list[float]:
+    """zero_grad, forward, backward and step per step of `steps`; the losses."""
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        loss = model(**_batch(step))
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
 def _train(model, module, step_fn=None):
     """SGD with momentum and weight decay; block h.0 frozen for steps 1-2, then unfrozen;
     every weight clamped to [-CLAMP, CLAMP] after each step (through `module`)."""
@@ -380,15 +392,6 @@ def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path, sou
                                                          set_optimizer_state_dict)
     base = models.build("gpt")
 
-    def run(pm, module, opt, steps):
-        out = []
-        for step in steps:
-            opt.zero_grad()
-            loss = pm(**_batch(step))
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
 
     def rank_fn(rank):
         module = copy.deepcopy(base)
@@ -396,11 +399,11 @@ def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path, sou
         pm = nncompile.parallelize(module, _batch(0), cfg, pas_policy="tp" if source == "tp"
                                    else "dp", gen_savedir=tmp_path, instance_name=f"api_{source}")
         opt = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.1)
-        run(pm, module, opt, [0, 1])
+        _run_steps(pm, opt, [0, 1])
         dcp.save({"model": get_model_state_dict(module),
                   "optim": get_optimizer_state_dict(module, opt)},
                  checkpoint_id=tmp_path / "api_ckpt")
-        want = run(pm, module, opt, [2, 3])
+        want = _run_steps(pm, opt, [2, 3])
         out = []
         mine = ("tp", 2, 0) if source == "tp" else ("dp", 1, 3)
         for policy, plan, zero in [t for t in (("dp", 1, 0), ("tp", 2, 0), ("dp", 1, 3))
@@ -416,7 +419,7 @@ def test_torch_state_dict_api_with_the_optimizer_into_another_plan(tmp_path, sou
             dcp.load(state, checkpoint_id=tmp_path / "api_ckpt")
             set_model_state_dict(fresh, state["model"])
             set_optimizer_state_dict(fresh, opt2, state["optim"])
-            out.append(run(pm2, fresh, opt2, [2, 3]))
+            out.append(_run_steps(pm2, opt2, [2, 3]))
         return want, out
     for want, outs in run_ranks(WORLD, rank_fn):
         for got in outs:
@@ -440,25 +443,16 @@ def test_torch_state_dict_api_with_build_optimizer_from_tp_into_zero3(tmp_path):
                                    gen_savedir=tmp_path, instance_name=name)
         return pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
 
-    def run(pm, opt, steps):
-        out = []
-        for step in steps:
-            opt.zero_grad()
-            loss = pm(**_batch(step))
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
 
     def rank_fn(rank):
         pm, opt = build(copy.deepcopy(base), 2, 0, "build_tp")
-        run(pm, opt, [0, 1])
+        _run_steps(pm, opt, [0, 1])
         for via in ("module", "pm"):
             dcp.save({"model": get_model_state_dict(pm.module),
                       "optim": get_optimizer_state_dict(pm.module if via == "module" else pm,
                                                         opt)},
                      checkpoint_id=tmp_path / f"build_{via}")
-        want = run(pm, opt, [2, 3])
+        want = _run_steps(pm, opt, [2, 3])
         out = {}
         for via in ("module", "pm"):
             pm2, opt2 = build(models.build("gpt", seed=7), 1, 3, "build_z3")
@@ -468,7 +462,7 @@ def test_torch_state_dict_api_with_build_optimizer_from_tp_into_zero3(tmp_path):
             dcp.load(state, checkpoint_id=tmp_path / f"build_{via}")
             set_model_state_dict(pm2.module, state["model"])
             set_optimizer_state_dict(holder, opt2, state["optim"])
-            out[via] = run(pm2, opt2, [2, 3])
+            out[via] = _run_steps(pm2, opt2, [2, 3])
         return want, out
     for want, outs in run_ranks(WORLD, rank_fn):
         for via, got in outs.items():
@@ -484,31 +478,22 @@ def test_nncompile_checkpoints_of_an_optimizer_over_the_modules_dtensors(tmp_pat
     base = models.build("gpt")
     cfg = ComputeConfig(1, WORLD, use_zero=3)
 
-    def run(pm, opt, steps):
-        out = []
-        for step in steps:
-            opt.zero_grad()
-            loss = pm(**_batch(step))
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
 
     def rank_fn(rank):
         module = copy.deepcopy(base)
         pm = nncompile.parallelize(module, _batch(0), cfg, pas_policy="dp",
                                    gen_savedir=tmp_path, instance_name="ckpt_views")
         opt = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.1)
-        run(pm, opt, [0, 1])
+        _run_steps(pm, opt, [0, 1])
         nncompile.save_checkpoint(tmp_path / fmt, pm, opt, format=fmt)
-        want = run(pm, opt, [2, 3])
+        want = _run_steps(pm, opt, [2, 3])
         fresh = models.build("gpt", seed=7)
         pm2 = nncompile.parallelize(fresh, _batch(0), cfg, pas_policy="dp",
                                     gen_savedir=tmp_path, instance_name="ckpt_views")
         opt2 = torch.optim.AdamW(fresh.parameters(), lr=3e-3, weight_decay=0.1)
         nncompile.load_checkpoint(tmp_path / fmt, pm2, opt2)
         moments = sum(1 for st in opt2.state.values() if "exp_avg" in st)
-        return want, run(pm2, opt2, [2, 3]), moments
+        return want, _run_steps(pm2, opt2, [2, 3]), moments
     for want, got, moments in run_ranks(WORLD, rank_fn):
         assert moments == len(list(base.parameters())), moments
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, (got, want)
@@ -534,27 +519,18 @@ def test_torch_dcp_api_through_pm_from_tp_dp_into_zero3_and_tp(tmp_path, kind):
             return torch.optim.AdamW(pm.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
         return nncompile.build_optimizer(pm, torch.optim.AdamW, lr=3e-3, weight_decay=0.1, eps=1e-5)
 
-    def run(model, opt, steps):
-        out = []
-        for step in steps:
-            opt.zero_grad()
-            loss = model(**_batch(step))
-            loss.backward()
-            opt.step()
-            out.append(loss.item())
-        return out
     ref = copy.deepcopy(base)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
-    run(ref, ref_opt, [0, 1])
+    _run_steps(ref, ref_opt, [0, 1])
     saved = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    want = run(ref, ref_opt, [2, 3])
+    want = _run_steps(ref, ref_opt, [2, 3])
 
     def rank_fn(rank):
         pm = nncompile.parallelize(copy.deepcopy(base), _batch(0), ComputeConfig(2, world),
                                    pas_policy="tp", gen_savedir=tmp_path,
                                    instance_name="dcp_api_tp")
         opt = optimizer(pm)
-        run(pm, opt, [0, 1])
+        _run_steps(pm, opt, [0, 1])
         for via in ("pm", "module"):
             holder = pm if via == "pm" else pm.module
             dcp.save({"model": get_model_state_dict(holder),
@@ -576,7 +552,8 @@ def test_torch_dcp_api_through_pm_from_tp_dp_into_zero3_and_tp(tmp_path, kind):
                 set_model_state_dict(holder, state["model"])
                 set_optimizer_state_dict(holder, opt2, state["optim"])
                 weights = pm2.gather_params()
-                out[f"{via} into plan {plan} ZeRO-{zero}"] = (weights, run(pm2, opt2, [2, 3]))
+                out[f"{via} into plan {plan} ZeRO-{zero}"] = (weights,
+                                                               _run_steps(pm2, opt2, [2, 3]))
         return out
     for outs in run_ranks(world, rank_fn):
         for where, (weights, losses) in outs.items():
