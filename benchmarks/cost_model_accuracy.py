@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from gpt import GPT  # noqa: E402
 
 import nncompile  # noqa: E402
-from nncompile.runtime.loader import load_rank_module  # noqa: E402
+from nncompile.runtime.program.loader import load_rank_module  # noqa: E402
 from nncompile.frontend import trace  # noqa: E402
 from nncompile.passes import build_pipeline, run_pipeline  # noqa: E402
 from nncompile.passes.autodist import estimate_step, get_profile, leanest_memory, \

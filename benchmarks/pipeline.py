@@ -88,7 +88,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from gpt import GPT  # noqa: E402
 
 import nncompile  # noqa: E402
-from nncompile.runtime.loader import load_rank_module  # noqa: E402
+from nncompile.runtime.program.loader import load_rank_module  # noqa: E402
 from run_record import command, write_atomic  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")

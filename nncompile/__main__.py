@@ -85,7 +85,7 @@ def profile_summary(prof, device: str = "CPU") -> str:
 
 def _merge(args) -> int:
     from nncompile.errors import NNCompileError
-    from nncompile.runtime.checkpoint import merge_checkpoint
+    from nncompile.runtime.checkpoints.checkpoint import merge_checkpoint
     try:
         out = merge_checkpoint(args.inputs, args.output)
     except NNCompileError as e:
@@ -97,7 +97,7 @@ def _merge(args) -> int:
 
 def _export(args) -> int:
     from nncompile.errors import NNCompileError
-    from nncompile.runtime.pretrained import export_pretrained
+    from nncompile.runtime.checkpoints.pretrained import export_pretrained
     shard = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     try:
         out = export_pretrained(args.inputs, args.output, args.config, prefix=args.prefix,

@@ -40,7 +40,7 @@ from .pipeline_config import microbatch_dummy
 from .tools import activation_memory
 from .tools.check import (VerifyReport, check_compiled, compare_parallel, eager_reference,
                           refuse_if_diverges)
-from nncompile.runtime.loader import load_rank_module
+from nncompile.runtime.program.loader import load_rank_module
 from nncompile.experts import experts_forms
 from nncompile.passes import build_pipeline, get_policy, plan_graph, run_pipeline
 from nncompile.passes.plan import decide_memory
@@ -310,7 +310,7 @@ def parallelize(module: torch.nn.Module, dummy_args: Any, compute_config: Comput
         raise ConfigError(f"reuse={reuse!r}; choose one of {REUSE_MODES}")
     get_policy(pas_policy)          # fail early, on every rank, for an unknown policy
     dummy_args = scalars_as_inputs(module, dummy_args, scalar_inputs)
-    from nncompile.runtime.param_handles import check_not_parallelized
+    from nncompile.runtime.store.released import check_not_parallelized
     check_not_parallelized(module)     # before tracing: a clear error, not a TraceError
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1

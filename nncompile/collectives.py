@@ -1,10 +1,10 @@
 """The collective table: what each placement change means, in one place.
 
 One `Collective` per kind of `comm.<name>` op: the placement transition it implements, the
-function of runtime/comm.py that runs it, the kind its backward runs (its dual), the payload
+function of runtime/program/comm.py that runs it, the kind its backward runs (its dual), the payload
 bytes per rank that `nncompile show` reports, the alpha-beta ring cost the autodist cost model
 prices, the weight the greedy policies rank it by, its process group and its gloo fallback.
-insert_comm, runtime/comm.py, the cost model, comm_stats and the greedy policies read this
+insert_comm, runtime/program/comm.py, the cost model, comm_stats and the greedy policies read this
 table, so a new collective is one new entry.
 
     name            transition     backward        payload/rank  ring cost    gloo runs
@@ -67,7 +67,7 @@ class Collective:
     """One kind of comm op. Bytes: `full` is the whole tensor's, `local` this rank's piece of
     the input; `g` is the group size."""
     name: str                                   # the IR target is comm.<name>
-    forward: str | None                         # its function in runtime/comm.py; None: none
+    forward: str | None                         # its function in runtime/program/comm.py; None: none
     dual: str                                   # the kind its backward runs
     transitions: tuple[tuple[PlacementType, PlacementType], ...] = ()   # (src, dst) types
     kwargs: Callable[[Placement, Placement], dict] = _no_kwargs   # what insert_comm passes
@@ -76,7 +76,7 @@ class Collective:
     ring_bytes: Callable[[float, int], float] | None = None   # bytes sent per rank (B, g)
     greedy_weight: float = 0.0                  # volume in full tensors, as greedy ranks it
     group: str = "plan"     # the mesh axis it runs on ("plan": any of TENSOR_AXES, each on its group)
-    gloo_fallback: tuple[str, ...] = ()         # the kinds runtime/comm.py runs on gloo
+    gloo_fallback: tuple[str, ...] = ()         # the kinds runtime/program/comm.py runs on gloo
     reduce_grad_dual: str | None = None         # dual with reduce_grad=True (absorbs sync_grad)
     syncs_grad: bool = False                    # its backward sums the gradient over the group
 

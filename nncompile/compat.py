@@ -157,7 +157,7 @@ def pipeline_stages_send_integers() -> bool:
     ids, masks) between stages in training. torch 2.11 calls requires_grad_(True) on every
     received buffer ("only Tensors of floating point dtype can require gradients") and expects
     a gradient back for each; 2.13 takes requires_grad from the stage's metadata. Where False,
-    runtime/pipeline.py carries such tensors as float64 across the boundary."""
+    runtime/program/pipeline.py carries such tensors as float64 across the boundary."""
     return torch_version() >= (2, 13)
 
 
@@ -344,3 +344,19 @@ def incompatible_keys(missing: list[str], unexpected: list[str]):
     """What nn.Module.load_state_dict returns (torch's `_IncompatibleKeys` namedtuple)."""
     from torch.nn.modules.module import _IncompatibleKeys
     return _IncompatibleKeys(missing, unexpected)
+
+
+def wrap_once(owner, attr, replacement, also=()):
+    """Set ``owner.attr`` (and ``attr`` on each module of ``also``) to ``replacement`` dressed
+    as torch's function; return torch's function, or None when it is already ours (a second
+    call leaves everything as it is). Each use is listed in docs/concepts.md with the torch
+    behaviour that forces it."""
+    import functools
+    current = getattr(owner, attr)
+    if getattr(current, "_nncompile", False):
+        return None
+    wrapper = functools.wraps(current)(replacement)
+    wrapper._nncompile = True
+    for target in (owner, *also):
+        setattr(target, attr, wrapper)
+    return current

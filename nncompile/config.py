@@ -61,7 +61,7 @@ class ComputeConfig:
     reduce_in_fp32: bool = False         # reduce low-precision gradients in float32
     use_zero: bool | int | str = False   # ZeRO stage 0-3 (True = 1) or "auto" (autodist picks):
                                          # 1 shards optimizer state over data-parallel ranks,
-                                         # 2 also gradients, 3 also parameters (runtime/zero.py)
+                                         # 2 also gradients, 3 also parameters (runtime/store/zero.py)
     zero_ngroups: int = 1                # shard within this many groups of data-parallel ranks
     offload_optimizer: bool | str = False  # optimizer state and step in host memory (or "auto")
     offload_params: bool = False         # ZeRO-3 parameter shards in host memory
@@ -70,12 +70,12 @@ class ComputeConfig:
     compile: bool = False                # torch.compile each rank's generated forward (inductor,
                                          # collectives included): ParallelModule.compile
     init_sync: bool = True               # at load, every rank takes global rank 0's parameters
-                                         # and buffers, as DDP does (runtime/consistency.py)
+                                         # and buffers, as DDP does (runtime/program/consistency.py)
     check_inputs: int = 3                # the first N calls compare inputs (and random
                                          # generators) across each plan unit; 0 turns it off
     check_lockstep: bool = True          # before each forward whose collectives span ranks
                                          # (tp, ZeRO-3), they agree on the forward's count and
-                                         # mode, or all raise (runtime/lockstep.py)
+                                         # mode, or all raise (runtime/protocol/lockstep.py)
     float8: Float8Spec | str | None = None   # "tensorwise" | "rowwise" | Float8Spec: torchao's
                                          # float8 training for nn.Linear layers
                                          # (nncompile/float8_spec.py, docs/float8.md)

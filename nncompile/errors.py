@@ -39,7 +39,7 @@ class PlanCheckError(NNCompileError):
 
 class ValueReadError(NNCompileError, RuntimeError):
     """A number was read (`.item()`, `float()`) out of one of pm's DTensors whose value is
-    spread over the ranks (runtime/value_reads.py)."""
+    spread over the ranks (runtime/store/value_reads.py)."""
 
 
 class EditedCodeWarning(UserWarning):

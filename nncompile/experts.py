@@ -11,7 +11,7 @@ is a whole experts module of Hugging Face's interface (Mixtral, Qwen3-MoE, DeepS
 
 Indices outside [0, E) pick nothing. Because it is token-wise in x, top_k_index and
 top_k_weights, its rule (nncompile/rules/experts.py) can split the tokens as well as the
-experts; runtime/experts.py computes the pieces (the rows of some experts, and the
+experts; runtime/program/experts.py computes the pieces (the rows of some experts, and the
 all-to-all dispatch between ranks holding different tokens). `experts_forms(module)` finds
 the submodules that compute it, checked on random inputs against their own forward.
 

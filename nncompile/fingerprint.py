@@ -1,7 +1,7 @@
 """The plan fingerprint: a hash of what decides the generated code, and of nothing else.
 
 reuse="match" compares it with the one in `manifest.json`; the generated files carry it as
-`FINGERPRINT` (provenance only: checkpoints load by comparing shards, runtime/state.py).
+`FINGERPRINT` (provenance only: checkpoints load by comparing shards, runtime/checkpoints/state.py).
 
 Covered (a change here gives another fingerprint):
     graph      the traced graph printed without source comments: ops, arguments, value names,

@@ -4,7 +4,7 @@
     ComputeConfig(2, float8=nncompile.Float8Spec("rowwise", filter="all", skip=("lm_head",)))
 
 The numerics are torchao's Float8Linear (`convert_to_float8_training`) for the recipe, with
-every scale taken over the full tensor however the plan splits it (runtime/float8.py). Which
+every scale taken over the full tensor however the plan splits it (runtime/program/float8.py). Which
 layers convert follows torchao's filters: `filter="auto"` is torchao's size filter for the
 recipe (layers too small to gain are skipped), `"all"` converts every nn.Linear whose two
 dimensions are multiples of 16 (float8 matmuls need that); layers named in `skip` (the output

@@ -75,10 +75,10 @@ class RankFile:
                                        "FQN")
     memory: dict | None = _decl(None, (dict, NONE), "the ZeRO stage / offload the code was "
                                                     "generated for")
-    zero_units: list = _decl([], list, "ZeRO-3 flat parameters (runtime/zero.py)")
+    zero_units: list = _decl([], list, "ZeRO-3 flat parameters (runtime/store/zero.py)")
     microbatches: int = _decl(1, int, "train_step splits the batch into this many")
     batched: list = _decl([], list, "the inputs train_step splits")
-    pipe_ranks: int = _decl(1, int, "pipeline ranks per plan unit (runtime/pipeline.py)")
+    pipe_ranks: int = _decl(1, int, "pipeline ranks per plan unit (runtime/program/pipeline.py)")
     pipeline: dict | None = _decl(None, (dict, NONE), "a pipelined plan's stages and "
                                                       "schedule")
     stages: list = _decl([], list, "this rank's pipeline stages")
@@ -88,7 +88,7 @@ class RankFile:
     partial_grad_axes: dict = _decl({}, dict, "per such axis: the gradients summed over it")
     param_axes: dict = _decl({}, dict, "parameters split along such axes too")
     float8: dict | None = _decl(None, (dict, NONE), "float8 linears: torchao's recipe and "
-                                                    "how scales are taken (runtime/float8.py)")
+                                                    "how scales are taken (runtime/program/float8.py)")
 
 
 FIELDS = {f.name.upper(): f for f in dataclasses.fields(RankFile)}

@@ -241,7 +241,7 @@ def eval_program(final: Graph, passes: list[Pass], check: bool = False
         return final, []
     if final.plan_state.pipeline is not None:
         log("the forward differs in eval mode; a pipelined plan's stages hold the training "
-            "forward only, so pm(...) in eval mode is refused (runtime/pipeline.py)")
+            "forward only, so pm(...) in eval mode is refused (runtime/program/pipeline.py)")
         final.eval_program = None
         final.plan_state.eval_differs = True
         return final, []

@@ -23,7 +23,7 @@ rule allows it; random ops and parameters stay whole along cp. A choice that wou
 the tensor plan splits, or that needs a local implementation where the tensor plan already
 uses one, is not taken. A random op (dropout) splits along cp only where the tensor plan
 does not split it: it then draws the whole tensor's mask on every rank and keeps its piece
-(runtime/rng.py), as along the plan axis. In the zigzag order every split divides into 2C
+(runtime/program/rng.py), as along the plan axis. In the zigzag order every split divides into 2C
 pieces, and a value moved from one split to another is gathered and chunked again (an
 all-to-all would hand out contiguous pieces). A mixture-of-experts layer's split experts
 (comm.local_experts) need every token of the unit: along cp they stay whole.

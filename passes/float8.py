@@ -1,5 +1,5 @@
 """float8_linears and lower_float8: the nn.Linear layers ComputeConfig.float8 converts run
-torchao's float8 training (nncompile/float8_spec.py says which, runtime/float8.py runs them).
+torchao's float8 training (nncompile/float8_spec.py says which, runtime/program/float8.py runs them).
 
 float8_linears (before the plan) marks each converted layer's linear op, so the plan never
 gives it a partial-sum operand (a partial sum cannot be cast: its amax is not the sum's) and
@@ -12,7 +12,7 @@ It also records, in plan.json's `float8`, every nn.Linear of the model with "flo
 reason it stays in high precision (torchao's filter, `skip`, or an op this pass cannot take:
 a linear whose weight is not a whole parameter), and under `zero3_gather` whether ZeRO-3
 may gather each converted weight in float8 (Float8Spec.all_gather: the tensorwise recipe,
-a weight no other op reads; runtime/zero_float8.py).
+a weight no other op reads; runtime/store/zero_float8.py).
 
 lower_float8 (after localize) makes each marked op the runtime's float8 linear, told how the
 plan split its operands (per mesh axis: "T" tokens, "K" the contracted dim, "N" the output

@@ -13,7 +13,7 @@ that were no-ops on the traced layout, a shard produced by a collective may be l
 differently, and kernels may return other strides than their fake versions traced (the CPU
 attention kernel does, so Hugging Face T5's `reshape` after attention, traced as a view,
 would fail on one rank too). With n > 1,
-random ops (dropout, attention dropout) call runtime/rng.py, which draws the full tensor's
+random ops (dropout, attention dropout) call runtime/program/rng.py, which draws the full tensor's
 random numbers on every rank and keeps this rank's slice, so the plan does not change them:
 
     h2 = aten.dropout.default(h, 0.5, True)   ->   h2 = rng.dropout(h, 0.5, True, dim=1, group=...)

@@ -3,7 +3,7 @@
 Under use_zero=3 each rank holds 1/dp of every parameter, one flat shard per unit. The
 program gathers a unit's parameters right before their first use, starts the next unit's
 gather while it computes, and frees the gathered parameters after their last use. The
-gather's backward reduce-scatters their gradients (runtime/zero.py); backward gathers a freed
+gather's backward reduce-scatters their gradients (runtime/store/zero.py); backward gathers a freed
 unit again.
 
 Before (use_zero=1: parameters are there all along):

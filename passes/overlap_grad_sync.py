@@ -6,7 +6,7 @@ overlap of its `f` with the weight-gradient GEMMs).
 Unfused, autograd computes each linear's input and weight gradients in one node, and only
 then does sync_grad's backward all-reduce their sum, with nothing left to compute meanwhile.
 Fused, backward computes the input gradient first, starts its all-reduce asynchronously,
-computes the weight (and bias) gradients, and waits (runtime/comm.py, `_GradSyncLinears`):
+computes the weight (and bias) gradients, and waits (runtime/program/comm.py, `_GradSyncLinears`):
 
 Before (localized, tp):                          After:
     x_s = comm.sync_grad(x, group=PLAN_GROUP)        q, k, v = comm.sync_grad(x, group=PLAN_GROUP,

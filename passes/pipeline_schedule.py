@@ -3,7 +3,7 @@
 pipeline_stages chose S pipeline ranks, V stages per rank and M micro-batches; this pass
 writes down what every pipeline rank does in a step, in order (nncompile/ir/schedule.py):
 forwards, backwards (full, or split into input- and weight-gradient steps), and the sends
-and receives between ranks. The runtime executes exactly this list (runtime/pipeline.py,
+and receives between ranks. The runtime executes exactly this list (runtime/program/pipeline.py,
 through torch.distributed.pipelining's action-list runtime); it is printed in every rank
 file (ACTIONS) and in plan.json, and each schedule of pipeline_config.SCHEDULES is a function
 below that yields the order torch's schedule class of that name runs:

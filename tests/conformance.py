@@ -44,7 +44,7 @@ unit, and what DDP with ranks seeded alike computes when something does. Train a
 losses are compared per unit, BatchNorm statistics per unit, weights on every rank.
 
 Threads or processes. Threaded simulated ranks are exact where every random draw goes through
-`nncompile.runtime.rng`, which gives each thread its own generator: every plan with
+`nncompile.runtime.program.rng`, which gives each thread its own generator: every plan with
 plan_ngpus >= 2 (dropout drawn as `rng.dropout` of the full tensor). Under plan_ngpus = 1 the
 generated code calls `aten.dropout` on the process's one default generator, which threads
 would share (racing), so dropout under a plan-1 `dp` plan runs as torchrun processes, with the
@@ -110,7 +110,7 @@ def build_model(loop: "Loop", reference: bool = False) -> nn.Module:
         model.get_submodule(name).requires_grad_(False)
     if reference and loop.float8:
         from torchao.float8 import convert_to_float8_training
-        from nncompile.runtime.float8 import recipe_config
+        from nncompile.runtime.program.float8 import recipe_config
         convert_to_float8_training(model, config=recipe_config(loop.float8, emulate=True),
                                    module_filter_fn=nncompile.float8_module_filter(
                                        float8_spec(loop)))
@@ -289,7 +289,7 @@ CELLS = [
     Cell("compile", "tp", 2, 2, replace(DROP, formats=()), compile=True, process=True),
     Cell("float8_tp", "tp", 2, 2, Loop(float8="tensorwise", lr=1e-3)),
     Cell("float8_zero3", "tp", 2, 4, Loop(float8="rowwise"), zero=3),
-    # tensorwise under ZeRO-3: the weights gathered in float8 (runtime/zero_float8.py)
+    # tensorwise under ZeRO-3: the weights gathered in float8 (runtime/store/zero_float8.py)
     Cell("float8_zero3_gather", "tp", 1, 2, Loop(float8="tensorwise", lr=1e-3), zero=3),
     Cell("pp", "tp", 2, 2, Loop(val_micro=2, formats=HF), stages=2, process=True),
     Cell("pp_dropout", "tp", 2, 2, replace(DROP, val_micro=2), stages=2, process=True),
@@ -338,9 +338,9 @@ def parallelize(cell: Cell, model: nn.Module, savedir: Path):
 @contextlib.contextmanager
 def seeded(step: int, threaded: bool):
     """Every rank seeded alike at each step (a user's torch.manual_seed); a simulated rank
-    (a thread) draws from a generator of its own with that state (runtime/rng.py)."""
+    (a thread) draws from a generator of its own with that state (runtime/program/rng.py)."""
     if threaded:
-        from nncompile.runtime import rng
+        from nncompile.runtime.program import rng
         with rng.rank_generator(torch.Generator().manual_seed(SEED + step).get_state()):
             yield
     else:

@@ -104,7 +104,7 @@ def test_predicted_equals_what_the_generated_forward_saves(name, plan, tmp_path)
 @pytest.mark.parametrize("n", [1, 2])
 def test_dropout_in_training_mode(n, tmp_path):
     """Dropout and attention dropout (a mode argument: dropout_p 0.1 in training) save their
-    noise; on 2 ranks the runtime's split draws (runtime/rng.py) save a full-size noise."""
+    noise; on 2 ranks the runtime's split draws (runtime/program/rng.py) save a full-size noise."""
     torch.manual_seed(0)
     model = models.hf_gpt2(vocab=64, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                            pdrop=0.1).train()

@@ -1,4 +1,4 @@
-"""save_checkpoint(..., format="dcp", async_save=True) (runtime/async_checkpoint.py; workers in
+"""save_checkpoint(..., format="dcp", async_save=True) (runtime/checkpoints/async_checkpoint.py; workers in
 tests/workers/async_checkpoint.py, tp 2 on 2 ranks): the checkpoint written while training
 goes on holds the weights of the moment it was called, the next save and the end of the
 program wait for it, and a rank killed during the write leaves the previous checkpoint as
@@ -15,7 +15,7 @@ from rank_launch import free_port
 
 import models
 import nncompile
-from nncompile.runtime.checkpoint import merged_checkpoint
+from nncompile.runtime.checkpoints.checkpoint import merged_checkpoint
 
 WORKER = "tests/workers/async_checkpoint.py"
 

@@ -93,7 +93,7 @@ def saved(gpt, tmp_path_factory):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_merged_groups_load_into_plain_adamw(gpt, reference, saved, key, fmt):
     losses, (ref_opt, ref_sched) = reference
-    merged = nncompile.runtime.checkpoint.load_torch(saved[key][0] / f"{fmt}.pt")
+    merged = nncompile.runtime.checkpoints.checkpoint.load_torch(saved[key][0] / f"{fmt}.pt")
     opt_sd = merged["optimizer"]
     # each group's hyper-parameters and members, numbered as torch numbers them
     assert len(opt_sd["param_groups"]) == 2
@@ -151,7 +151,7 @@ def test_groups_without_members_are_refused(gpt, reference, saved):
     does not say which: merging it by hand is refused (not merged into the first group's
     hyper-parameters with the state of other parameters); with the members save_checkpoint
     records (state.with_members) it merges as a checkpoint does."""
-    from nncompile.runtime.state import with_members
+    from nncompile.runtime.checkpoints.state import with_members
     _, gen = saved["dp"]
 
     def rank_fn(rank):

@@ -66,7 +66,7 @@ def test_uncreatable_checkpoint_path_fails_every_rank_at_once(blocked, fmt):
 
 def test_a_write_failing_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(
         blocked, monkeypatch):
-    from nncompile.runtime import checkpoint as ck
+    from nncompile.runtime.checkpoints import checkpoint as ck
     d, model, batch = blocked
     path = d / "ck_full"
     assert _save_on_two_ranks(d, model, batch, path, "sharded") == [None, None]

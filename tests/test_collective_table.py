@@ -21,7 +21,7 @@ from nncompile.passes.autodist.cost_model import CostModel
 from nncompile.passes.autodist.profiles import BUILTIN
 from nncompile.passes.policies import split_everything
 from nncompile.passes.policies.greedy import transition_cost
-from nncompile.runtime import comm
+from nncompile.runtime.program import comm
 
 R, P, S0, S1 = Replicate(), Partial(), Shard(0), Shard(1)
 
@@ -33,7 +33,7 @@ def test_entry_is_consistent(c):
     assert c.reduce_grad_dual is None or c.reduce_grad_dual in TABLE
     assert all(k in TABLE for k in c.gloo_fallback)
     if c.forward is not None:
-        assert callable(getattr(comm, c.forward)), f"runtime/comm.py lacks {c.forward}"
+        assert callable(getattr(comm, c.forward)), f"runtime/program/comm.py lacks {c.forward}"
     assert c.is_local == (c.ring_bytes is None) and (c.ring_rounds == 0) == c.is_local
     if c.is_local:
         assert c.payload(100, 50, 2) == 0

@@ -201,7 +201,8 @@ def test_simulated_jobs_leave_no_groups_or_threads_behind(tmp_path):
     threads of its own), and destroy_process_group drops what the runtime cached for the job:
     jobs run one after another do not pile them up."""
     import models
-    from nncompile.runtime import dcp, groups, lockstep
+    from nncompile.runtime.checkpoints import dcp
+    from nncompile.runtime.protocol import groups, lockstep
     from nncompile.tools.simulate import run_ranks
 
     def fn(rank):

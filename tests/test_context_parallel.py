@@ -130,7 +130,7 @@ def test_causal_rows_are_exact_blocks_merged_by_their_lse(ranks, zigzag, monkeyp
     """comm.attention_rows on each rank's rows (float64, GQA; contiguous, or the zigzag order:
     chunks r and 2C-1-r of 2C): outputs and the gradients of q, k and v summed over the ranks
     equal one causal attention, without a mask."""
-    from nncompile.runtime import comm
+    from nncompile.runtime.program import comm
     torch.manual_seed(0)
     q = torch.randn(2, 4, 32, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 2, 32, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")

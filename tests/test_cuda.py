@@ -108,7 +108,7 @@ def test_attention_rows_on_cuda_are_the_causal_rows(dtype, zigzag, monkeypatch):
     """comm.attention_rows on CUDA (each block of query rows against the keys up to its last
     row, SDPA's causal_lower_right: flash in bfloat16) gives every context rank's rows of one
     causal attention, forward and backward, with grouped k/v heads."""
-    from nncompile.runtime import comm
+    from nncompile.runtime.program import comm
     n, L = 4, 256
     g = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v = (torch.randn(2, h, L, 64, device=DEVICE, dtype=dtype, generator=g)

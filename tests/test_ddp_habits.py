@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import models
 import nncompile
 from nncompile import ComputeConfig
-from nncompile.runtime import rng
+from nncompile.runtime.program import rng
 from nncompile.tools.simulate import run_ranks
 
 
@@ -57,7 +57,7 @@ def _perturbed(model: nn.Module, rank: int) -> nn.Module:
 # ---- every rank starts from rank 0's weights ---------------------------------------------------
 @pytest.mark.parametrize("policy,plan", [("dp", 1), ("tp", 2)])
 def test_every_rank_starts_from_rank0_weights(tmp_path, monkeypatch, policy, plan):
-    from nncompile.runtime import consistency
+    from nncompile.runtime.program import consistency
     monkeypatch.setattr(consistency, "BUCKET_BYTES", 1024)     # several buckets
     torch.manual_seed(0)
     base = Centered()

@@ -1,11 +1,11 @@
 """Random ops are exact under every plan: a split dropout draws the full tensor's mask on every
-rank and keeps its slice (runtime/rng.py), so tp/data/autodist equal one device seeded alike."""
+rank and keeps its slice (runtime/program/rng.py), so tp/data/autodist equal one device seeded alike."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import nncompile
-from nncompile.runtime import rng
+from nncompile.runtime.program import rng
 from nncompile.tools.simulate import run_ranks
 
 

@@ -1,6 +1,6 @@
 """Expert parallelism (parallel.ep = E): each rank keeps its own tokens and
 E-th of every MoE layer's experts; each token's picks travel to the ranks holding their
-experts and back (all-to-all, counts exchanged first: runtime/experts.py). Hugging Face's
+experts and back (all-to-all, counts exchanged first: runtime/program/experts.py). Hugging Face's
 Mixtral, Qwen3-MoE and DeepSeek-V3 (top-2 of 4 experts, the router's load-balancing loss in
 the loss) train like one device: under the `data` policy (everything else splits the batch)
 and under `tp` (attention split by heads, the tokens chunked around the experts)."""

@@ -15,7 +15,7 @@ import nncompile
 from nncompile.fingerprint import compute_fingerprint
 from nncompile.frontend import trace
 from nncompile.ir import print_graph
-from nncompile.runtime.state import plan_mismatch
+from nncompile.runtime.checkpoints.state import plan_mismatch
 
 GPT_FILE = f"{ROOT}/examples/gpt.py"
 

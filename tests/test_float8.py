@@ -29,7 +29,7 @@ from conftest import launch_ranks
 pytest.importorskip("torchao.float8")
 
 
-class _Module:            # what runtime/float8.py's Float8 reads of a ParallelModule
+class _Module:            # what runtime/program/float8.py's Float8 reads of a ParallelModule
     device = torch.device("cpu")
     mesh = None
     PLAN_NGPUS = RUNTIME_NGPUS = PIPE_RANKS = 1
@@ -39,7 +39,7 @@ class _Module:            # what runtime/float8.py's Float8 reads of a ParallelM
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_one_rank_is_torchaos_float8_linear_bit_for_bit(recipe):
     from torchao.float8 import convert_to_float8_training
-    from nncompile.runtime.float8 import Float8, recipe_config
+    from nncompile.runtime.program.float8 import Float8, recipe_config
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
     ref = nn.Sequential(copy.deepcopy(lin))
@@ -60,7 +60,7 @@ def test_one_rank_is_torchaos_float8_linear_bit_for_bit(recipe):
 
 
 def test_amax_reductions_follow_the_splits_and_the_recipe():
-    from nncompile.runtime.float8 import Float8
+    from nncompile.runtime.program.float8 import Float8
     tw, rw = Float8("tensorwise", _Module()), Float8("rowwise", _Module())
     # column split (w's rows, the output's features): a tensorwise amax spans every split
     assert tw.amax_axes("w", "output", {"plan": "N"}) == ("plan",)

@@ -1,7 +1,7 @@
 """nncompile.full_state_dict / full_optimizer_state_dict: what a DDP checkpoint holds (the
 single-device module's state dict, and a torch optimizer's over its parameters in the same
 groups), from every rank together or from rank 0 alone while the others wait at their next
-forward (runtime/full_state.py), under each plan; a single-device module and optimizer load
+forward (runtime/checkpoints/full_state.py), under each plan; a single-device module and optimizer load
 them and continue as one device does. AdamW's eps is 1e-3 so that a gradient that is zero up
 to summation order (a key bias) is not normalised into a full-size update; a piece merged into
 the wrong place moves weights by ~1e-2."""

@@ -1,4 +1,4 @@
-"""Gradients land in the reducer's buckets once (runtime/reducer.py, DDP's
+"""Gradients land in the reducer's buckets once (runtime/program/reducer.py, DDP's
 gradient_as_bucket_view): on 2 simulated ranks, after every backward `.grad` is a view of its
 bucket's buffer, also after zero_grad(set_to_none=True); during backward no fresh gradient
 outlives its own parameter's hook (a hook registered after the reducer's counts the gradients
@@ -15,8 +15,8 @@ import torch.nn as nn
 
 import nncompile
 from nncompile import ComputeConfig
-from nncompile.runtime.user_hooks import ours
-from nncompile.runtime.reducer import Reducer
+from nncompile.runtime.store.user_hooks import ours
+from nncompile.runtime.program.reducer import Reducer
 from nncompile.tools.simulate import run_ranks
 
 WORLD, STEPS, LR = 2, 3, 0.1

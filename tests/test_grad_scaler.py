@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import nncompile
 from nncompile import ComputeConfig
-from nncompile.runtime import grad_scaler
+from nncompile.runtime.optim import grad_scaler
 from nncompile.tools.simulate import run_ranks
 
 WORLD, STEPS, INF_AT = 2, 5, 1

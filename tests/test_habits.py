@@ -42,7 +42,7 @@ import nncompile
 from conftest import torchrun
 from nncompile import ComputeConfig
 from nncompile.errors import NNCompileError
-from nncompile.runtime.module import ParallelModule
+from nncompile.runtime.program.module import ParallelModule
 from nncompile.tools.simulate import run_ranks
 
 STEPS, CLAMP = 4, 0.08

@@ -35,7 +35,7 @@ import models
 import nncompile
 from conftest import torchrun
 from nncompile import ComputeConfig
-from nncompile.runtime.module import ParallelModule
+from nncompile.runtime.program.module import ParallelModule
 from nncompile.tools.simulate import run_ranks
 from test_habits import _attempt, _full, _loss, _weights, _model as habits_model
 
@@ -188,7 +188,7 @@ def run_plan(plan: str, workdir) -> dict[str, float | str]:
     threads = torch.get_num_threads()
     if kw.get("float8") is not None:     # one device runs torchao's float8 on the same layers
         from torchao.float8 import convert_to_float8_training
-        from nncompile.runtime.float8 import recipe_config
+        from nncompile.runtime.program.float8 import recipe_config
         convert_to_float8_training(ref, config=recipe_config(kw["float8"].recipe, emulate=True),
                                    module_filter_fn=nncompile.float8_module_filter(kw["float8"]))
         torch.set_num_threads(1)         # (tests/conformance.py one_thread_for_float8)

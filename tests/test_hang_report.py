@@ -1,4 +1,4 @@
-"""Ranks that stop agreeing say where each one is (runtime/hang_report.py; tests/workers/
+"""Ranks that stop agreeing say where each one is (runtime/protocol/hang_report.py; tests/workers/
 hang.py): under tp 2, rank 0 evaluating alone waits in the generated code's all_reduce while
 rank 1 waits in a barrier; both fail within the timeout + 5 s, and the error of each names
 both ranks, the collective each waits in, rank 0's generated-code and source line and each

@@ -11,6 +11,9 @@
                                             imports every layer but integration
     integration  nncompile.integration      imports every layer
 
+Inside the runtime, five packages import downward only (RUNTIME_ORDER), no two runtime modules
+import each other in a loop, and the runtime loads without the compiler (COMPILER).
+
 Every module is parsed (ast), so imports inside functions count, and so do the names given to
 `__import__`, `importlib.import_module` and `importlib.util.find_spec`; relative imports are
 resolved. Text inside a string (codegen writes `from nncompile.runtime import ...` into the
@@ -37,6 +40,9 @@ ALLOWED = {
     "integration": {"core", "passes", "codegen", "runtime", "tools", "facade"},
 }
 DYNAMIC = {"__import__", "import_module", "find_spec"}   # calls that take a module name
+RUNTIME_ORDER = ["protocol", "store", "optim", "checkpoints", "program"]  # each imports earlier
+COMPILER = ("nncompile.frontend", "nncompile.rules", "nncompile.passes", "nncompile.codegen",
+            "nncompile.api", "nncompile.tools", "nncompile.fingerprint", "nncompile.integration")
 
 
 def package_dirs() -> dict[str, Path]:
@@ -178,3 +184,59 @@ def f():
                    (9, "nncompile.runtime")], got
     assert [layer(t) for _, t in got] == ["runtime", "runtime", "tools", "integration",
                                           "runtime", "tools", "runtime"]
+
+
+def _runtime_package(name: str) -> str | None:
+    """"store" for nncompile.runtime.store.zero; None for the runtime's own __init__."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["nncompile", "runtime"] else None
+
+
+def test_runtime_packages_import_downward():
+    seen, bad = set(), []
+    for name, path, line, target in project_imports():
+        a, b = _runtime_package(name), _runtime_package(target)
+        if layer(name) != "runtime" or layer(target) != "runtime":
+            continue
+        assert a in RUNTIME_ORDER + [None] and b in RUNTIME_ORDER + [None], (name, target)
+        if name == "nncompile.runtime":
+            bad.append(f"{path.relative_to(ROOT)}:{line}: {target} (the runtime's __init__)")
+        elif a != b:
+            seen.add((a, b))
+            if b is None or RUNTIME_ORDER.index(b) > RUNTIME_ORDER.index(a):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {a} -> {target}")
+    assert not bad, "a runtime package imports one above it:\n" + "\n".join(sorted(bad))
+    # every package is used by the one above it (a test of the order itself)
+    assert {("store", "protocol"), ("optim", "store"), ("checkpoints", "optim"),
+            ("program", "checkpoints")} <= seen
+
+
+def test_runtime_modules_import_without_a_cycle():
+    g = nx.DiGraph()
+    where = {}
+    for name, path, line, target in project_imports():
+        if layer(name) == "runtime" and layer(target) == "runtime" and name != target:
+            if target in modules() and not modules()[target][1]:      # a module, not a package
+                g.add_edge(name, target)
+                where[name, target] = f"{path.relative_to(ROOT)}:{line}"
+    assert g.number_of_nodes() > 30
+    cycles = [c for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert not cycles, "runtime modules importing each other in a loop: " + "; ".join(
+        " -> ".join(f"{a} ({where[a, b]})" for a, b in nx.find_cycle(g.subgraph(c)))
+        for c in cycles)
+
+
+def test_runtime_imports_without_the_compiler():
+    """A rank program needs the runtime and the core: importing every runtime module (and
+    `import nncompile`) loads no tracing, pass, codegen or tool module."""
+    import subprocess
+    import sys
+    runtime = sorted(n for n in modules() if layer(n) == "runtime")
+    code = ("import sys, importlib\n"
+            f"for m in {runtime!r}: importlib.import_module(m)\n"
+            "import nncompile\n"
+            f"print([m for m in sys.modules if m.startswith({COMPILER!r})])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"the compiler was loaded: {out.stdout}"

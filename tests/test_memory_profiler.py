@@ -214,18 +214,21 @@ def test_cli_prints_the_table_and_draws_the_timeline(run, tmp_path, capsys):
 
 
 def test_comm_files_are_matched_by_module_path():
-    runtime = os.path.dirname(__import__("nncompile.runtime.comm").runtime.comm.__file__)
-    assert comm_file(os.path.join(runtime, "comm.py")) == "comm.py"
-    assert comm_file(os.path.join(runtime, "zero.py")) == "zero.py"       # not imported
-    assert comm_file("/venv/site-packages/nncompile/runtime/reducer.py") == "reducer.py"
-    assert comm_file(os.path.join(ROOT, "runtime", "comm.py")) == "comm.py"   # checkout
-    assert comm_file(os.path.join(runtime, "module.py")) == ""
+    import nncompile.runtime.program.comm as comm
+    program = os.path.dirname(comm.__file__)
+    runtime = os.path.dirname(program)
+    assert comm_file(os.path.join(program, "comm.py")) == "comm.py"
+    assert comm_file(os.path.join(runtime, "store", "zero.py")) == "zero.py"
+    assert comm_file("/venv/site-packages/nncompile/runtime/program/reducer.py") == "reducer.py"
+    assert comm_file(os.path.join(ROOT, "runtime", "program", "comm.py")) == "comm.py"  # checkout
+    assert comm_file(os.path.join(program, "module.py")) == ""
+    assert comm_file(os.path.join(runtime, "program", "zero.py")) == ""     # not its package
     assert comm_file("/elsewhere/comm.py") == ""
 
 
 def test_replay_ends_buffers_whose_free_was_not_traced():
     """The profiler misses frees made on the gloo worker thread: an address used again ends its
-    old allocation, and a runtime/comm.py buffer ends when its function returned."""
+    old allocation, and a runtime/program/comm.py buffer ends when its function returned."""
     other = lambda who, version: "other"      # noqa: E731
     raw = [Alloc(10, 0xA, 100, None, None, comm=True, until=20),   # comm.py local, no free
            Alloc(12, 0xB, 50, None, None),                           # free seen at 30

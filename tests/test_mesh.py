@@ -152,8 +152,8 @@ SCANNED = ("nncompile", "passes", "runtime", "integration")
 ALLOWED = {
     # ZeRO splits one shard group (a list of ranks) into zero_ngroups slices: positions in
     # that list, not coordinates of the job's mesh
-    ("runtime/groups.py", "ranks.index(rank) // size"),
-    ("runtime/groups.py", "len(ranks) // ngroups"),
+    ("runtime/protocol/groups.py", "ranks.index(rank) // size"),
+    ("runtime/protocol/groups.py", "len(ranks) // ngroups"),
     # link profiling pairs neighbouring ranks (0-1, 2-3, ...), whatever the plan
     ("passes/autodist/profiles.py", "dist.get_rank() // 2"),
 }

@@ -15,7 +15,7 @@ from nncompile.passes import insert_comm
 from nncompile.passes.autodist.cost_model import CostModel, nbytes, step_cost
 from nncompile.passes.autodist.profiles import get_profile
 from nncompile.passes.policies import POLICIES
-from nncompile.runtime.loader import load_rank_module
+from nncompile.runtime.program.loader import load_rank_module
 from nncompile.tools.inspection import show
 
 # gathers a split along the fake axis; its backward (chunk) moves nothing

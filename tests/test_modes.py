@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import models
 import nncompile
-from nncompile.runtime import rng
+from nncompile.runtime.program import rng
 from nncompile.tools.simulate import run_ranks
 
 RTOL, ATOL = 1e-5, 1e-6

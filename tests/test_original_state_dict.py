@@ -1,6 +1,6 @@
 """The module given to parallelize, after it: where the plan keeps every parameter whole its
 state_dict() is pm's weights (the very tensors pm trains); where the plan shards by boxes (tp)
-or by rows (ZeRO-3) it holds DTensor views of pm's pieces (runtime/module_views.py,
+or by rows (ZeRO-3) it holds DTensor views of pm's pieces (runtime/store/module_views.py,
 zero3_views.py): reading, editing, freezing and state_dict() work as on one device; where no
 DTensor on the job's mesh describes a piece (ZeRO-3 over part of the data-parallel ranks) its
 parameters are released, and its state_dict() (nanoGPT saves raw_model.state_dict()) is an

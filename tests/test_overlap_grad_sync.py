@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nncompile.runtime import comm
+from nncompile.runtime.program import comm
 from nncompile.tools.simulate import run_ranks
 
 

@@ -1,6 +1,6 @@
 """What user code does to the parameters through the module given to parallelize (DDP's
 `model.module` habit), under tp where that module holds DTensor views of pm's pieces
-(runtime/module_views.py): freezing and unfreezing a block mid-training, a WGAN-style clamp,
+(runtime/store/module_views.py): freezing and unfreezing a block mid-training, a WGAN-style clamp,
 and torch's own checkpoint API (get/set_model_state_dict + torch.distributed.checkpoint) into
 another plan. Each against one device. Two simulated ranks."""
 from __future__ import annotations

@@ -11,9 +11,9 @@ import nncompile
 from nncompile import ComputeConfig
 from nncompile.errors import CheckpointError
 from nncompile.ir.placement import Replicate, Shard
-from nncompile.runtime.checkpoint import load_torch
+from nncompile.runtime.checkpoints.checkpoint import load_torch
 from nncompile.rows import ParamRow, param_rows, put, take
-from nncompile.runtime.state import with_members
+from nncompile.runtime.checkpoints.state import with_members
 from nncompile.tools.simulate import run_ranks
 
 

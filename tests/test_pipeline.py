@@ -14,7 +14,7 @@ import nncompile
 from nncompile import ComputeConfig, ConfigError, InputMismatchError, PipelineError
 from nncompile.ir.schedule import parse_actions
 from nncompile.passes.pipeline_schedule import schedule_actions
-from nncompile.runtime.loader import load_rank_module
+from nncompile.runtime.program.loader import load_rank_module
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from gpt import GPT  # noqa: E402

@@ -12,8 +12,8 @@ import torch
 
 import nncompile
 from nncompile import ComputeConfig, ConfigError, PipelineError
-from nncompile.runtime.loader import load_rank_module
-from nncompile.runtime import rng
+from nncompile.runtime.program.loader import load_rank_module
+from nncompile.runtime.program import rng
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402

@@ -2,7 +2,7 @@
 under dp and ZeRO-1 it runs as under DDP; under ZeRO-3 and tp, whose forwards need every rank
 of the unit, the other ranks join rank 0's forwards while they wait at their training forward,
 or, after the last step, at gather_params, save_checkpoint, destroy_process_group or the end of
-the program (runtime/lockstep.py). Every run trains and evaluates as when every rank
+the program (runtime/protocol/lockstep.py). Every run trains and evaluates as when every rank
 evaluates. Forwards that no single rank runs alone, and ranks at different calls, are one
 ConfigError on every rank; a peer that left is a ConfigError on the ranks still there."""
 import copy

@@ -9,7 +9,7 @@ import pytest
 import models
 import nncompile
 from nncompile import rank_file
-from nncompile.runtime.loader import load_rank_module
+from nncompile.runtime.program.loader import load_rank_module
 
 CONFIGS = {"tp": (nncompile.ComputeConfig(2, 4), "tp"),
            "zero3": (nncompile.ComputeConfig(1, 2, use_zero=3), "dp"),

@@ -1,10 +1,10 @@
-"""How the reducer cuts gradients into buckets (runtime/reducer.py), without a process group:
+"""How the reducer cuts gradients into buckets (runtime/program/reducer.py), without a process group:
 the first bucket of the async reducer closes at 1 MiB as DDP's does, later ones at the cap, and
 a model whose gradients fit one bucket gets the sync trigger (nothing to overlap: the one hook
 per parameter only moves its gradient into the bucket, launching nothing)."""
 import torch
 
-from nncompile.runtime.reducer import FIRST_BUCKET_MB, Reducer
+from nncompile.runtime.program.reducer import FIRST_BUCKET_MB, Reducer
 
 
 def _params(sizes):

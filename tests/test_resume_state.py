@@ -1,5 +1,5 @@
 """nncompile.DataParallelSampler and what a checkpoint carries for a resume besides the weights
-(runtime/resume_state.py): every layout of a global batch sees the same global sequence, the
+(runtime/checkpoints/resume_state.py): every layout of a global batch sees the same global sequence, the
 sampler's state continues it on another layout, torchdata's StatefulDataLoader saves it, and
 save_checkpoint / load_checkpoint put back the data position and the random-number state.
 One process; tests/test_resume_world.py resumes real jobs on other world sizes."""
@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import models
 import nncompile
-from nncompile.runtime import resume_state
+from nncompile.runtime.checkpoints import resume_state
 
 
 def global_batches(units: int, micro: int, accum: int, steps: int, n: int = 40, seed: int = 3,

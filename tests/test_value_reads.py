@@ -1,4 +1,4 @@
-"""Reading a number out of pm's DTensors (runtime/value_reads.py): one device's value through
+"""Reading a number out of pm's DTensors (runtime/store/value_reads.py): one device's value through
 nncompile.grad_norms(pm) or .full_tensor(), a ValueReadError for `.item()` of a value spread
 over the ranks, and torch's own behaviour for DTensors on a mesh nncompile did not make."""
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_auto_needs_autodist_and_zero3_needs_its_code(tmp_path):
 def test_row_shard_layout_cuts_rows_as_dtensor_shard0(size):
     """A ZeRO-3 unit's pieces: each tensor's rows cut as torch.chunk (Shard(0)) cuts them,
     padded per tensor; the gathered pieces copy out into the tensors' order and back."""
-    from nncompile.runtime.layouts import RowShardLayout
+    from nncompile.runtime.store.layouts import RowShardLayout
     shapes = [(3, 2), (5,), (), (1, 4), (0, 3), (7, 3)]
     tensors = [torch.randn(s) for s in shapes]
     names = [f"t{i}" for i in range(len(shapes))]

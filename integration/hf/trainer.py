@@ -54,7 +54,7 @@ from transformers.utils import logging
 import nncompile
 from nncompile.config import ComputeConfig
 from nncompile.errors import CheckpointError, ConfigError
-from nncompile.runtime.checkpoint import FORMATS
+from nncompile.runtime.checkpoints.checkpoint import FORMATS
 
 from .checks import check_arguments
 from .data import install, unit_mesh

@@ -31,8 +31,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from nncompile.errors import ConfigError
-from nncompile.runtime.clip import clip_grad_norm_
-from nncompile.runtime.optimizer import ZeroOptimizer
+from nncompile.runtime.optim.clip import clip_grad_norm_
+from nncompile.runtime.optim.optimizer import ZeroOptimizer
 
 MODES = {"32-true": None, "16-true": torch.float16, "bf16-true": torch.bfloat16,
          "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}

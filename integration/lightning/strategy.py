@@ -61,18 +61,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 import nncompile
 from nncompile.errors import CheckpointError, ConfigError
 from nncompile.mesh import DP, Mesh
-from nncompile.runtime.checkpoint import (load_on_every_rank, load_torch,
-                                         merge_lightning_checkpoints, rank_files, read_meta,
-                                         save_torch, staged_directory)
-from nncompile.runtime.dedup import (deduped_model_state, deduped_optimizer_state,
-                                     load_deduped_model_state, load_deduped_optimizer_state)
-from nncompile.runtime.merge import load_merged_optimizer_state, load_merged_state_dict
-from nncompile.runtime.optimizer import ZeroOptimizer
-from nncompile.runtime.param_handles import local_name
-from nncompile.runtime.pretrained import remember_pretrained
+from nncompile.runtime.checkpoints.checkpoint import (load_on_every_rank, load_torch,
+                                                      merge_lightning_checkpoints, rank_files,
+                                                      read_meta, save_torch, staged_directory)
+from nncompile.runtime.checkpoints.dedup import (deduped_model_state, deduped_optimizer_state,
+                                                 load_deduped_model_state,
+                                                 load_deduped_optimizer_state)
+from nncompile.runtime.checkpoints.merge import load_merged_optimizer_state, load_merged_state_dict
+from nncompile.runtime.optim.optimizer import ZeroOptimizer
+from nncompile.runtime.store.segments import local_name
+from nncompile.runtime.checkpoints.pretrained import remember_pretrained
 from nncompile.rows import param_rows, state_rows
-from nncompile.runtime.state import (describe, plan_info, plan_mismatch, with_members,
-                                     without_members)
+from nncompile.runtime.checkpoints.state import (describe, plan_mismatch, with_members,
+                                                 without_members)
+from nncompile.runtime.store.holders import plan_info
 
 from .precision import NnCompilePrecision
 from .train_step import TrainStepPlans

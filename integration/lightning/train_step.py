@@ -14,7 +14,7 @@ whose backward does nothing, and an unchanged training_step trains on it:
     clip, optimizer.step             clip (global norm over the stages), optimizer.step
 
 Validation, test and predict on a pipelined plan run `pm(...)`: the stages forward only over
-the unit's batch, returning the mean loss (runtime/pipeline.py).
+the unit's batch, returning the mean loss (runtime/program/pipeline.py).
 
 Refused, each with the fix: validation/test/predict on a microbatches-only plan (its forward
 runs one micro-batch), accumulate_grad_batches

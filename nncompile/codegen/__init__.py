@@ -42,8 +42,8 @@ parallelize(..., reuse="override") regenerates it and keeps your version in edit
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from nncompile.runtime import {runtime_modules}
-from nncompile.runtime.module import ParallelModule
+from nncompile.runtime.program import {runtime_modules}
+from nncompile.runtime.program.module import ParallelModule
 {custom_imports}
 aten = torch.ops.aten
 
@@ -69,7 +69,7 @@ class GenModel(ParallelModule):
     # the original module's parameters() order and state_dict() keys (key, canonical FQN)
 {state_declarations}'''
 
-MEMORY_HEADER = '''    # the ZeRO stage and offload this code was generated for (runtime/zero.py)
+MEMORY_HEADER = '''    # the ZeRO stage and offload this code was generated for (runtime/store/zero.py)
 {memory}    ZERO_UNITS = [  # ZeRO-3: flat parameter, its module, the local parameters it holds
 {units}
     ]
@@ -135,7 +135,7 @@ def _param_row(row: ParamRow) -> tuple:
     return plain if row.part is not None else plain[:6]
 
 
-PIPELINE_HEADER = '''    # pipeline parallelism (runtime/pipeline.py runs the stages on torch.distributed.pipelining)
+PIPELINE_HEADER = '''    # pipeline parallelism (runtime/program/pipeline.py runs the stages on torch.distributed.pipelining)
 {declarations}    STAGES = [  # this rank's stages: index, inputs, outputs, their (local shape, dtype, grad), parameters
 {rows}
     ]
@@ -206,8 +206,8 @@ def render(g: Graph, rank: int, fingerprint: str = "", memory: MemoryChoice | No
         text += rank_file.declare("FLOAT8", {
             "recipe": f8["recipe"], "scales": f8["scales"],
             **({"gathered": gathered} if gathered else {})},
-            "FLOAT8.linear: torchao's float8 recipe (runtime/float8.py)" + (
-                "; gathered: weights ZeRO-3 gathers in float8 (runtime/zero_float8.py)"
+            "FLOAT8.linear: torchao's float8 recipe (runtime/program/float8.py)" + (
+                "; gathered: weights ZeRO-3 gathers in float8 (runtime/store/zero_float8.py)"
                 if gathered else ""))
     param_axes = {v.name: {a: repr(p) for a, p in v.axes.items()} for v in tg.params if v.axes}
     if param_axes:
@@ -329,7 +329,7 @@ def body_header(zero: bool, indent: str, axes: dict | None = None,
                 float8: bool = False) -> str:
     """The names a body reads from the module: the device, the plan unit's group, under
     ZeRO-3 the data-parallel group it gathers over, the group along each other mesh axis
-    (CP_GROUP) and, with float8 linears, their runner (runtime/float8.py)."""
+    (CP_GROUP) and, with float8 linears, their runner (runtime/program/float8.py)."""
     head = f"{indent}DEVICE, PLAN_GROUP, ZERO = self.device, self.plan_group, self.zero" \
         if zero else f"{indent}DEVICE, PLAN_GROUP = self.device, self.plan_group"
     return head + "".join(f"\n{indent}{axis.upper()}_GROUP = self.axis_group({axis!r})"

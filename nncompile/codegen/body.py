@@ -64,7 +64,7 @@ def zero_lines(op: Op, indent: str, first: bool = False) -> list[str]:
 def closure_lines(begin: Op, end: Op, body: list[str], indent: str,
                   draws: bool = False) -> list[str]:
     """A checkpoint region as a closure run under torch.utils.checkpoint. A region that
-    draws with runtime/rng.py (`draws`) passes rng.recompute_draws, so its recompute draws
+    draws with runtime/program/rng.py (`draws`) passes rng.recompute_draws, so its recompute draws
     what its forward drew on whichever generator rng.py uses."""
     path, args, outs = begin.args[0], begin.args[1], end.args[1]
     fn = "recompute_" + path.replace(".", "_")

@@ -5,7 +5,7 @@ attention each SDPA call runs (passes/fuse_attention.py).
     # all_reduce P -> R: sum the partial results (backward: identity)
     h0_mlp_proj_linear_all_reduce = comm.all_reduce(h0_mlp_proj_linear, group=PLAN_GROUP)
 
-    # Gradient reduction after backward (runtime/reducer.py, not a line of forward_impl):
+    # Gradient reduction after backward (runtime/program/reducer.py, not a line of forward_impl):
     #   partial-sum gradients: summed over PLAN_GROUP (the plan unit, 2 ranks): 8 tensors, ...
 
 Both are deterministic functions of the plan, so two compiles write identical files.
@@ -112,13 +112,13 @@ def reduction_header(g: Graph, params: list[tuple], runtime_ngpus: int, pipe_ran
     many tensors and bytes this rank sends into each, in how many buckets at the default cap.
     `params`: the rank's PARAMS rows (local name, FQN, full shape, placement, slices,
     partial grad)."""
-    head = f"{indent}# Gradient reduction after backward (runtime/reducer.py, not a line of " \
+    head = f"{indent}# Gradient reduction after backward (runtime/program/reducer.py, not a line of " \
            "forward_impl):"
     if g.trace_info.inference_only:
         return f"{head}\n{indent}#   none: inference only\n"
     if zero == 3:
         return (f"{head}\n{indent}#   ZeRO-3: each unit's gradient is reduce-scattered in "
-                "the backward of its gather (runtime/zero.py), no bucketed reducer\n")
+                "the backward of its gather (runtime/store/zero.py), no bucketed reducer\n")
     mesh = Mesh.of(g.plan_ngpus, runtime_ngpus, pipe_ranks, g.axes)
     axis_partial = g.plan_state.axis_partial_grad
     dtypes = {v.name: v.meta.dtype for v in g.params}

@@ -87,7 +87,7 @@ def _arg(op, i: int, name: str, default):
 
 def stage_draws(sg: Graph) -> list[tuple]:
     """The random draws one micro-batch's forward of this stage makes in training mode, in
-    order, each as runtime/rng.py's `replay` takes it: (kind, full noise shape, dtype, p)
+    order, each as runtime/program/rng.py's `replay` takes it: (kind, full noise shape, dtype, p)
     and, for an unsplit attention, its operands' shapes. Shapes are static, so every
     micro-batch draws the same. Random ops of other kinds are not replayed (a warning)."""
     import warnings

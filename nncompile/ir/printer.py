@@ -15,7 +15,7 @@ inserted collective that prepares an input of the next op sits under that op's s
 one that converts the previous op's output stays under the previous op's line.
 
 Names the code refers to but does not define: `aten` (torch.ops.aten), `torch`, `comm`
-(nncompile.runtime.comm), `custom` (ops made with nncompile.register_op), `PLAN_GROUP` (the
+(nncompile.runtime.program.comm), `custom` (ops made with nncompile.register_op), `PLAN_GROUP` (the
 plan unit's process group) and `DEVICE`.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ An action is one step a pipeline rank takes, written as torch.distributed.pipeli
 
 `PipelineActions.compute` is the schedule proper (what runs, in which order, on which
 pipeline rank); `PipelineActions.actions` adds the sends and receives between ranks, which is
-what a rank executes (runtime/pipeline.py hands it to torch's action-list runtime). Both are
+what a rank executes (runtime/program/pipeline.py hands it to torch's action-list runtime). Both are
 made by passes/pipeline_schedule.py and printed in every rank file (ACTIONS).
 """
 from __future__ import annotations

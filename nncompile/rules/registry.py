@@ -17,7 +17,7 @@ Rule = Callable[[Op, int], list[Strategy]]
 RULES: dict[str, Rule] = {}
 
 
-# ops whose random draw runtime/rng.py makes plan-independent (see localize)
+# ops whose random draw runtime/program/rng.py makes plan-independent (see localize)
 RANDOM_LOCAL = {"dropout": "rng.dropout", "native_dropout": "rng.native_dropout",
                 "scaled_dot_product_attention": "rng.scaled_dot_product_attention"}
 

@@ -19,7 +19,7 @@ inputs do not count (they are held anyway).
 - Collectives run locally and give this rank's local shape: `sync_grad` aliases its input,
   `chunk` slices it, the others make a new tensor; one fused with the linears it feeds
   (overlap_grad_sync) then runs those linears, saving what they save. Random ops of a split
-  tensor (runtime/rng.py) run the runtime's own code as rank 0 of the plan unit.
+  tensor (runtime/program/rng.py) run the runtime's own code as rank 0 of the plan unit.
 - An op the fake tensors cannot run (data-dependent output shapes, a user's custom op)
   saves nothing here and gives outputs of its traced local shapes; `unknown_ops` names them.
 
@@ -123,7 +123,7 @@ def predict(g: Graph, training: bool = True) -> Activations:
     """Bytes the localized graph `g` saves for backward on one rank (module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..runtime import comm, rng
+    from ..runtime.program import comm, rng
 
     start = time.perf_counter()
     n = g.plan_ngpus

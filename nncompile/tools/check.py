@@ -117,9 +117,9 @@ def compare_parallel(pm, reference, rtol: float = 1e-5, atol: float = 1e-6) -> V
 def check_compiled(module: torch.nn.Module, batch: Any, config: ComputeConfig, compiled,
                    outdir: Path, rtol: float = 1e-5, atol: float = 1e-6) -> VerifyReport:
     """Run the generated files in `outdir` on `batch` (threads) against eager `module`."""
-    from ..runtime.loader import load_rank_module
+    from ..runtime.program.loader import load_rank_module
     from ..arguments import tensor_leaves
-    from ..runtime.rng import rank_generator
+    from ..runtime.program.rng import rank_generator
     from .simulate import run_ranks
 
     if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):

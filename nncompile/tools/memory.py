@@ -13,7 +13,7 @@ into CATEGORIES (nncompile/tools/memory_timeline.py):
     optimizer_state        storages the optimizer holds after the run: optimizer.state and
                            copies of parameters it steps (ZeRO's flat shards)
     communication_buffers  made inside nncompile's collectives: a Python frame of
-                           nncompile/runtime/comm.py, reducer.py or zero.py, or a
+                           nncompile/runtime/program/comm.py, reducer.py or zero.py, or a
                            record_function named "nncompile.comm*", and not a gradient
     activations            made by the generated forward, or called an activation by PyTorch
     other                  the rest: backward and optimizer temporaries, inputs, autograd detail
@@ -40,10 +40,11 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations",
               "communication_buffers", "other")
 PERSISTENT = ("parameters", "gradients", "optimizer_state")
 FORMAT, VERSION = "nncompile-memory-profile", 1
-COMM_FILES = ("comm.py", "reducer.py", "zero.py")      # in nncompile/runtime/
+COMM_FILES = {"comm.py": "program", "reducer.py": "program",   # file -> its package in
+              "zero.py": "store"}                            # nncompile/runtime/
 COMM_SCOPE = "nncompile.comm"                           # record_function name prefix
 STEP_SCOPE = "nncompile.memory.step"
-COPY_SCOPE = "nncompile.offload."                      # offload's copies (runtime/zero.py)
+COPY_SCOPE = "nncompile.offload."                      # offload's copies (runtime/store/zero.py)
 MAX_POINTS = 2000                                       # timeline points kept per rank
 
 
@@ -62,7 +63,7 @@ class RankMemory:
     events: list[int] = field(default_factory=list)             # each point's change number
     bytes: dict[str, list[int]] = field(default_factory=dict)   # per category, per time
     steps_ms: list[list[float]] = field(default_factory=list)   # [start, end] of each step
-    # offload's host<->device copies (runtime/zero.py, optimizer.py): [start, end, name]
+    # offload's host<->device copies (runtime/store/zero.py, optimizer.py): [start, end, name]
     copies_ms: list[list] = field(default_factory=list)
     allocator_peak_bytes: int | None = None      # CUDA: torch.cuda.max_memory_allocated
     allocator_reserved_bytes: int | None = None  # CUDA: torch.cuda.max_memory_reserved
@@ -357,7 +358,7 @@ def profile(pm: torch.nn.Module, step_fn: Callable[[], Any], steps: int = 3,
     def on_grad(p):
         if p.grad is not None:
             grad_max[id(p)] = max(grad_max.get(id(p), 0), _tensor_bytes(p.grad))
-    from nncompile.runtime.user_hooks import ours
+    from nncompile.runtime.store.user_hooks import ours
     hooks = [p.register_post_accumulate_grad_hook(ours(on_grad))
              for p in _stored(pm) if p.requires_grad]
     if cuda:

@@ -44,17 +44,17 @@ def _resolve(filename: str, _cache: dict[str, str] = {}) -> str:
 
 
 def comm_file(filename: str, _cache: dict[str, str] = {}) -> str:
-    """The name ("comm.py", ...) if this Python file is nncompile/runtime/{comm,reducer,zero}.py
-    (installed, or in a checkout where runtime/ sits next to nncompile/), else ""."""
+    """The name ("comm.py", ...) if this Python file is one of nncompile/runtime's COMM_FILES
+    (program/comm.py, program/reducer.py, store/zero.py; installed, or in a checkout), else
+    ""."""
     hit = _cache.get(filename)
     if hit is None:
         path = _resolve(filename)
         folder, name = os.path.split(path)
-        hit = name if name in COMM_FILES and (
-            folder == _runtime_dir()
-            or path.replace(os.sep, "/").endswith(f"nncompile/runtime/{name}")
-            or (os.path.basename(folder) == "runtime"
-                and os.path.isdir(os.path.join(os.path.dirname(folder), "nncompile")))) else ""
+        pkg = COMM_FILES.get(name)
+        hit = name if pkg is not None and (
+            folder == os.path.join(_runtime_dir(), pkg)
+            or path.replace(os.sep, "/").endswith(f"runtime/{pkg}/{name}")) else ""
         _cache[filename] = hit
     return hit
 
@@ -65,7 +65,7 @@ def _runtime_dir() -> str:
 
 
 def context(event, forward_files: frozenset = frozenset()) -> tuple[bool, int | None, bool]:
-    """(inside nncompile's collectives?, when the innermost runtime/comm.py function around it
+    """(inside nncompile's collectives?, when the innermost runtime/program/comm.py function around it
     returned, inside the generated forward?). Inside the collectives: a Python frame of
     COMM_FILES or a record_function named "nncompile.comm*" encloses the event. comm.py's
     functions keep no state: a buffer they allocate and do not return is dead when they return
@@ -137,7 +137,7 @@ class Alloc(NamedTuple):
     id: int | None              # the tensor id torch's memory profiler knows it by
     allocation_id: int | None
     comm: bool = False          # made inside nncompile's collectives
-    until: int | None = None    # when the runtime/comm.py function that made it returned
+    until: int | None = None    # when the runtime/program/comm.py function that made it returned
     forward: bool = False       # made inside the generated forward
 
 
@@ -235,7 +235,7 @@ def _replay(raw: list[Alloc], pre, category, live: dict[int, str], bumps=(), key
     The profiler does not see frees made on threads it does not follow: a buffer handed to a
     torch.distributed collective is freed by the backend's worker thread when that thread
     drops the last reference. So an allocation at an address another allocation still holds
-    ends that one, and a buffer made by runtime/comm.py whose free is not traced ends when the
+    ends that one, and a buffer made by runtime/program/comm.py whose free is not traced ends when the
     comm.py function that made it returns (its functions keep no state). pre: (tensor, bytes)
     that existed before profiling began; bumps: (time, tensor, version) when an in-place op
     made a new version of a tensor (its category may change); category(tensor, version) is

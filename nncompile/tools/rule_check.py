@@ -201,7 +201,7 @@ def _call(op: Op, local: bool, tensors: list[torch.Tensor]):
     target = op.target
     args, kwargs = _substitute(op, it)
     if isinstance(target, str):                      # a local implementation: comm.<name>
-        from nncompile.runtime import comm
+        from nncompile.runtime.program import comm
         target = getattr(comm, target.split(".", 1)[1])
         kwargs = {**kwargs, "group": dist.group.WORLD}
     elif is_custom_op(target):

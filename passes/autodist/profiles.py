@@ -46,7 +46,7 @@ class DeviceProfile:
     cores: int | None = None                     # CPU cores a node's ranks share (None: a
                                                  # device per rank)
     backend: str | None = None                   # "gloo": price the collectives gloo lacks as
-                                                 # runtime/comm.py runs them (all_reduce+chunk)
+                                                 # runtime/program/comm.py runs them (all_reduce+chunk)
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         name = str(dtype).replace("torch.", "")

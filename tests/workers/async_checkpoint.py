@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (runtime/async_checkpoint.py), tp 2 on 2 ranks, the tests' GPT:
+"""Asynchronous checkpoints (runtime/checkpoints/async_checkpoint.py), tp 2 on 2 ranks, the tests' GPT:
 
     --check: a save in the background while training goes on holds the weights of the moment
              it was called; the next save waits for it; the program's end finishes the last.

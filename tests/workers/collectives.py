@@ -22,8 +22,8 @@ import models  # noqa: E402
 import nncompile  # noqa: E402
 from nncompile.ir import P, R, Partial, Replicate, Shard, local_shape  # noqa: E402
 from nncompile.passes.insert_comm import transition  # noqa: E402
-from nncompile.runtime import comm  # noqa: E402
-from nncompile.runtime.groups import get_groups  # noqa: E402
+from nncompile.runtime.program import comm  # noqa: E402
+from nncompile.runtime.protocol.groups import get_groups  # noqa: E402
 
 N = int(os.environ["WORLD_SIZE"])
 

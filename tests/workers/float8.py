@@ -7,7 +7,7 @@ for each plan of this world size.
     torchrun --nproc_per_node=4 tests/workers/float8.py --savedir DIR    # tp 2 x dp 2, pp 2, ...
 
 Under ZeRO-3 with the tensorwise recipe the weights are gathered in float8
-(runtime/zero_float8.py); each such plan checks that they are.
+(runtime/store/zero_float8.py); each such plan checks that they are.
 
 The one-device reference runs each data-parallel unit's batch (a pipeline's: micro-batch by
 micro-batch) and averages the gradients (scales="local": each unit, each micro-batch, scales
@@ -59,7 +59,7 @@ def reference(model, spec, units: int, float8: bool = True, micro: int = 1) -> l
     units' batches accumulated (scales "local"; a pipeline's `micro` micro-batches of each
     too) or concatenated (scales "global"); the mean loss of each step."""
     from torchao.float8 import convert_to_float8_training
-    from nncompile.runtime.float8 import recipe_config
+    from nncompile.runtime.program.float8 import recipe_config
     if float8:
         convert_to_float8_training(model, config=recipe_config(spec.recipe, emulate=True),
                                    module_filter_fn=nncompile.float8_module_filter(spec))

@@ -1,4 +1,4 @@
-"""Ranks that stop agreeing (runtime/hang_report.py): tp 2 on 2 ranks, the tests' GPT, a
+"""Ranks that stop agreeing (runtime/protocol/hang_report.py): tp 2 on 2 ranks, the tests' GPT, a
 process-group timeout of TIMEOUT_S. After a training step, rank 0 evaluates alone while rank 1
 waits in a barrier (the lockstep exchange and the input check off, so rank 0 waits in the
 generated code's first collective). Each rank writes when it stopped agreeing and when its error came, then lets
@@ -50,7 +50,7 @@ def main() -> None:
         else:
             dist.barrier()                          # rank 1 went on
     except Exception:
-        from nncompile.runtime.hang_report import report
+        from nncompile.runtime.protocol.hang_report import report
         (work / f"rank{rank}.json").write_text(json.dumps({"diverged": start,
                                                            "error": time.time(),
                                                            "report": report()}))

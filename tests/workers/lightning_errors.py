@@ -102,7 +102,7 @@ def main() -> None:
                                         gradient_clip_algorithm="value"), "'norm'")
     trainer = fit(Lit(), d, gradient_clip_val=1.0)
     lm = trainer.lightning_module
-    assert lm.net is None and isinstance(lm.nncompile_module, nncompile.runtime.module.
+    assert lm.net is None and isinstance(lm.nncompile_module, nncompile.runtime.program.module.
                                          ParallelModule)
     assert {id(p) for p in lm.parameters()} == \
         {id(p) for p in lm.nncompile_module.parameters()}      # the module's are pm's
@@ -133,7 +133,7 @@ def same_weights(a: dict, b: dict, what: str) -> None:
 def groups_checks(d: str) -> None:
     """Parameter groups (and a subset of the parameters) survive the rebuild on the shards:
     losses, weights and each group's lr equal plain Lightning on one device."""
-    from nncompile.runtime.optimizer import ZeroOptimizer
+    from nncompile.runtime.optim.optimizer import ZeroOptimizer
     steps = 4
     plain_lit = Lit("nanogpt")
     plain = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
@@ -186,7 +186,7 @@ def groups_checks(d: str) -> None:
 
 
 def zero_checks(d: str) -> None:
-    from nncompile.runtime.optimizer import ZeroOptimizer
+    from nncompile.runtime.optim.optimizer import ZeroOptimizer
     z1 = nncompile.ComputeConfig(1, use_zero=1)
     groups_checks(d)
     expect("zero auto tp", lambda: NnCompileStrategy(nncompile.ComputeConfig(1, use_zero="auto"),

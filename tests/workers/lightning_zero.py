@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples", "nanogpt"))
 import train  # noqa: E402
 
 import nncompile.integration.lightning.precision as precision_module  # noqa: E402
-from nncompile.runtime.optimizer import ZeroOptimizer  # noqa: E402
+from nncompile.runtime.optim.optimizer import ZeroOptimizer  # noqa: E402
 
 CLIPS: list[float] = []
 

@@ -46,7 +46,7 @@ def main() -> None:
             model = build(name)
             batch = models.batch(name, 0)
             # the plan's own collectives: the first calls' input check and the forwards'
-            # lockstep exchange (one all_gather each, runtime/lockstep.py) off
+            # lockstep exchange (one all_gather each, runtime/protocol/lockstep.py) off
             config = nncompile.ComputeConfig(2, 2, check_inputs=0, check_lockstep=False)
             pm = nncompile.parallelize(model, batch, config,
                                        pas_policy=policy, gen_savedir=args.savedir,
