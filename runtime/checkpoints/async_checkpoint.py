@@ -24,9 +24,7 @@ once it is in place, or raises the same CheckpointError on every rank if any wri
 """
 from __future__ import annotations
 
-import atexit
 import shutil
-import sys
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -147,13 +145,5 @@ def start(target: Path, staging: Path, state: dict, planner, finish) -> AsyncChe
     return handle
 
 
-def _finish_at_exit() -> None:
-    """The end of the program waits for the save in flight, unless it ends by an exception
-    (a crash must not wait; the partial directory is left, as for a killed process)."""
-    if _pending and sys.exc_info()[0] is None and getattr(sys, "last_value", None) is None \
-            and dist.is_initialized():
-        wait_pending()
-
-
-atexit.register(_finish_at_exit)
-before_end(wait_pending)             # a checkpoint still being written is finished first
+before_end(wait_pending)   # the job's end waits for the save in flight (not a crash's: the partial
+                           # directory is left, as for a killed process)

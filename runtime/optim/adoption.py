@@ -3,10 +3,11 @@
 Grouping code (nanoGPT's `configure_optimizers`, Hugging Face's Trainer) builds
 `torch.optim.AdamW(groups)` over `pm.parameters()` or over the module's parameters from
 before `parallelize`. Where those are not what pm computes with (a released original, a
-ZeRO-3 handle), the optimizer *adopts* pm's tensors: as it is built (`add_param_group`) and
-once more before each step (a step pre-hook, for parameters added another way) each is swapped
-for pm's shard or ZeRO-3 segment (segments.py), any state moved with it. Optimizers that are
-not element-wise are refused there: they would see pieces (elementwise.py).
+ZeRO-3 handle), the optimizer *adopts* pm's tensors before its first step, and again after
+parameters are added (torch's global step pre-hook): each is swapped for pm's shard or ZeRO-3
+segment (segments.py), any state moved with it; the checkpoint formats adopt first too.
+Optimizers that are not element-wise are refused there: they would see pieces
+(elementwise.py).
 
     before: torch.optim.AdamW(model.parameters())   built before parallelize: steps released
                                                     tensors pm never reads
@@ -20,7 +21,6 @@ import warnings
 import torch
 
 from nncompile.errors import ConfigError
-from nncompile.compat import wrap_once
 from .elementwise import check_elementwise, check_pieces
 from ..store.segments import local_names, refresh_grads, segment_layout, zero3_segments, zero_stage
 
@@ -198,24 +198,11 @@ def _pre_step(opt, args, kwargs) -> None:
             refresh_grads(g["params"])
 
 
-_ADD_PARAM_GROUP = torch.optim.Optimizer.add_param_group
-
-
-def _add_param_group(self, param_group):
-    """torch's add_param_group after swapping handles for segments (see the module doc)."""
-    if isinstance(param_group, dict) and "params" in param_group:
-        adopt(self, [param_group])
-        if any(getattr(p, "_nnc_flat", None) is not None for p in param_group["params"]):
-            _watch(self)
-    return _ADD_PARAM_GROUP(self, param_group)
-
-
 def install() -> None:
-    """Once per process: the add_param_group swap and the step pre-hook."""
-    if wrap_once(torch.optim.Optimizer, "add_param_group", _add_param_group) is None:
-        return
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-    register_optimizer_step_pre_hook(_pre_step)
+    """Once per process: the step pre-hook (torch's own registry; nothing of torch replaced)."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
+    if _pre_step not in _global_optimizer_pre_hooks.values():
+        register_optimizer_step_pre_hook(_pre_step)
 
 
 install()

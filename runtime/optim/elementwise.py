@@ -108,7 +108,7 @@ _NOT_DTENSOR_SAFE = (torch.optim.Adafactor,) if hasattr(torch.optim, "Adafactor"
 
 
 def _check_dtensor_safe(opt, groups) -> None:
-    """A clear error, when it is built (or at its first step), for an optimizer DTensor cannot
+    """A clear error, before its first step, for an optimizer DTensor cannot
     run over pm's DTensor parameters (instead of DTensor's sharding-propagation error)."""
     if not isinstance(opt, _NOT_DTENSOR_SAFE):
         return

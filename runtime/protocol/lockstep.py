@@ -406,11 +406,15 @@ def _meet_all(point: str) -> None:
 
 
 def _at_exit() -> None:
-    """At the end of a program that did not destroy its process group: meet, then destroy
-    it (gloo's threads torn down by the interpreter's exit instead can abort the process:
+    """At the end of a program that did not destroy its process group: finish what must end
+    first (before_end), meet, then destroy it (gloo's threads torn down by the interpreter's exit instead can abort the process:
     "terminate called without an active exception")."""
-    if not dist.is_initialized() or not _CACHE.get(dist.distributed_c10d._get_default_group(),
-                                                   {}).get("lockstep_order"):
+    if not dist.is_initialized():
+        return
+    if sys.exc_info()[0] is None and getattr(sys, "last_value", None) is None:
+        for finish in _BEFORE_END:      # not after a crash: a crash must not wait
+            finish()
+    if not _CACHE.get(dist.distributed_c10d._get_default_group(), {}).get("lockstep_order"):
         return
     try:
         _meet_all("exit")
@@ -426,7 +430,8 @@ _BEFORE_END: list = []        # what finishes before the job's end (async_checkp
 
 
 def before_end(finish) -> None:
-    """Run `finish()` when the job's process group is destroyed, before the ranks meet."""
+    """Run `finish()` at the job's end (destroy_process_group, or the program's end unless it
+    ends by an exception), before the ranks meet."""
     if finish not in _BEFORE_END:
         _BEFORE_END.append(finish)
 
