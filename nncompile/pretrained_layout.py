@@ -100,11 +100,13 @@ def reference_model(config: Any) -> Any:
 
 
 def plan_layout(state: dict[str, tuple[tuple, torch.dtype]], aliases: dict[str, str],
-                model: Any = None, max_shard_size: int | str = "50GB") -> Layout:
+                model: Any = None, max_shard_size: int | str = "50GB",
+                nparams: int | None = None) -> Layout:
     """The layout of `state` ({state key: (full shape, dtype)}, every key the module's
     state_dict() has, without a prefix) saved by `model` (a Hugging Face model, or None for
     any other module: names kept, each tied weight under its first name). `aliases` maps a
-    tied key to the key it shares storage with."""
+    tied key to the key it shares storage with; `nparams`, the model's parameter count for
+    the index (None: model.num_parameters(), where the model holds every parameter)."""
     meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in
             state.items()}
     kept = _untie(meta, aliases, model)
@@ -131,21 +133,27 @@ def plan_layout(state: dict[str, tuple[tuple, torch.dtype]], aliases: dict[str, 
             f"(e.g. {sorted(seen ^ set(saved))[:3]}); nncompile cannot save them tensor by "
             "tensor")
     specs = {k: (tuple(t.shape), t.dtype) for k, t in saved.items()}
-    files, index = _split(saved, model, max_shard_size)
+    files, index = _split(saved, model, max_shard_size, nparams)
     return Layout(groups, specs, files, index, tied)
 
 
 def _untie(meta: dict[str, torch.Tensor], aliases: dict[str, str], model: Any
            ) -> dict[str, torch.Tensor]:
     """The state without the tied keys transformers does not save (its own function, which
-    keeps the name the model expects on reload); otherwise without the later names."""
+    keeps the name the model expects on reload); otherwise without the later names.
+    transformers finds ties by storage: it is shown one 1-element tensor per weight, the
+    same one under every name of a tied weight, so the model's own parameters are never
+    looked up (a pipeline rank's module holds its stages' only)."""
     if model is not None:
         try:
             from transformers.modeling_utils import remove_tied_weights_from_state_dict
         except ImportError:
             remove_tied_weights_from_state_dict = None
         if remove_tied_weights_from_state_dict is not None:
-            return remove_tied_weights_from_state_dict(dict(meta), model)
+            one: dict[str, torch.Tensor] = {}
+            probe = {k: one.setdefault(aliases.get(k, k), torch.empty(1, dtype=t.dtype))
+                     for k, t in meta.items()}
+            return {k: meta[k] for k in remove_tied_weights_from_state_dict(probe, model)}
     return {k: t for k, t in meta.items() if aliases.get(k, k) == k}
 
 
@@ -169,8 +177,8 @@ def _layer(key: str) -> str:
     return "" if i is None else ".".join(parts[:i + 1])
 
 
-def _split(saved: dict[str, torch.Tensor], model: Any, max_shard_size: int | str
-           ) -> tuple[dict[str, list[str]], dict | None]:
+def _split(saved: dict[str, torch.Tensor], model: Any, max_shard_size: int | str,
+           nparams: int | None = None) -> tuple[dict[str, list[str]], dict | None]:
     """huggingface_hub's split into files (in the saved order), and the index when sharded."""
     from huggingface_hub import split_state_dict_into_shards_factory
     split = split_state_dict_into_shards_factory(
@@ -181,7 +189,8 @@ def _split(saved: dict[str, torch.Tensor], model: Any, max_shard_size: int | str
         return files, None
     meta: dict[str, Any] = dict(split.metadata)
     if model is not None and hasattr(model, "num_parameters"):
-        meta = {"total_parameters": model.num_parameters(), **meta}
+        meta = {"total_parameters": model.num_parameters() if nparams is None else nparams,
+                **meta}
     return files, {"metadata": meta, "weight_map": dict(split.tensor_to_filename)}
 
 

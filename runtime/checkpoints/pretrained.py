@@ -19,6 +19,7 @@ elements of this rank's flat piece are read, straight into it.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from nncompile.log import log
 from nncompile.pretrained_layout import (INDEX, WEIGHTS, Layout, config_files, converted_values,
                                          pretrained_models, plan_layout, reverter,
                                          stale_shards, weights_dtype)
-from nncompile.rows import BufferRow, buffer_rows, param_rows, take
+from nncompile.rows import BufferRow, ParamRow, buffer_rows, param_rows, take
 from nncompile.ir.placement import Shard
 from nncompile.safetensors_file import SafetensorsWriter, read_header
 
@@ -93,31 +94,36 @@ def _dtypes(pm) -> dict[str, torch.dtype]:
     return out
 
 
-def state_specs(pm, prefix: str) -> tuple[dict[str, tuple[tuple, torch.dtype]], dict[str, str]]:
-    """({state key without `prefix`: (full shape, dtype)}, {tied key: the key it shares}) for
-    every key of the original module's state_dict() under `prefix`; every rank gets all of
-    them (a pipeline rank holds only its stages': the ranks exchange theirs)."""
+def state_specs(pm, prefix: str) -> tuple[dict[str, tuple[tuple, torch.dtype]], dict[str, str],
+                                          int]:
+    """({state key without `prefix`: (full shape, dtype)}, {tied key: the key it shares}, the
+    number of parameter elements, each tied weight once) for every key of the original
+    module's state_dict() under `prefix`; every rank gets all of them (a pipeline rank holds
+    only its stages': the ranks exchange theirs)."""
     dtypes = _dtypes(pm)
-    mine = {row.source: (tuple(row.source_shape), str(dtypes[row.name]).split(".")[1])
+    mine = {row.source: (tuple(row.source_shape), str(dtypes[row.name]).split(".")[1],
+                         isinstance(row, ParamRow))
             for row in [*param_rows(pm), *buffer_rows(pm)]}
     specs: dict[str, tuple] = {}
     for theirs in _all(mine):
         specs.update(theirs)
-    state, aliases, unheld = {}, {}, []
+    state, aliases, unheld, counted = {}, {}, [], {}
     for key, canon in pm.STATE_KEYS:
         if not key.startswith(prefix):
             continue
         if canon not in specs:
             unheld.append(key)
             continue
-        shape, dtype = specs[canon]
+        shape, dtype, is_param = specs[canon]
         state[key[len(prefix):]] = (shape, getattr(torch, dtype))
+        if is_param:
+            counted[canon] = math.prod(shape)
         if canon != key and canon.startswith(prefix):
             aliases[key[len(prefix):]] = canon[len(prefix):]
     if unheld:
         raise CheckpointError(f"the parallel module holds no tensor for the state keys "
                               f"{unheld[:3]}; they cannot be saved or loaded")
-    return state, aliases
+    return state, aliases, sum(counted.values())
 
 
 def _source(pm, prefix: str | None) -> tuple[str, Any]:
@@ -140,10 +146,10 @@ def _source(pm, prefix: str | None) -> tuple[str, Any]:
 
 def _layout(pm, prefix, max_shard_size="50GB") -> tuple[str, Any, dict, Layout]:
     prefix, model = _source(pm, prefix)
-    state, aliases = state_specs(pm, prefix)
+    state, aliases, nparams = state_specs(pm, prefix)
     if not state:
         raise CheckpointError(f"the module has no state keys under the prefix {prefix!r}")
-    return prefix, model, state, plan_layout(state, aliases, model, max_shard_size)
+    return prefix, model, state, plan_layout(state, aliases, model, max_shard_size, nparams)
 
 
 # ---- out ----------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def adopt(opt, groups: list[dict] | None = None) -> bool:
             targets = _targets(p, type(opt)) if isinstance(p, torch.Tensor) else None
             if targets is None:
                 out.append(p)
-                if groups is None and _zero3_view(p):
+                if groups is None and (_zero3_view(p) or getattr(p, "_nnc_flat", None) is not None):
                     _watch(opt)          # its state_dict() records the runs' layout
                 continue
             swapped = True
@@ -133,6 +133,14 @@ def adopt(opt, groups: list[dict] | None = None) -> bool:
                     _watch(opt)
         params[:] = out
     return swapped
+
+
+def watch_segments(opt) -> None:
+    """An optimizer built over ZeRO-3 segments (build_optimizer's inner one): watched from
+    the start, so a zero_grad before its first step clears the flat gradients too."""
+    if any(getattr(p, "_nnc_flat", None) is not None for g in opt.param_groups
+           for p in g["params"]):
+        _watch(opt)
 
 
 def _watch(opt) -> None:

@@ -51,9 +51,9 @@ from .carry_state import carry
 from ..protocol.groups import get_zero_group
 from ..store.pieces import local_named_parameters, local_parameters
 from nncompile.rows import param_rows
-from .elementwise import check_elementwise, declare_elementwise
+from .elementwise import check_elementwise, check_pieces, declare_elementwise
 from ..store.segments import cut, segment_layout, segment_params, zero3_segments, zero_stage
-from .adoption import groups_by_name
+from .adoption import groups_by_name, watch_segments
 from ..store.layouts import FlatLayout
 from ..store.zero import copy_to_host, gather_piece, offload_copy
 import weakref
@@ -96,6 +96,7 @@ def build_optimizer(pm, optimizer_cls, params=None, *, elementwise: bool | None 
         by_name = dict(local_parameters(pm))
         opt = optimizer_cls([{**g, "params": [by_name[n] for n in g["params"]]}
                              for g in groups], **kwargs)
+        check_pieces(opt, opt.param_groups)    # not element-wise over a split piece: refused
         views = _views(pm, groups)
         if views is not None and pm.__dict__.get("_nnc_pieces"):
             opt = PieceOptimizer(pm, opt, views)
@@ -300,8 +301,11 @@ def _host_step(optimizer_cls: type, groups: list, kwargs: dict, shards: list, me
             if not dist.is_initialized() or dist.get_rank() == 0:
                 log(f"offload: the host steps {optimizer_cls.__name__} with its fused CPU "
                     "kernel (pass fused=False to keep the per-operation step)")
+            watch_segments(opt)
             return opt
-    return optimizer_cls(groups, **kwargs)
+    opt = optimizer_cls(groups, **kwargs)
+    watch_segments(opt)
+    return opt
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
