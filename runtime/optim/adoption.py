@@ -22,6 +22,7 @@ import torch
 
 from nncompile.errors import ConfigError
 from .elementwise import check_elementwise, check_pieces
+from ..store.pieces import _LIVE
 from ..store.segments import local_names, refresh_grads, segment_layout, zero3_segments, zero_stage
 
 
@@ -31,11 +32,12 @@ def warn_unsharded(opt) -> None:
     device: right numbers, none of the memory saved. Say so once, naming the fix."""
     if opt.__dict__.get("_nnc_warned"):        # set by ZeroOptimizer, which does shard
         return
+    owner = {id(q): pm for pm in list(_LIVE)
+             if pm.memory.zero in (1, 2) or pm.memory.offload_optimizer for q in pm.parameters()}
     for g in opt.param_groups:
         for p in g["params"]:
-            ref = getattr(p, "_nnc_owner", None) or getattr(p, "_nnc_handle", (None,))[0]
-            pm = ref() if ref is not None else None
-            if pm is None or not (pm.memory.zero in (1, 2) or pm.memory.offload_optimizer):
+            pm = owner.get(id(p))
+            if pm is None:
                 continue
             opt.__dict__["_nnc_warned"] = True
             warnings.warn(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from typing import Any
 
 import torch
@@ -103,8 +102,6 @@ class ParallelModule(torch.nn.Module):
                         self._local_shard(state.get(row.source), row),
                         requires_grad=not self.INFERENCE_ONLY and row.name not in self.FROZEN)
                 self.register_parameter(row.name, p)
-                if self.memory.zero in (1, 2) or self.memory.offload_optimizer:
-                    p._nnc_owner = weakref.ref(self)   # a plain optimizer over it is warned
         full_buffers = {}
         state = with_real_buffers(module, state, [row.fqn for row in buffer_rows(self)])
         for row in buffer_rows(self):

@@ -134,7 +134,6 @@ def view_pieces(pm, names=None) -> dict[str, torch.nn.Parameter]:
     for name in wanted:
         piece = pieces_of(pm).get(name, pm._parameters[name])
         view = _view(pm, piece, rows[name], piece.requires_grad, stepped=True)
-        view._nnc_piece = piece
         pm.__dict__[name] = piece
         pm._parameters[name] = view
         views[name] = view
