@@ -139,31 +139,19 @@ def adopt(opt, groups: list[dict] | None = None) -> bool:
 
 def watch_segments(opt) -> None:
     """An optimizer built over ZeRO-3 segments (build_optimizer's inner one): watched from
-    the start, so a zero_grad before its first step clears the flat gradients too."""
+    the start."""
     if any(getattr(p, "_nnc_flat", None) is not None for g in opt.param_groups
            for p in g["params"]):
         _watch(opt)
 
 
 def _watch(opt) -> None:
-    """Once per optimizer stepping ZeRO-3 segments: zero_grad also clears the flat gradients,
-    and state_dict records how the segments cut the parameters."""
+    """Once per optimizer stepping ZeRO-3 segments: its steps refresh the segments'
+    gradients, and its state_dict records how the segments cut the parameters (a gradient it
+    clears clears the run of the flat one: segments.follow_cleared)."""
     if opt.__dict__.get("_nnc_watched"):
         return
     opt.__dict__["_nnc_watched"] = True
-    base = opt.zero_grad
-
-    def zero_grad(set_to_none: bool = True):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                info = getattr(p, "_nnc_flat", None)
-                if info is not None and info[0].grad is not None:
-                    if set_to_none:
-                        info[0].grad = None
-                    else:
-                        info[0].grad.zero_()
-        return base(set_to_none=set_to_none)
-    opt.zero_grad = zero_grad
     opt.register_state_dict_post_hook(_layout_hook)
 
 

@@ -15,6 +15,9 @@ import weakref
 from typing import Iterable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .user_hooks import ours
 
 
 def zero_stage(pm) -> str | None:
@@ -56,10 +59,40 @@ def zero3_segments(pm) -> dict[str, torch.nn.Parameter]:
             seg._nnc_pm = weakref.ref(pm)
             segs[seg._nnc_span[0]] = seg
         if unit.trainable:
-            flat.register_post_accumulate_grad_hook(
-                lambda f, parts=parts: refresh_grads(parts))
+            flat.register_hook(lambda g, parts=parts: follow_cleared(parts))
+            flat.register_post_accumulate_grad_hook(      # ours: never deferred to the end
+                ours(lambda f, parts=parts: refresh_grads(parts)))   # of a pipeline's schedule
     pm.__dict__["_nnc_segments"] = segs
     return segs
+
+
+_LINKED = WeakIdKeyDictionary()    # segment -> the flat gradient its .grad was set to view
+
+
+def _unlinked() -> None:
+    return None
+
+
+def follow_cleared(segs: list) -> None:
+    """Before a gradient accumulates into a unit's flat gradient: the runs whose segment's
+    `.grad` was cleared since (an optimizer's `zero_grad()` over segments) are cleared in the
+    flat gradient too, so the new gradient does not add to the old one (all cleared: the flat
+    gradient is dropped, as torch's zero_grad drops a parameter's)."""
+    runs = [(seg, seg._nnc_flat) for seg in segs if getattr(seg, "_nnc_flat", None) is not None]
+    if not runs or runs[0][1][0].grad is None:
+        return
+    flat = runs[0][1][0]
+    cleared = [(a, b) for seg, (_, a, b) in runs      # a .grad refresh_grads set, gone since
+               if seg.grad is None and _LINKED.get(seg, _unlinked)() is flat.grad]
+    for seg, _ in runs:
+        if seg.grad is None:
+            _LINKED.pop(seg, None)
+    if cleared and len(cleared) == len(runs):
+        flat.grad = None
+        return
+    with torch.no_grad():
+        for a, b in cleared:
+            flat.grad[a:b].zero_()
 
 
 def refresh_grads(segs: Iterable) -> None:
@@ -83,6 +116,8 @@ def refresh_grads(segs: Iterable) -> None:
         elif seg.grad is None or seg.grad.data_ptr() != g[a:b].data_ptr() or \
                 seg.grad.numel() != b - a:
             seg.grad = g.detach()[a:b]
+        if seg.grad is not None:
+            _LINKED[seg] = weakref.ref(g)
 
 
 def local_name(pm, p) -> str | tuple[str, ...] | None:
