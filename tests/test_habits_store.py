@@ -6,7 +6,8 @@ turn on the same pm, and one device runs the same loop; per habit the largest di
 recorded (`python -m pytest tests/test_habits_store.py -s` prints the table):
 
   names           [n for n, _ in pm.named_parameters()] against the model's as built (a
-                  pipeline rank: its stages' subset, in the same order)
+                  pipeline rank: its stages' subset, in the same order), and the module's
+                  named_parameters() the same names and the very same objects
   decay_by_name   step 0: AdamW over pm.named_parameters() in two groups by name
                   (`n.endswith(".bias")`, "ln_"/"norm" in the name: no decay): the weights
   hf_decay        step 1: AdamW over the groups the HF Trainer's get_decay_parameter_names(pm)
@@ -103,7 +104,10 @@ def store_loop(model, module, batch_of, rank: int, micro: int = 1) -> dict:
     """Every habit on `model` (pm, or the one-device model) and the module it was built
     from, in turn, on the same parameters."""
     from transformers import Trainer
-    out: dict = {"names": [n for n, _ in model.named_parameters()]}
+    mine, theirs = list(model.named_parameters()), list(module.named_parameters())
+    same = [(n, id(p)) for n, p in mine] == [(n, id(p)) for n, p in theirs]
+    out: dict = {"names": [n for n, _ in mine] if same else
+                 f"pm.parameters() are not the module's: {[n for n, _ in theirs][:3]}..."}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if not _no_decay(n)], "weight_decay": 0.1},
               {"params": [p for n, p in named if _no_decay(n)], "weight_decay": 0.0}]
