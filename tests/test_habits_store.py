@@ -63,11 +63,12 @@ PLANS = {
     "float8_zero3": ("gpt", 4, dict(plan_ngpus=2, use_zero=3,
                                     float8=nncompile.Float8Spec("rowwise", filter="all")), "tp"),
 }
-PIPELINES = {"pp": (2, 1), "pp_tp": (4, 2)}     # plan -> (world, tp degree inside a stage)
+PIPELINES = {"pp": (2, 1, 0), "pp_tp": (4, 2, 0),   # plan -> (world, tp degree inside a
+             "pp_zero3": (4, 1, 3)}                  # stage, ZeRO stage over 2 replicas)
 # (plan, habit) -> the nncompile error every rank raises instead
 REFUSALS: dict[tuple[str, str], str] = {}
 for _plan in ("zero3", "zero3_offload", "tp", "tp_sp", "tp_dp", "tp_zero3", "ep",
-              "float8_zero3", "pp_tp"):
+              "float8_zero3", "pp_tp", "pp_zero3"):
     REFUSALS[(_plan, "grad_item")] = REFUSALS[(_plan, "grad_item_rank0")] = "ValueReadError"
     REFUSALS[(_plan, "param_item")] = "ValueReadError"
 
@@ -231,9 +232,9 @@ def table_row(results: list[dict], want: dict) -> dict[str, float | str]:
 
 
 def run_pipeline(plan: str, workdir) -> dict[str, float | str]:
-    world, tp = PIPELINES[plan]
+    world, tp, zero = PIPELINES[plan]
     out = torchrun("tests/workers/habits_store_pipeline.py", world, "--savedir", str(workdir),
-                   "--tp", str(tp))
+                   "--tp", str(tp), "--zero", str(zero))
     line = next(ln for ln in out.splitlines() if ln.startswith("HABITS "))
     return json.loads(line[len("HABITS "):])
 

@@ -4,7 +4,7 @@ A ZeRO-3 unit stores each tensor cut by rows over the ZeRO group, torch.chunk's 
 (runtime/store/layouts.py, RowShardLayout), so this rank's run of a parameter in its flat piece is
 the local tensor of a DTensor sharded along dim 0 over the mesh dimensions the ZeRO group
 spans (data parallel, and context or expert parallel where the plan has them), as FSDP2's
-parameters are. pm's storage-less handles and the module's released parameters are replaced
+parameters are; under a pipeline, a rank's stages' parameters (Replicate along "pp"). pm's storage-less handles and the module's released parameters are replaced
 by the same such DTensors:
 
     before: pm.module.h[0].mlp_fc.weight            a released tensor: reading it is an error
@@ -84,7 +84,7 @@ def _placements(pm, row, mesh, dims: list[int]) -> list | None:
 def view_pm_params(pm) -> dict[str, torch.nn.Parameter]:
     """Replace pm's ZeRO-3 handles by Shard(0) DTensor Parameters over its flat pieces where
     one DTensor describes the run (pm.parameters() then are these); {local name: view}."""
-    if not dist.is_initialized() or pm.INFERENCE_ONLY or pm.PIPELINE is not None:
+    if not dist.is_initialized() or pm.INFERENCE_ONLY:
         return {}
     mesh = _mesh(pm)
     dims = _zero_dims(pm, mesh)              # [] where the ZeRO group is this rank alone

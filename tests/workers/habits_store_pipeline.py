@@ -1,6 +1,6 @@
 """The second habits table under a pipeline (torchrun, gloo: 2 stages, 2 micro-batches, and
-`--tp 2` inside each stage): tests/test_habits_store.py's loop with pm.train_step, against
-one device accumulating the same micro-batches. A rank lists its stages' parameters, so what
+`--tp 2` inside each stage, or `--zero 3` over two replicas): tests/test_habits_store.py's
+loop with pm.train_step, against one device accumulating the same micro-batches. A rank lists its stages' parameters, so what
 it reads per parameter is merged over the ranks first. Prints `HABITS {json}`.
 
     torchrun --nproc_per_node=4 tests/workers/habits_store_pipeline.py --savedir DIR --tp 2
@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--savedir", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--zero", type=int, default=0)      # ZeRO over the replicas left
     args = parser.parse_args()
     nncompile.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -37,10 +38,12 @@ def main() -> None:
     ref = copy.deepcopy(base)
     want = store_loop(ref, ref, batch_of, rank=0)     # pm.train_step: the mean over M
     module = copy.deepcopy(base)
-    cfg = ComputeConfig(2 * args.tp, world, parallel={"pp": 2, "schedule": "1f1b",
-                                                      "microbatches": M})
-    pm = nncompile.parallelize(module, batch_of(0), cfg, pas_policy="tp",
-                               gen_savedir=Path(args.savedir), instance_name="store_pp")
+    cfg = ComputeConfig(2 * args.tp, world, use_zero=args.zero,
+                        parallel={"pp": 2, "schedule": "1f1b", "microbatches": M})
+    replicas = world // (2 * args.tp)        # a replica traces (and trains) its share
+    pm = nncompile.parallelize(module, {k: v.chunk(replicas)[0] for k, v in batch_of(0).items()},
+                               cfg, pas_policy="tp", gen_savedir=Path(args.savedir),
+                               instance_name="store_pp")
     got = store_loop(pm, module, batch_of, rank)
     # a rank lists its stages' parameters, in the model's order
     subset = [n for n in want["names"] if n in set(got["names"])]
