@@ -201,8 +201,8 @@ def test_simulated_jobs_leave_no_groups_or_threads_behind(tmp_path):
     threads of its own), and destroy_process_group drops what the runtime cached for the job:
     jobs run one after another do not pile them up."""
     import models
-    from nncompile.runtime.checkpoints import dcp
     from nncompile.runtime.protocol import groups, lockstep
+    from nncompile.runtime.store import dtensors
     from nncompile.tools.simulate import run_ranks
 
     def fn(rank):
@@ -217,7 +217,7 @@ def test_simulated_jobs_leave_no_groups_or_threads_behind(tmp_path):
     for _ in range(2):
         seen += run_ranks(2, fn)
     assert all(n > 0 for n in seen)                 # the jobs did cache groups
-    assert len(groups._CACHE) == len(lockstep._MODULES) == len(dcp._MESHES) == 0
+    assert len(groups._CACHE) == len(lockstep._MODULES) == len(dtensors._MESHES) == 0
     assert _gloo_threads() == before
 
 

@@ -163,6 +163,16 @@ def test_every_core_file_is_seen():
     assert layer("nncompile.codegen") == "codegen" == layer("nncompile.codegen.pipeline")
 
 
+def test_every_package_is_installed():
+    """pyproject lists each package a wheel must hold: a subpackage left out of it imports in
+    an editable checkout and is missing from a regular install."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"])
+    found = {n for n, (_, is_pkg) in modules().items() if is_pkg}
+    assert found == listed, (f"missing from pyproject's packages: {sorted(found - listed)}; "
+                             f"listed but absent: {sorted(listed - found)}")
+
+
 def test_detector_sees_every_kind_of_import():
     """Imports in functions, relative ones and the dynamic kinds count; strings do not."""
     src = '''

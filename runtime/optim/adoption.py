@@ -196,11 +196,14 @@ def _pre_step(opt, args, kwargs) -> None:
             refresh_grads(g["params"])
 
 
+_INSTALLED: list = []                # the hook's handle, once per process
+
+
 def install() -> None:
     """Once per process: the step pre-hook (torch's own registry; nothing of torch replaced)."""
-    from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
-    if _pre_step not in _global_optimizer_pre_hooks.values():
-        register_optimizer_step_pre_hook(_pre_step)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    if not _INSTALLED:
+        _INSTALLED.append(register_optimizer_step_pre_hook(_pre_step))
 
 
 install()
