@@ -21,8 +21,14 @@ def test_runtime_collectives_per_block(run_ranks, tmp_path):
     run_ranks("tests/workers/megatron_comms.py", 2, "--savedir", str(tmp_path / "gen"),
               "--out", str(out))
     report = json.loads(out.read_text())
+    qwen2 = report.pop()
     assert {(r["model"], r["policy"]) for r in report} == {
         (m, p) for m in ("gpt", "hf_llama") for p in ("tp", "tp_sp")}
+    # Qwen2 (2 blocks), a training forward after the input check: Megatron's 4 all-reduces,
+    # and one all_gather of 40 bytes on the CPU group (the lockstep exchange,
+    # runtime/protocol/lockstep.py), which check_lockstep=False removes
+    assert qwen2["model"] == "hf_qwen2"
+    assert qwen2["forward"] == {"allreduce_": 4, "allgather_": 1}, qwen2
     for r in report:
         blocks = r["blocks"]
         if r["policy"] == "tp":

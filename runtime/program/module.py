@@ -30,7 +30,7 @@ from nncompile import arguments, rank_file
 from . import consistency
 from ..store import model_names
 from ..checkpoints import model_state
-from ..protocol.lockstep import agree, lockstep_group, meet
+from ..protocol.lockstep import agree_before_forward, lockstep_group, meet
 from .copying import deepcopy_parallel_module
 from .float8 import Float8
 from ..protocol.groups import axis_groups, get_groups, group_along
@@ -226,7 +226,7 @@ class ParallelModule(torch.nn.Module):
         grad = torch.is_grad_enabled()
         if grad and self.PLAN_NGPUS > 1 and any(x.requires_grad for x in inputs):
             self._check_grad_inputs(inputs)
-        together = agree(self, inputs)    # the unit's ranks run it together (lockstep.py)
+        together = agree_before_forward(self, inputs)   # the unit's ranks run it together (lockstep.py)
         if self._calls_to_check and together:   # first calls: the unit got the same inputs
             consistency.check_call(self, inputs)     # (a collective: after the local checks)
         reducer = self._reducer if grad else None

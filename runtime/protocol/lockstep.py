@@ -270,7 +270,7 @@ def _agreed(pm, group) -> None:
 
 
 # ---- the three calls: a forward, a service call, a wait point ---------------------------------
-def agree(pm, inputs: list[torch.Tensor]) -> bool:
+def agree_before_forward(pm, inputs: list[torch.Tensor]) -> bool:
     """Before each forward: returns when this rank's forward may run, True when every rank of
     the group runs it as its own (False: one rank's forward that the others join). A rank
     waiting here while one other rank of its group runs a forward or a service call alone runs

@@ -1,5 +1,6 @@
 """Counts the collectives `tp` and `tp_sp` plans really issue (torch's CommDebugMode sees every
-c10d call), forward and backward separately, on the GPT and HF Llama with 3 blocks, plan 2.
+c10d call), forward and backward separately, on the GPT and HF Llama with 3 blocks, plan 2;
+and a steady-state tp forward of HF Qwen2 with the default checks on.
 
     torchrun --nproc_per_node=2 tests/workers/megatron_comms.py --out report.json
 """
@@ -33,6 +34,29 @@ def counts(mode: CommDebugMode) -> dict[str, int]:
     return {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
 
 
+def qwen2_steady_forward(savedir: str) -> dict:
+    """A Qwen2 of 2 blocks under tp with the default checks: the collectives of a training
+    forward once the input check is over (check_inputs calls), the lockstep exchange on."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = models.HFCausalLM(transformers.Qwen2ForCausalLM(cfg))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    config = nncompile.ComputeConfig(2, 2)
+    pm = nncompile.parallelize(model, batch, config, pas_policy="tp", gen_savedir=savedir,
+                               reuse="override", instance_name="qwen2_tp")
+    for _ in range(config.check_inputs):
+        pm(**batch).backward()
+    with CommDebugMode() as fwd:
+        pm(**batch)
+    return {"model": "hf_qwen2", "policy": "tp, default checks", "blocks": 2,
+            "forward": counts(fwd), "backend": dist.get_backend()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--savedir", default="./.nncompile/megatron")
@@ -60,6 +84,7 @@ def main() -> None:
             report.append({"model": name, "policy": policy, "blocks": BLOCKS,
                            "forward": counts(fwd), "backward": counts(bwd),
                            "backend": dist.get_backend()})
+    report.append(qwen2_steady_forward(args.savedir))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
