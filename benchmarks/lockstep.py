@@ -41,7 +41,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -52,6 +51,7 @@ sys.path.insert(0, HERE)
 import nncompile  # noqa: E402
 from nncompile.runtime.protocol.lockstep import lockstep_group  # noqa: E402
 from run_record import write_atomic  # noqa: E402
+from tp_vs_dtensor import timed_step  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 PLANS = {"dp": dict(use_zero=0), "zero1": dict(use_zero=1), "zero2": dict(use_zero=2),
@@ -90,15 +90,6 @@ def build(plan: str, check: bool, world: int, batch: dict, savedir: str):
     return pm, nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
 
 
-def step(pm, opt, batch) -> tuple[float, float]:
-    start = time.perf_counter()
-    loss = pm(**batch)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start, loss.item()
-
-
 def run_world(rank: int, world: int, args, port: int, savedir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), NNCOMPILE_QUIET="1")
@@ -116,7 +107,7 @@ def run_world(rank: int, world: int, args, port: int, savedir: str) -> None:
         for i in range(args.warmup + args.steps):
             for check in ((False, True) if i % 2 else (True, False)):
                 dist.barrier()
-                t, loss = step(*runs[check], batch)
+                t, loss = timed_step(*runs[check], batch)
                 losses[check].append(loss)
                 if i >= args.warmup:
                     times[check].append(t)
