@@ -92,6 +92,24 @@ def test_merge_command_refuses_a_crafted_file(tmp_path):
     assert not marker.exists() and not (tmp_path / "m.pt").exists()
 
 
+def test_a_dtensor_in_extra_says_how_to_store_it():
+    """An EMA of pm's DTensor parameters put in extra=: the error names the local shard and
+    the whole tensor as what to store instead."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from nncompile.runtime.checkpoints.checkpoint import check_extra
+    from nncompile.tools.simulate import run_ranks
+
+    def fn(rank):
+        x = distribute_tensor(torch.ones(2), init_device_mesh("cpu", (1,)), [Replicate()])
+        with pytest.raises(nncompile.CheckpointError,
+                           match=r"extra\['ema'\]\[0\] is a .*DTensor.*x\.to_local\(\).*"
+                                 r"x\.full_tensor\(\)"):
+            check_extra({"ema": [x]})
+    run_ranks(1, fn)
+
+
 def test_extra_must_be_plain_data(trained, tmp_path):
     pm, opt = trained
     with pytest.raises(nncompile.CheckpointError, match=r"extra\['cb'\] is a .*function"):

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from nncompile.errors import CheckpointError
 from nncompile.fileio import replace_dir, write_json
@@ -149,7 +150,11 @@ def check_extra(extra: Any, where: str = "extra") -> None:
         f"{where} is a {type(extra).__module__}.{type(extra).__qualname__}; checkpoint extra= "
         f"may only hold {ALLOWED_EXTRA} (checkpoints load with torch.load(weights_only=True), "
         "which never runs code from the file). Store it as one of those, e.g. a number, a "
-        "string or a tensor")
+        "string or a tensor" + ("; a DTensor (an EMA of pm's parameters) as its local shard, "
+                                "x.to_local(), in a sharded checkpoint (each rank keeps its own; "
+                                "DTensor.from_local(shard, p.device_mesh, p.placements) rebuilds "
+                                "it), or whole as x.full_tensor()"
+                                if isinstance(extra, DTensor) else ""))
 
 
 
