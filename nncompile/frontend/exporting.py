@@ -160,6 +160,29 @@ def _export_replaying(module: torch.nn.Module, args: tuple, kwargs: dict,
         return None
 
 
+_STALE_CONSTANT = "fake tensor in the exported program constant"
+
+
+def _export_once_more_on_stale_constant(module: torch.nn.Module, args: tuple, kwargs: dict,
+                                        dynamic_shapes: dict | None) -> ExportedProgram:
+    """torch.export (non-strict); once more, after a garbage collection, where torch reports a
+    fake tensor among the program's constants. attributes.kept hides what an earlier trace
+    left on the module; a tensor an earlier trace (the layer-replay attempt) left elsewhere,
+    freed only by the collector, was seen to make the next export fail this way in a rare
+    run. A second failure is reported as the first would be."""
+    try:
+        return torch.export.export(module, args, kwargs, strict=False,
+                                   dynamic_shapes=dynamic_shapes)
+    except RuntimeError as e:
+        if _STALE_CONSTANT not in str(e):
+            raise
+    import gc
+    from ..log import log
+    log("torch.export found a fake tensor among the constants; tracing once more")
+    gc.collect()
+    return torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+
+
 def export(module: torch.nn.Module, args: tuple, kwargs: dict,
            dynamic_shapes: dict | None = None) -> ExportedProgram:
     """torch.export with errors translated into TraceError naming the user's file:line."""
@@ -170,8 +193,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: dict,
                 compat.export_leaves_no_hooks(), without_partial_graph_dump(), \
                 _var_kwargs_named(module, kwargs, dynamic_shapes):
             try:
-                ep = torch.export.export(module, args, kwargs, strict=False,
-                                         dynamic_shapes=dynamic_shapes)
+                ep = _export_once_more_on_stale_constant(module, args, kwargs, dynamic_shapes)
             except Exception as e:  # noqa: BLE001 - a guard this torch cannot prove: again
                 retry = compat.export_dynamic_options() if dynamic_shapes else {}
                 if not retry or "Constraints violated" not in str(e):
