@@ -22,6 +22,7 @@ from .errors import (CheckpointError, ConfigError, EditedCodeWarning, GraphError
 from nncompile.runtime.optim.clip import clip_grad_norm_  # noqa: E402
 from nncompile.runtime.optim import grad_scaler as _grad_scaler  # noqa: E402,F401
 from nncompile.runtime.protocol.distributed import init_distributed  # noqa: E402
+from nncompile.runtime.protocol.lockstep import finish  # noqa: E402
 from nncompile.runtime.store.value_reads import grad_norms  # noqa: E402
 from nncompile.runtime.optim.optimizer import build_optimizer
 from nncompile.runtime.optim.elementwise import declare_elementwise  # noqa: E402
@@ -61,7 +62,7 @@ def __dir__() -> list[str]:
 
 __all__ = ["parallelize", "verify", "explain", "register_op", "plan_report", "ComputeConfig",
            "ParallelSpec", "Float8Spec", "float8_module_filter",
-           "init_distributed", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
+           "init_distributed", "finish", "build_optimizer", "declare_elementwise", "clip_grad_norm_",
            "save_checkpoint", "load_checkpoint", "merge_checkpoint", "latest_checkpoint",
            "accumulation_steps", "DataParallelSampler", "AsyncCheckpoint",
            "save_pretrained", "load_pretrained", "full_state_dict", "full_optimizer_state_dict",

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -338,3 +339,25 @@ def test_a_failed_trace_leaves_no_global_module_hooks():
     with pytest.raises(TraceError, match="branches on a tensor's value"):
         trace(_Branchy(), (torch.randn(4),))
     assert dict(nn_module._global_buffer_registration_hooks) == before
+
+
+def test_the_torch_functions_nncompile_replaces_are_the_documented_ones():
+    """After `import nncompile`, the torch functions it replaced (compat.wrap_once marks each)
+    are exactly those docs/concepts.md lists with the torch behaviour that forces them;
+    `destroy_process_group`, `add_param_group` and `zero_grad` stay torch's own."""
+    from torch.nn.utils import clip_grad
+    candidates = {"torch.distributed.destroy_process_group": dist.destroy_process_group,
+                  "Optimizer.add_param_group": torch.optim.Optimizer.add_param_group,
+                  "Optimizer.zero_grad": torch.optim.Optimizer.zero_grad,
+                  "Optimizer.step": torch.optim.Optimizer.step,
+                  "torch.nn.utils.clip_grad_norm_": clip_grad.clip_grad_norm_,
+                  "torch.nn.utils.get_total_norm": torch.nn.utils.get_total_norm,
+                  "GradScaler._unscale_grads_": torch.amp.GradScaler._unscale_grads_}
+    replaced = {name for name, fn in candidates.items() if getattr(fn, "_nncompile", False)}
+    assert replaced == {"torch.nn.utils.clip_grad_norm_", "torch.nn.utils.get_total_norm",
+                        "GradScaler._unscale_grads_"}, replaced
+    table = (Path(ROOT) / "docs" / "concepts.md").read_text().split(
+        "What nncompile still puts into torch")[1].split("\n\n")[1]
+    for name in ("clip_grad_norm_", "get_total_norm", "GradScaler._unscale_grads_"):
+        assert name in table, name
+    assert "destroy_process_group" not in table

@@ -1,7 +1,7 @@
 """Evaluating on rank 0 alone, as DDP scripts do (tests/workers/rank0_eval.py, 2 gloo ranks):
 under dp and ZeRO-1 it runs as under DDP; under ZeRO-3 and tp, whose forwards need every rank
 of the unit, the other ranks join rank 0's forwards while they wait at their training forward,
-or, after the last step, at gather_params, save_checkpoint, destroy_process_group or the end of
+or, after the last step, at gather_params, save_checkpoint, nncompile.finish() or the end of
 the program (runtime/protocol/lockstep.py). Every run trains and evaluates as when every rank
 evaluates. Forwards that no single rank runs alone, and ranks at different calls, are one
 ConfigError on every rank; a peer that left is a ConfigError on the ranks still there."""
@@ -42,29 +42,32 @@ def test_rank0_only_evaluation_trains_and_evaluates_as_every_rank_evaluating(tmp
             assert alone["losses"] == every["losses"] and alone["weights"] == every["weights"]
             assert alone["evals"] == (every["evals"] if r == 0 else []), (plan, r)
             assert len(every["evals"]) == 2
-    # rank 0 evaluated a fresh tp module while rank 1 was in destroy_process_group: the losses
+    # rank 0 evaluated a fresh tp module while rank 1 was in nncompile.finish(): the losses
     # a fresh module gives (the tp_all run's first evaluation is of batch 100 before training)
-    destroyed = json.loads((tmp_path / "r.destroy.json").read_text())["evals"]
-    assert destroyed[0] == ranks[0]["tp_all"]["evals"][0], destroyed
+    finished = json.loads((tmp_path / "r.finish.json").read_text())["evals"]
+    assert finished[0] == ranks[0]["tp_all"]["evals"][0], finished
 
 
 def test_rank0_evaluating_while_the_others_leave(tmp_path):
     """ZeRO-3 on 2 ranks, rank 0 evaluating after the last step: while rank 1 returns from the
-    function holding the module and ends the program (destroy_process_group), it serves rank
-    0's forwards first with the module it last ran (the values of every rank evaluating);
-    while it leaves at once (as a crash), rank 0 gets a ConfigError that says so."""
-    torchrun("tests/workers/rank0_eval.py", 2, "--out", str(tmp_path / "ref"),
-             "--savedir", str(tmp_path / "gen"), "--end", "exit", timeout=300)
-    exited = json.loads((tmp_path / "ref.exit.json").read_text())
-    torchrun("tests/workers/rank0_eval.py", 2, "--out", str(tmp_path / "ref"),
-             "--savedir", str(tmp_path / "gen"), "--end", "gone", timeout=300)
-    gone = json.loads((tmp_path / "ref.gone.json").read_text())
-    assert exited["losses"] == gone["losses"] and len(exited["evals"]) == 2, exited
-    assert "error" not in exited, exited
-    kind, message = gone["error"]
-    assert kind == "ConfigError", gone
-    assert "rank 0 was at forward #3 and its group [0, 1]" in message, message
-    assert "stopped answering" in message and "Another rank of it left" in message, message
+    function holding the module and ends the program (nncompile.finish(), then torch's
+    destroy_process_group), it serves rank 0's forwards in finish() with the module it last
+    ran (the values of every rank evaluating); while it destroys the group without finish(),
+    or leaves at once (as a crash), rank 0 gets a ConfigError that says so."""
+    ends = {}
+    for how in ("exit", "bare", "gone"):
+        torchrun("tests/workers/rank0_eval.py", 2, "--out", str(tmp_path / "ref"),
+                 "--savedir", str(tmp_path / "gen"), "--end", how, timeout=300)
+        ends[how] = json.loads((tmp_path / f"ref.{how}.json").read_text())
+    exited = ends["exit"]
+    assert "error" not in exited and len(exited["evals"]) == 2, exited
+    for how in ("bare", "gone"):
+        assert ends[how]["losses"] == exited["losses"], (how, ends[how])
+        kind, message = ends[how]["error"]
+        assert kind == "ConfigError", (how, ends[how])
+        assert "rank 0 was at forward #3 and its group [0, 1]" in message, message
+        assert "stopped answering" in message and "Another rank of it left" in message, message
+        assert "nncompile.finish()" in message, message
 
 
 def test_ranks_at_different_calls_are_refused_on_every_rank(tmp_path):

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .. import compat
+from ..runtime.protocol.lockstep import finish
 
 _LOCK = threading.Lock()       # one simulated job at a time per process
 
@@ -42,7 +43,10 @@ def run_ranks(world_size: int, fn: Callable[[int], Any], timeout_s: float = 600.
                 try:
                     results[rank] = fn(rank)
                 finally:
-                    dist.destroy_process_group()
+                    try:
+                        finish()                # what the job cached goes with it
+                    finally:
+                        dist.destroy_process_group()
             except BaseException as e:          # noqa: BLE001 - reported to the caller
                 errors[rank] = e
                 _abort_peers(world_size)

@@ -18,8 +18,9 @@ has written) its thread adds `extra.pt` and `checkpoint.json` and renames the di
 place. A process killed before then leaves the previous checkpoint as the latest
 (`latest_checkpoint` skips the partial directory).
 
-One save is in flight at a time: the next save_checkpoint, `destroy_process_group()` and the
-end of the program wait for it first. `wait()` (every rank calls it) returns the directory
+One save is in flight at a time: the next save_checkpoint, `nncompile.finish()` and the end of
+the program wait for it first (torch's `destroy_process_group()` does not: call `wait()` or
+`nncompile.finish()` before it). `wait()` (every rank calls it) returns the directory
 once it is in place, or raises the same CheckpointError on every rank if any write failed.
 """
 from __future__ import annotations

@@ -24,12 +24,18 @@ modes but different counts is fine) raises one ConfigError on every rank that sa
 ran what. `ComputeConfig(check_lockstep=False)` turns the exchange off.
 
 Rank 0 may also evaluate after the last step while the others go on to another collective of
-nncompile's (gather_params, save_checkpoint, save_pretrained) or leave. Those calls, the end of
-the program and `torch.distributed.destroy_process_group()` are wait points (`meet`): the
-waiting ranks serve rank 0's forwards there as at a forward, and go on once every rank of the
-group reached the same point. A rank that left without one (a crash, or a group destroyed
-through a `destroy_process_group` imported before nncompile) makes the exchange fail: a
-ConfigError on the ranks still there, never the transport's error.
+nncompile's (gather_params, save_checkpoint, save_pretrained) or leave. Those calls,
+`nncompile.finish()` and the end of the program are wait points (`meet`): the waiting ranks
+serve rank 0's forwards there as at a forward, and go on once every rank of the group reached
+the same point. torch's `destroy_process_group()` is torch's own and waits for nothing: a
+script whose rank 0 evaluates after the last step calls `nncompile.finish()` on every rank
+before it. A rank that left without a wait point (a crash, a bare `destroy_process_group()`)
+makes the exchange fail: a ConfigError on the ranks still there that names `finish()`, never
+the transport's error.
+
+    before: rank 0 evaluates; rank 1: dist.destroy_process_group()  -> rank 0: ConfigError
+    after:  rank 0 evaluates; rank 1: nncompile.finish(); dist.destroy_process_group()
+            -> rank 1 serves rank 0's forwards in finish(), then both destroy the group
 """
 from __future__ import annotations
 
@@ -45,7 +51,6 @@ from nncompile.errors import ConfigError
 from nncompile.mesh import DP, PP, replica_dims
 
 from .groups import _CACHE, cpu_backend, default_timeout, forget_job, group_along, job_cache
-from nncompile.compat import wrap_once
 
 
 def lockstep_group(pm):
@@ -83,7 +88,7 @@ def _mode(training: bool, grad: bool) -> str:
 
 FORWARD, SERVICE, MEET = 0, 1, 2   # what a rank is about to do: its forward, a service call,
                                    # or a collective every rank calls (a wait point)
-POINTS = {"exit": "the end of the program (or destroy_process_group)",
+POINTS = {"exit": "nncompile.finish() (or the end of the program)",
           "gather_params": "pm.gather_params()", "gather_grads": "pm.gather_grads()",
           "save_checkpoint": "nncompile.save_checkpoint", "save_pretrained":
           "nncompile.save_pretrained"}            # wait points; a MEET row's first field
@@ -176,11 +181,11 @@ def _collective(fn, group, doing: str):
             f"rank {dist.get_rank()} was at {doing} and its group {ranks} (the ranks that "
             f"run each forward together under this plan) stopped answering: "
             f"{_first_words(e)}. Another rank of it "
-            f"left (it crashed, or called a destroy_process_group imported before nncompile) "
-            f"or waits in a collective nncompile does not see (dist.barrier, torch's DCP "
-            f"save). Have every rank reach nncompile's calls (forwards, gather_params, "
-            f"save_checkpoint, the end of the program) after a rank evaluates alone, and "
-            f"import nncompile before `from torch.distributed import destroy_process_group`"
+            f"left (it crashed, or called destroy_process_group without nncompile.finish() "
+            f"first) or waits in a collective nncompile does not see (dist.barrier, torch's "
+            f"DCP save). After a rank evaluates alone, have every rank reach one of "
+            f"nncompile's calls (a forward, gather_params, save_checkpoint, "
+            f"nncompile.finish()) before torch's collectives and destroy_process_group"
         ) from e
 
 
@@ -405,15 +410,33 @@ def _meet_all(point: str) -> None:
         _wait(None, group, point, ANY)
 
 
+def finish() -> None:
+    """The job's end, called by every rank before `dist.destroy_process_group()`: what must
+    end first (an asynchronous checkpoint still being written) finishes, each lockstep group
+    meets (a rank still evaluating alone is served here), and the job's cached groups and
+    modules are dropped, so their threads end with the process group. Once per job; a
+    no-op without a process group.
+
+        before: (rank 0 evaluates alone)   dist.destroy_process_group()   # rank 0: ConfigError
+        after:  (rank 0 evaluates alone)   nncompile.finish(); dist.destroy_process_group()
+    """
+    if not dist.is_initialized():
+        return
+    for end in _BEFORE_END:
+        end()                           # e.g. a checkpoint still being written
+    _meet_all("exit")
+    forget_job()                        # the job's groups and modules, freed with it
+
+
 def _at_exit() -> None:
     """At the end of a program that did not destroy its process group: finish what must end
-    first (before_end), meet, then destroy it (gloo's threads torn down by the interpreter's exit instead can abort the process:
-    "terminate called without an active exception")."""
+    first (before_end), meet, then destroy it (gloo's threads torn down by the interpreter's
+    exit instead can abort the process: "terminate called without an active exception")."""
     if not dist.is_initialized():
         return
     if sys.exc_info()[0] is None and getattr(sys, "last_value", None) is None:
-        for finish in _BEFORE_END:      # not after a crash: a crash must not wait
-            finish()
+        for end in _BEFORE_END:         # not after a crash: a crash must not wait
+            end()
     if not _CACHE.get(dist.distributed_c10d._get_default_group(), {}).get("lockstep_order"):
         return
     try:
@@ -423,28 +446,18 @@ def _at_exit() -> None:
         os._exit(1)
     if sys.exc_info()[0] is None and getattr(sys, "last_value", None) is None and \
             "threaded" not in str(dist.get_backend()).lower():
-        _TORCH_DESTROY()
+        forget_job()
+        dist.destroy_process_group()
 
 
 _BEFORE_END: list = []        # what finishes before the job's end (async_checkpoint.py)
 
 
-def before_end(finish) -> None:
-    """Run `finish()` at the job's end (destroy_process_group, or the program's end unless it
-    ends by an exception), before the ranks meet."""
-    if finish not in _BEFORE_END:
-        _BEFORE_END.append(finish)
-
-
-def _destroy_process_group(group=None):
-    if group is None or group == dist.GroupMember.WORLD:
-        for finish in _BEFORE_END:
-            finish()                    # e.g. a checkpoint still being written
-        _meet_all("exit")
-        forget_job()                    # the job's groups and modules, freed with it
-    return _TORCH_DESTROY(group)
+def before_end(end) -> None:
+    """Run `end()` at the job's end (nncompile.finish(), or the program's end unless it ends
+    by an exception), before the ranks meet."""
+    if end not in _BEFORE_END:
+        _BEFORE_END.append(end)
 
 
 atexit.register(_at_exit)
-_TORCH_DESTROY = wrap_once(dist, "destroy_process_group", _destroy_process_group,
-                           also=(dist.distributed_c10d,)) or dist.destroy_process_group.__wrapped__

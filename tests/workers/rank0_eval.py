@@ -5,7 +5,7 @@ evaluating ("dp_all", "tp_all"), and under tp with each rank fed its own trainin
 go on to gather_params and save_checkpoint ("zero3_end", "tp_end"; every rank: "..._end_all"):
 each rank writes, to OUT.rank{r}.json, per run its training losses, its evaluation losses, the
 sum of the gathered weights' absolute values and the error it raised (type and message), or
-none. Last, rank 0 evaluates while the others are in destroy_process_group (OUT.destroy.json).
+none. Last, rank 0 evaluates while the others are in nncompile.finish() (OUT.finish.json).
 
     torchrun --nproc_per_node=2 tests/workers/rank0_eval.py --out OUT --savedir D
 
@@ -81,7 +81,8 @@ def run_end(name: str, every_rank: bool, savedir: str, ckpt: str) -> dict:
 def end_of_program(how: str, out: str, savedir: str) -> None:
     """Rank 0 evaluates after the last step while the others leave (`how`: "exit": they
     return from this function, which held the module, and end the program with
-    destroy_process_group; "gone": at once, as a crash would)."""
+    nncompile.finish() and destroy_process_group; "bare": the same without finish();
+    "gone": at once, as a crash would)."""
     pm, opt = build("zero3", savedir, f"zero3_{how}")
     losses = train(pm, opt, 2)
     if dist.get_rank() != 0:
@@ -133,11 +134,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--savedir", required=True)
-    ap.add_argument("--end", choices=("exit", "gone"))
+    ap.add_argument("--end", choices=("exit", "bare", "gone"))
     args = ap.parse_args()
     dist.init_process_group("gloo")
     if args.end:
         end_of_program(args.end, args.out, args.savedir)
+        if args.end == "exit":
+            nncompile.finish()
         return dist.destroy_process_group()
     out = {"dp_all": run("dp", True, args.savedir), "tp_all": run("tp", True, args.savedir)}
     for name in CONFIGS:
@@ -149,10 +152,11 @@ def main() -> None:
                 name, every_rank, args.savedir, args.out)
     with open(f"{args.out}.rank{dist.get_rank()}.json", "w") as f:
         json.dump(out, f)
-    pm, opt = build("tp", args.savedir, "tp_destroy")
-    if dist.get_rank() == 0:        # the others wait in destroy_process_group meanwhile
-        with open(f"{args.out}.destroy.json", "w") as f:
+    pm, opt = build("tp", args.savedir, "tp_finish")
+    if dist.get_rank() == 0:        # the others wait in nncompile.finish() meanwhile
+        with open(f"{args.out}.finish.json", "w") as f:
             json.dump({"evals": [evaluate(pm, 100), evaluate(pm, 101)]}, f)
+    nncompile.finish()
     dist.destroy_process_group()
 
 
