@@ -7,13 +7,17 @@ evaluates. Forwards that no single rank runs alone, and ranks at different calls
 ConfigError on every rank; a peer that left is a ConfigError on the ranks still there."""
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import models
 import nncompile
-from conftest import torchrun
+from conftest import ROOT, torchrun
+from rank_launch import free_port
 from nncompile.tools.simulate import run_ranks
 
 
@@ -145,3 +149,32 @@ def test_a_copy_evaluated_alone_is_served_with_the_copy(tmp_path):
     assert alone[0]["ema"] == every[0]["ema"] == every[1]["ema"], (alone, every)
     assert abs(alone[0]["ema"] - alone[0]["pm"]) > 1e-4, (alone, every)
     assert "ema" not in alone[1] and alone[1]["pm"] == every[1]["pm"]
+
+
+@pytest.mark.parametrize("plan,call,world", [("tp", "barrier", 2), ("zero3", "all_reduce", 2),
+                                             ("tp_zero3", "broadcast", 4)])
+def test_a_lone_forward_against_a_torch_collective_is_one_clear_error(tmp_path, plan, call,
+                                                                       world):
+    """Rank 0 evaluates alone after the last step while the others are in a torch.distributed
+    call of the script's own (tests/workers/lone_collectives.py): each waits for the other, so
+    rank 0 raises nncompile's ConfigError at once naming every other rank's call and script
+    line, not the transport's timeout (60 s here); torchrun then stops the others. Under
+    torchrun itself, whose agent keeps the store the watches answer through."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+           f"--master_port={free_port()}", "tests/workers/lone_collectives.py", "--plan", plan,
+           "--call", call, "--savedir", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    error = next((line for line in out.splitlines()
+                  if "ConfigError: rank 0 is at forward #3" in line), None)
+    assert error is not None, out[-3000:]
+    code = {"barrier": "dist.barrier()", "all_reduce": "dist.all_reduce(logged)",
+            "broadcast": "dist.broadcast(flag, src=0)"}[call]
+    for r in range(1, world):
+        assert f"rank {r}: {call}" in error, error
+    assert f"`{code}`" in error and "script lone_collectives.py:" in error, error
+    assert "waits for rank 0 in turn" in error and "nncompile.finish()" in error, error
+    assert "rank 0 evaluated alone" not in out and "passed the" not in out, out[-3000:]
+    assert "Timed out waiting" not in out and "stopped answering" not in out, out[-3000:]

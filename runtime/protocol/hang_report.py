@@ -25,7 +25,14 @@ exception that ends a rank's program is put in the store too, so the other ranks
 (their next collective fails: the connection drops, or the timeout passes) name the rank and
 its error (`rank 0: raised ValueError: ...`). No
 collective is added and nothing runs in the training thread; a rank checks one store key
-twice a second, and the watch ends at exit, before the interpreter does (Watch.stop).
+twice a second (and, while it waits in a collective, a second), and the watch ends at exit,
+before the interpreter does (Watch.stop).
+
+The watch also answers a narrower question a lockstep exchange asks when it has waited 2 s
+(`peers_in_script_collectives`, runtime/protocol/lockstep.py): does this rank wait in a
+torch.distributed call of the script's own (no frame of nncompile's runtime or a generated
+program around it), and which ranks does that call span. A rank evaluating alone while the
+others sit in `dist.barrier()` learns so in seconds, not at the timeout.
 NNCOMPILE_HANG_WATCH=0 turns the watch off.
 """
 from __future__ import annotations
@@ -81,6 +88,31 @@ def _in_collective(frame: FrameType | None) -> int | None:
             return id(f)
         f = f.f_back
     return None
+
+
+def foreign_collective(frame: FrameType | None) -> list[int] | None:
+    """The ranks of the torch.distributed call the thread at `frame` waits in when the script
+    made it itself (`dist.barrier()`, an `all_reduce` of a logged loss): no frame of
+    nncompile's runtime or of a generated program is around it. None otherwise."""
+    f, call = frame, None
+    while f is not None and call is None:
+        path = f.f_code.co_filename
+        if "distributed_c10d" in path and "torch" in path:
+            call = f
+        f = f.f_back
+    if call is None:
+        return None
+    while f is not None:
+        path = os.path.abspath(f.f_code.co_filename)
+        if path.startswith(_PACKAGE_ROOT + os.sep) or \
+                os.path.basename(path).startswith("gencode"):
+            return None
+        f = f.f_back
+    group = call.f_locals.get("group")
+    try:
+        return list(dist.get_process_group_ranks(group or dist.GroupMember.WORLD))
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _flight_recorder(thread_id: int | None) -> str | None:
@@ -174,6 +206,7 @@ class Watch(threading.Thread):
         self.failed_after = 0.75 * timeout_s    # left a collective after this long: it failed
         self.frozen = False                 # the answer names the collective that failed
         self.wait_where = (None, "")        # (call, where) of the last long wait in one
+        self.peers_answered: str | None = None
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -219,6 +252,16 @@ class Watch(threading.Thread):
             if where != self.answered:
                 self.store.set(f"{KEY}/{self.rank}", where)
                 self.answered = where
+        # a lockstep exchange waits for this rank (lockstep.py): say so if the script's own
+        # collective keeps it away (only a rank waiting in a collective looks)
+        if call is not None and self.store.check([f"{KEY}/peers"]):
+            stamp = self.store.get(f"{KEY}/peers").decode()
+            ranks = foreign_collective(frame)
+            answer = f"{stamp}|{'' if ranks is None else ','.join(map(str, ranks))}"
+            if answer != self.peers_answered:
+                self.store.set(f"{KEY}/peers/{self.rank}",
+                               f"{answer}|{position(frame)[0] if ranks else ''}")
+                self.peers_answered = answer
 
     def publish_error(self, kind, value) -> None:
         """An exception ending this rank: the others' reports name it."""
@@ -301,6 +344,39 @@ def start(timeout_s: float) -> None:
             print(text, file=sys.stderr, flush=True)
         previous(kind, value, tb)
     sys.excepthook = report_then
+
+
+def watching(group) -> bool:
+    """Whether this process's watch runs and `group` is one of real processes (not simulated
+    threads), so that peers_in_script_collectives can ask where its ranks are."""
+    return bool(_started) and "threaded" not in str(dist.get_backend(group)).lower()
+
+
+def peers_in_script_collectives(ranks: list[int], wait_s: float = 2.0) -> dict[int, str]:
+    """{rank: where it is} for those of `ranks` waiting in a torch.distributed call of the
+    script's own that spans this rank: a call that cannot end before this rank joins it, so
+    this rank's nncompile exchange with them can never end either. Asked through the store
+    (each rank's watch answers within POLL_S); ranks that do not answer in `wait_s` are left
+    out."""
+    watch = _started[0]
+    me = dist.get_rank()
+    stamp = f"{me}:{time.time()}"
+    watch.store.set(f"{KEY}/peers", stamp)
+    found, pending = {}, set(ranks)
+    deadline = time.monotonic() + wait_s
+    while pending and time.monotonic() < deadline:
+        time.sleep(POLL_S / 5)
+        for r in list(pending):
+            key = f"{KEY}/peers/{r}"
+            if not watch.store.check([key]):
+                continue
+            got, spans, where = (watch.store.get(key).decode().split("|", 2) + ["", ""])[:3]
+            if got != stamp:
+                continue                      # an answer to an earlier question
+            pending.discard(r)
+            if spans and me in {int(x) for x in spans.split(",")}:
+                found[r] = where
+    return found
 
 
 def report() -> str | None:

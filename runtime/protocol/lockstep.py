@@ -50,6 +50,7 @@ import torch.distributed as dist
 from nncompile.errors import ConfigError
 from nncompile.mesh import DP, PP, replica_dims
 
+from . import hang_report
 from .groups import _CACHE, cpu_backend, default_timeout, forget_job, group_along, job_cache
 
 
@@ -197,8 +198,47 @@ def _first_words(e: Exception) -> str:
 def _exchange(group, row: list[int], doing: str) -> list[tuple[int, ...]]:
     mine = torch.tensor(row, dtype=torch.int64)
     seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    _collective(lambda: dist.all_gather(seen, mine, group=group), group, doing)
+    if hang_report.watching(group):
+        _collective(lambda: _watched(dist.all_gather(seen, mine, group=group, async_op=True),
+                                     group, doing), group, doing)
+    else:
+        _collective(lambda: dist.all_gather(seen, mine, group=group), group, doing)
     return [tuple(t.tolist()) for t in seen]
+
+
+WAIT_SLICE_S = 2.0        # an exchange waiting longer asks where the others are
+
+
+def _watched(work, group, doing: str) -> None:
+    """Wait for an exchange; every WAIT_SLICE_S ask (through the hang watch) whether a rank
+    of the group waits in a collective of the script's own that spans this rank (rank 0
+    evaluates alone while rank 1 is in `dist.barrier()`): neither can ever end, so that is a
+    ConfigError now, naming where each such rank is, not the transport's timeout."""
+    import datetime
+    import time
+    limit = default_timeout()
+    start = time.monotonic()
+    while True:
+        try:
+            work.wait(datetime.timedelta(seconds=WAIT_SLICE_S))
+            return
+        except RuntimeError as e:
+            if "Operation timed out" not in str(e) or (
+                    limit is not None and time.monotonic() - start > limit.total_seconds()):
+                raise
+        me = dist.get_rank()
+        away = hang_report.peers_in_script_collectives(
+            [r for r in dist.get_process_group_ranks(group) if r != me])
+        if away:
+            where = "; ".join(f"rank {r}: {w}" for r, w in sorted(away.items()))
+            raise ConfigError(
+                f"rank {me} is at {doing} and waits for its group "
+                f"{dist.get_process_group_ranks(group)}, but {where} - a torch.distributed "
+                f"call of the script's own that waits for rank {me} in turn, so neither can "
+                f"end. After a rank runs forwards alone (evaluation on rank 0), the others "
+                f"serve them only at nncompile's calls (their next forward, gather_params, "
+                f"save_checkpoint, nncompile.finish()): have every rank reach one of those "
+                f"before torch's own collectives, or evaluate on every rank")
 
 
 def _broadcast(box: list, src: int, group, doing: str) -> None:
