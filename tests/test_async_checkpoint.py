@@ -61,3 +61,28 @@ def test_async_save_needs_dcp_and_a_process_group(tmp_path):
     with pytest.raises(nncompile.CheckpointError, match="needs torch.distributed"):
         nncompile.save_checkpoint(tmp_path / "a", pm, format="dcp", async_save=True)
     assert not (tmp_path / "a").exists() and not (tmp_path / ".a.partial").exists()
+
+
+
+def test_finish_completes_the_save_in_flight_before_the_group_goes(tmp_path):
+    """nncompile.finish() (what a script calls before torch's destroy_process_group, which
+    waits for nothing) returns once the background save is in place: one gloo rank in this
+    process, the save's directory complete right after finish()."""
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        pm = nncompile.parallelize(models.build("mlp"), models.batch("mlp", 0),
+                                   nncompile.ComputeConfig(1), pas_policy="dp",
+                                   gen_savedir=tmp_path / "gen")
+        opt = nncompile.build_optimizer(pm, torch.optim.AdamW, lr=1e-2)
+        pm(**models.batch("mlp", 0)).backward()
+        opt.step()
+        pending = nncompile.save_checkpoint(tmp_path / "ckpt" / "step_1", pm, opt,
+                                            format="dcp", async_save=True)
+        nncompile.finish()
+        assert pending.done()
+        assert nncompile.latest_checkpoint(tmp_path / "ckpt") == \
+            (tmp_path / "ckpt" / "step_1").absolute()
+    finally:
+        dist.destroy_process_group()
