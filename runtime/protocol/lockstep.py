@@ -486,7 +486,6 @@ def _at_exit() -> None:
         os._exit(1)
     if sys.exc_info()[0] is None and getattr(sys, "last_value", None) is None and \
             "threaded" not in str(dist.get_backend()).lower():
-        forget_job()
         dist.destroy_process_group()
 
 
