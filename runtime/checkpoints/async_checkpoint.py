@@ -36,11 +36,19 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
-from ..protocol.groups import _CACHE, default_timeout
+from ..protocol.groups import _CACHE, default_timeout, job_cache
 from ..protocol.outcomes import agree_on_outcome
 from ..protocol.lockstep import before_end
 
-_pending: list["AsyncCheckpoint"] = []
+# per job (its default group): a simulated rank (nncompile.tools.simulate) has its own
+_PENDING = job_cache()                  # default group -> [the AsyncCheckpoint in flight]
+_COPYING = job_cache()                  # default group -> [the copy in progress]
+
+
+def _job_list(cache) -> list:
+    if not dist.is_initialized():
+        return []
+    return cache.setdefault(dist.distributed_c10d._get_default_group(), [])
 
 
 def checkpoint_group():
@@ -66,20 +74,21 @@ def _stager():
     return cache["async_stager"]
 
 
-_copying: list[Future] = []             # the copy in progress, if any
 _step_hook: list = []
 
 
 def _hold_steps_until(staged: Future) -> None:
     """Every optimizer's next step() waits until the copy is made (the step changes what is
     being copied). One global step pre-hook, installed once and never removed (torch runs
-    the hooks from the live dict, which must not change while it does)."""
-    _copying[:] = [staged]
+    the hooks from the live dict, which must not change while it does); it waits for the
+    copy of the job of the rank that steps."""
+    _job_list(_COPYING)[:] = [staged]
     if not _step_hook:
         def wait_for_copy(*_):
-            if _copying:
-                _copying[0].exception()         # waits; an error is reported by wait()
-                _copying.clear()
+            copying = _job_list(_COPYING)
+            if copying:
+                copying[0].exception()          # waits; an error is reported by wait()
+                copying.clear()
         _step_hook.append(register_optimizer_step_pre_hook(wait_for_copy))
 
 
@@ -117,8 +126,9 @@ class AsyncCheckpoint:
         self._finished.wait()
         if not self._waited:
             self._waited = True
-            if self in _pending:
-                _pending.remove(self)
+            pending = _job_list(_PENDING)
+            if self in pending:
+                pending.remove(self)
             agree_on_outcome(self._error,
                              f"writing the checkpoint {self.path} in the background failed")
         return self.path
@@ -130,8 +140,9 @@ class AsyncCheckpoint:
 
 def wait_pending() -> None:
     """Wait for the save in flight, if any (before the next save, and before the end)."""
-    while _pending:
-        _pending[0].wait()
+    pending = _job_list(_PENDING)
+    while pending:
+        pending[0].wait()
 
 
 def start(target: Path, staging: Path, state: dict, planner, finish) -> AsyncCheckpoint:
@@ -142,7 +153,7 @@ def start(target: Path, staging: Path, state: dict, planner, finish) -> AsyncChe
                               process_group=checkpoint_group(), async_stager=_stager())
     _hold_steps_until(response.staging_completion)
     handle = AsyncCheckpoint(target, staging, response.upload_completion, finish)
-    _pending.append(handle)
+    _job_list(_PENDING).append(handle)
     return handle
 
 
