@@ -376,6 +376,10 @@ def peers_in_script_collectives(ranks: list[int], wait_s: float = 2.0) -> dict[i
             pending.discard(r)
             if spans and me in {int(x) for x in spans.split(",")}:
                 found[r] = where
+    try:
+        watch.store.delete_key(f"{KEY}/peers")    # the watches stop reading the question
+    except (RuntimeError, NotImplementedError):
+        pass
     return found
 
 
