@@ -79,29 +79,31 @@ def _short(s: str, n: int = 90) -> str:
     return s if len(s) <= n else s[:n - 3] + "..."
 
 
-def _in_collective(frame: FrameType | None) -> int | None:
-    """The id of the torch.distributed call the thread at `frame` waits in, or None."""
+def _collective_frame(frame: FrameType | None) -> FrameType | None:
+    """The frame of the torch.distributed call the thread at `frame` waits in, or None."""
     f = frame
     while f is not None:
         path = f.f_code.co_filename
         if "distributed_c10d" in path and "torch" in path:
-            return id(f)
+            return f
         f = f.f_back
     return None
+
+
+def _in_collective(frame: FrameType | None) -> int | None:
+    """The id of the torch.distributed call the thread at `frame` waits in, or None."""
+    call = _collective_frame(frame)
+    return None if call is None else id(call)
 
 
 def foreign_collective(frame: FrameType | None) -> list[int] | None:
     """The ranks of the torch.distributed call the thread at `frame` waits in when the script
     made it itself (`dist.barrier()`, an `all_reduce` of a logged loss): no frame of
     nncompile's runtime or of a generated program is around it. None otherwise."""
-    f, call = frame, None
-    while f is not None and call is None:
-        path = f.f_code.co_filename
-        if "distributed_c10d" in path and "torch" in path:
-            call = f
-        f = f.f_back
+    call = _collective_frame(frame)
     if call is None:
         return None
+    f = call.f_back
     while f is not None:
         path = os.path.abspath(f.f_code.co_filename)
         if path.startswith(_PACKAGE_ROOT + os.sep) or \

@@ -40,8 +40,10 @@ the transport's error.
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import sys
+import time
 import weakref
 
 import torch
@@ -214,8 +216,6 @@ def _watched(work, group, doing: str) -> None:
     of the group waits in a collective of the script's own that spans this rank (rank 0
     evaluates alone while rank 1 is in `dist.barrier()`): neither can ever end, so that is a
     ConfigError now, naming where each such rank is, not the transport's timeout."""
-    import datetime
-    import time
     limit = default_timeout()
     start = time.monotonic()
     while True:
@@ -462,8 +462,7 @@ def finish() -> None:
     """
     if not dist.is_initialized():
         return
-    for end in _BEFORE_END:
-        end()                           # e.g. a checkpoint still being written
+    _end_pending()
     _meet_all("exit")
     forget_job()                        # the job's groups and modules, freed with it
 
@@ -475,8 +474,7 @@ def _at_exit() -> None:
     if not dist.is_initialized():
         return
     if sys.exc_info()[0] is None and getattr(sys, "last_value", None) is None:
-        for end in _BEFORE_END:         # not after a crash: a crash must not wait
-            end()
+        _end_pending()                  # not after a crash: a crash must not wait
     if not _CACHE.get(dist.distributed_c10d._get_default_group(), {}).get("lockstep_order"):
         return
     try:
@@ -490,6 +488,11 @@ def _at_exit() -> None:
 
 
 _BEFORE_END: list = []        # what finishes before the job's end (async_checkpoint.py)
+
+
+def _end_pending() -> None:
+    for end in _BEFORE_END:
+        end()                           # e.g. a checkpoint still being written
 
 
 def before_end(end) -> None:
