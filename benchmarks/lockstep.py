@@ -23,8 +23,8 @@ waking gloo's thread), alpha the latency of one small message between two ranks;
 here by least squares from the measured overheads of the plans that exchange (with one group
 size only, c = 0). G follows from the plan and the number of ranks R (`group_size`, checked
 against the groups the runtime made in the measured runs): 0 where forwards communicate
-nothing (dp); the unit's ranks under tp / cp / ep; every data-parallel replica under ZeRO,
-whose ranks gather or hold the state together. The table gives the model's per-forward cost
+nothing (dp, ZeRO-1/2); the unit's ranks under tp / cp / ep; every data-parallel replica under
+ZeRO-3, whose ranks gather the weights together. The table gives the model's per-forward cost
 at 8, 64, 1,024 and 16,384 ranks with this machine's alpha and, at 16,384, with a cluster's
 (--cluster-alpha-us: one small TCP message between nodes), tp 8 wide, and the ratio of the
 1,024-rank figure to the 8-rank one: which plans' cost grows with the job.
@@ -73,11 +73,11 @@ class MLP(torch.nn.Module):
 def group_size(plan: str, ranks: int, tp: int) -> int:
     """The cost model's exchange group: how many ranks exchange before each forward under
     `plan` on `ranks` ranks with tensor parallelism `tp` wide (0: no exchange)."""
-    if plan == "dp":
-        return 0
+    if plan in ("dp", "zero1", "zero2"):
+        return 0                  # forwards communicate nothing: no exchange
     if plan == "tp":
         return tp                 # the unit's ranks; the data-parallel replicas of it do not
-    return ranks                  # ZeRO: every replica (and under tp, every rank of each)
+    return ranks                  # ZeRO-3: every replica (and under tp, every rank of each)
 
 
 def build(plan: str, check: bool, world: int, batch: dict, savedir: str):

@@ -1,7 +1,9 @@
 """nncompile.full_state_dict / full_optimizer_state_dict: what a DDP checkpoint holds (the
 single-device module's state dict, and a torch optimizer's over its parameters in the same
 groups), from every rank together or from rank 0 alone while the others wait at their next
-forward (runtime/checkpoints/full_state.py), under each plan; a single-device module and optimizer load
+forward (runtime/checkpoints/full_state.py), under each plan (under ZeRO-1/2 rank 0 gathers the
+model alone and every rank the optimizer state: tests/test_rank0_eval.py shows the error of
+gathering it alone); a single-device module and optimizer load
 them and continue as one device does. AdamW's eps is 1e-3 so that a gradient that is zero up
 to summation order (a key bias) is not normalised into a full-size update; a piece merged into
 the wrong place moves weights by ~1e-2."""
@@ -49,10 +51,14 @@ def test_full_state_loads_into_one_device_and_continues_exactly(plan, alone, tmp
         opt = nncompile.build_optimizer(pm, opt)
         for _ in range(2):
             _step(pm, opt, batch)
+        opt_sd = None
+        if alone and zero in (1, 2):       # the replicas' forwards exchange nothing: every
+            opt_sd = nncompile.full_optimizer_state_dict(pm, opt)    # rank gathers the state
         if alone and rank > 0:
             _step(pm, opt, batch)          # waits at this forward, sends its pieces meanwhile
             return None
-        state = nncompile.full_state_dict(pm), nncompile.full_optimizer_state_dict(pm, opt)
+        state = nncompile.full_state_dict(pm), \
+            opt_sd or nncompile.full_optimizer_state_dict(pm, opt)
         if alone:
             _step(pm, opt, batch)
         return state

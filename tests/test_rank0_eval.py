@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import subprocess
+import time
 import sys
 
 import pytest
@@ -178,3 +179,29 @@ def test_a_lone_forward_against_a_torch_collective_is_one_clear_error(tmp_path, 
     assert "waits for rank 0 in turn" in error and "nncompile.finish()" in error, error
     assert "rank 0 evaluated alone" not in out and "passed the" not in out, out[-3000:]
     assert "Timed out waiting" not in out and "stopped answering" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("plan,world", [("zero1", 2), ("tp_zero1", 4)])
+def test_the_zero12_optimizer_state_gathered_alone_is_one_clear_error(tmp_path, plan, world):
+    """Under ZeRO-1/2 forwards exchange nothing, so the data-parallel replicas cannot serve
+    `full_optimizer_state_dict` called by rank 0 alone (the optimizer state is spread over
+    them): while they wait in the next step's gradient reduction for rank 0, rank 0 raises
+    the ConfigError that says to call it on every rank, naming where each waits, within
+    seconds (not the transport's 60 s), and the job ends (tests/workers/lone_collectives.py)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+           f"--master_port={free_port()}", "tests/workers/lone_collectives.py", "--plan", plan,
+           "--call", "full_optimizer_state_dict", "--savedir", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNCOMPILE_QUIET": "1"}
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    took = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    error = next((line for line in out.splitlines() if "ConfigError: rank 0 called "
+                  "nncompile.full_optimizer_state_dict and waits" in line), None)
+    assert error is not None, out[-3000:]
+    others = [r for r in range(1, world) if f"rank {r}: " in error]
+    assert others, error                 # (a replica waits on rank 0; a unit peer may not)
+    assert "call it on every rank" in error and "reducer" in error, error
+    assert "gathered the optimizer state alone" not in out and "passed the" not in out, out
+    assert "Timed out waiting" not in out and took < 50, (took, out[-3000:])  # timeout 60 s

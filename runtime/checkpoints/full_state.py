@@ -18,7 +18,10 @@ groups): the script's resume path, `model.load_state_dict(...)` before paralleli
 `optimizer.load_state_dict(...)` on the optimizer it built, loads them unchanged, under any
 plan or none. Every rank of the group that holds the pieces may call them together, or one
 rank alone while the others wait at their next forward (runtime/protocol/lockstep.py): they send it
-their pieces there. The pieces travel as CPU objects to the calling rank, which merges them
+their pieces there. Under ZeRO-1/2 the optimizer state is spread over the data-parallel
+replicas, whose forwards exchange nothing, so every rank calls `full_optimizer_state_dict`
+(as torch's `ZeroRedundancyOptimizer.consolidate_state_dict`); `full_state_dict` needs no
+other rank there (each holds the whole model). The pieces travel as CPU objects to the calling rank, which merges them
 (runtime/checkpoints/merge.py); the other ranks get None when one rank called alone.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch.distributed as dist
 
 from nncompile.errors import ConfigError
 
-from ..protocol.lockstep import _group, run_together, service
+from ..protocol.lockstep import _group, _state_group, run_together, service
 
 
 def _index(pm, optimizer) -> int:
@@ -52,7 +55,7 @@ def full_optimizer_state_dict(pm, optimizer) -> dict | None:
     """The optimizer's state dict as a torch optimizer over the original module's parameters
     (in this optimizer's groups) holds it, every rank's pieces merged; None on the ranks that
     only sent theirs."""
-    out = run_together(pm, "full_state", _index(pm, optimizer))
+    out = run_together(pm, "full_state", _index(pm, optimizer), whole_state=True)
     return None if out is None else out[1]
 
 
@@ -76,8 +79,8 @@ def _full_state(pm, index: int | None, leader: int | None):
     from .state import with_members  # (state imports the optimizer, which us)
     mine = (_cpu(pm.local_state_dict()), None if optimizer is None else
             _cpu(with_members(pm, optimizer, optimizer.state_dict())))
-    group = _group(pm)
-    if group is None:
+    group = _group(pm) if index is None else _state_group(pm)   # the model's pieces, or
+    if group is None:                                           # the optimizer state's too
         states = [mine]
     elif leader is None:
         states = [None] * dist.get_world_size(group)

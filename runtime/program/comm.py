@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from nncompile.collectives import lookup
 
+from ..protocol.hang_report import wait_for
 from ..store.zero import gather as zero_gather, prefetch as zero_prefetch
 from .experts import dispatch_moe, local_moe  # noqa: F401  (mixture-of-experts layers)
 
@@ -272,7 +273,7 @@ class _GradSyncLinears(torch.autograd.Function):
                     gb = g2.sum(0).to(bias_dtype)
             out += [gw, gb]
         if work is not None:
-            work.wait()
+            wait_for(work, group)               # (where the hang watch sees it)
             if chunk_after:
                 gx = _chunk(gx, ctx.gather_dim, group)
         return (gx, None, None, *out)

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from nncompile import compat
+from ..protocol.hang_report import wait_for
 from ..store import user_hooks
 from ..store.user_hooks import ours
 
@@ -274,7 +275,7 @@ class Reducer:
             self._launch(b)
         for b in self.buckets:
             if b.launched:
-                b.work.wait()
+                wait_for(b.work, b.group)       # (where the hang watch sees it)
                 # a gradient no rank of the group computed stays None, as in DDP (an optimizer
                 # then skips the parameter instead of stepping it with zeros)
                 used = list(range(len(b.params)))

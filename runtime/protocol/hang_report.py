@@ -29,10 +29,11 @@ twice a second (and, while it waits in a collective, a second), and the watch en
 before the interpreter does (Watch.stop).
 
 The watch also answers a narrower question a lockstep exchange asks when it has waited 2 s
-(`peers_in_script_collectives`, runtime/protocol/lockstep.py): does this rank wait in a
-torch.distributed call of the script's own (no frame of nncompile's runtime or a generated
-program around it), and which ranks does that call span. A rank evaluating alone while the
-others sit in `dist.barrier()` learns so in seconds, not at the timeout.
+(`peers_waiting_on_me`, runtime/protocol/lockstep.py): does this rank wait in a
+torch.distributed call, on which group, spanning which ranks, and did the script make it
+itself (no frame of nncompile's runtime or a generated program around it). A rank evaluating
+alone while the others sit in `dist.barrier()`, or gathering the ZeRO-1/2 optimizer state
+alone while they reduce gradients, learns so in seconds, not at the timeout.
 NNCOMPILE_HANG_WATCH=0 turns the watch off.
 """
 from __future__ import annotations
@@ -79,12 +80,20 @@ def _short(s: str, n: int = 90) -> str:
     return s if len(s) <= n else s[:n - 3] + "..."
 
 
+def wait_for(work, group) -> None:
+    """`work.wait()` for a collective nncompile launched asynchronously on `group`, where the
+    watch sees it as it sees a blocking torch.distributed call (its report, and
+    peers_waiting_on_me, name it and its group)."""
+    work.wait()
+
+
 def _collective_frame(frame: FrameType | None) -> FrameType | None:
-    """The frame of the torch.distributed call the thread at `frame` waits in, or None."""
+    """The frame of the torch.distributed call (or wait_for) the thread at `frame` waits in,
+    or None."""
     f = frame
     while f is not None:
         path = f.f_code.co_filename
-        if "distributed_c10d" in path and "torch" in path:
+        if ("distributed_c10d" in path and "torch" in path) or f.f_code is wait_for.__code__:
             return f
         f = f.f_back
     return None
@@ -96,24 +105,27 @@ def _in_collective(frame: FrameType | None) -> int | None:
     return None if call is None else id(call)
 
 
-def foreign_collective(frame: FrameType | None) -> list[int] | None:
-    """The ranks of the torch.distributed call the thread at `frame` waits in when the script
-    made it itself (`dist.barrier()`, an `all_reduce` of a logged loss): no frame of
-    nncompile's runtime or of a generated program is around it. None otherwise."""
+def waiting_collective(frame: FrameType | None) -> tuple[list[int], str, bool] | None:
+    """The torch.distributed call the thread at `frame` waits in: (the ranks of its group, the
+    group's name, whether the script made it itself: no frame of nncompile's runtime or of a
+    generated program around it, as `dist.barrier()` or an `all_reduce` of a logged loss).
+    None when it waits in none (or its group cannot be read)."""
     call = _collective_frame(frame)
     if call is None:
         return None
+    script = True
     f = call.f_back
     while f is not None:
         path = os.path.abspath(f.f_code.co_filename)
         if path.startswith(_PACKAGE_ROOT + os.sep) or \
                 os.path.basename(path).startswith("gencode"):
-            return None
+            script = False
+            break
         f = f.f_back
-    group = call.f_locals.get("group")
+    group = call.f_locals.get("group") or dist.GroupMember.WORLD
     try:
-        return list(dist.get_process_group_ranks(group or dist.GroupMember.WORLD))
-    except (RuntimeError, ValueError):
+        return list(dist.get_process_group_ranks(group)), group.group_name, script
+    except (RuntimeError, ValueError, AttributeError):
         return None
 
 
@@ -148,6 +160,8 @@ def position(frame: FrameType | None) -> tuple[str, int | None]:
                    f"({os.path.relpath(path, _PACKAGE_ROOT)}:{f.f_lineno})"
         if collective is None and "distributed_c10d" in path and "torch" in path:
             collective, call_id = f.f_code.co_name, id(f)
+        elif collective is None and f.f_code is wait_for.__code__:
+            collective, call_id = "a wait for an asynchronous collective", id(f)
         base = os.path.basename(path)
         if forward is None and f.f_code.co_name == "_run" and \
                 os.path.basename(path) == "module.py":
@@ -258,11 +272,12 @@ class Watch(threading.Thread):
         # collective keeps it away (only a rank waiting in a collective looks)
         if call is not None and self.store.check([f"{KEY}/peers"]):
             stamp = self.store.get(f"{KEY}/peers").decode()
-            ranks = foreign_collective(frame)
-            answer = f"{stamp}|{'' if ranks is None else ','.join(map(str, ranks))}"
+            found = waiting_collective(frame)
+            answer = stamp + ("|" if found is None else
+                              f"|{','.join(map(str, found[0]))}|{found[1]}|{int(found[2])}")
             if answer != self.peers_answered:
                 self.store.set(f"{KEY}/peers/{self.rank}",
-                               f"{answer}|{position(frame)[0] if ranks else ''}")
+                               f"{answer}|{position(frame)[0] if found else ''}")
                 self.peers_answered = answer
 
     def publish_error(self, kind, value) -> None:
@@ -345,21 +360,38 @@ def start(timeout_s: float) -> None:
         if text:
             print(text, file=sys.stderr, flush=True)
         previous(kind, value, tb)
+        if getattr(value, "_ends_job", False):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
     sys.excepthook = report_then
+
+
+def ends_job(error: BaseException) -> BaseException:
+    """Mark `error` as one after which no rank of the job can go on (this rank and a peer
+    wait for each other in different collectives): left uncaught, the process exits as soon
+    as it is printed. A normal exit would first wait for the peers in torch's teardown of the
+    process group, which they reach only at the transport's timeout; the launcher (torchrun)
+    stops them once this rank has exited."""
+    error._ends_job = True
+    return error
 
 
 def watching(group) -> bool:
     """Whether this process's watch runs and `group` is one of real processes (not simulated
-    threads), so that peers_in_script_collectives can ask where its ranks are."""
+    threads), so that peers_waiting_on_me can ask where its ranks are."""
     return bool(_started) and "threaded" not in str(dist.get_backend(group)).lower()
 
 
-def peers_in_script_collectives(ranks: list[int], wait_s: float = 2.0) -> dict[int, str]:
-    """{rank: where it is} for those of `ranks` waiting in a torch.distributed call of the
-    script's own that spans this rank: a call that cannot end before this rank joins it, so
-    this rank's nncompile exchange with them can never end either. Asked through the store
-    (each rank's watch answers within POLL_S); ranks that do not answer in `wait_s` are left
-    out."""
+def peers_waiting_on_me(ranks: list[int], exchange, script_only: bool = True,
+                        wait_s: float = 2.0) -> dict[int, str]:
+    """{rank: where it is} for those of `ranks` waiting in a torch.distributed call that
+    spans this rank on another group than `exchange` (the group this rank waits on): a call
+    that cannot end before this rank joins it, so this rank's exchange with them can never
+    end either. `script_only`: count only the script's own calls (`dist.barrier()`), as a
+    forward's exchange does; nncompile's own may be one this rank already launched
+    asynchronously. Asked through the store (each rank's watch answers within POLL_S);
+    ranks that do not answer in `wait_s` are left out."""
     watch = _started[0]
     me = dist.get_rank()
     stamp = f"{me}:{time.time()}"
@@ -372,11 +404,13 @@ def peers_in_script_collectives(ranks: list[int], wait_s: float = 2.0) -> dict[i
             key = f"{KEY}/peers/{r}"
             if not watch.store.check([key]):
                 continue
-            got, spans, where = (watch.store.get(key).decode().split("|", 2) + ["", ""])[:3]
+            got, spans, name, script, where = \
+                (watch.store.get(key).decode().split("|", 4) + [""] * 4)[:5]
             if got != stamp:
                 continue                      # an answer to an earlier question
             pending.discard(r)
-            if spans and me in {int(x) for x in spans.split(",")}:
+            if spans and me in {int(x) for x in spans.split(",")} and \
+                    name != exchange.group_name and (script == "1" or not script_only):
                 found[r] = where
     try:
         watch.store.delete_key(f"{KEY}/peers")    # the watches stop reading the question

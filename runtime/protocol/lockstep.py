@@ -57,16 +57,30 @@ from .groups import _CACHE, cpu_backend, default_timeout, forget_job, group_alon
 
 
 def lockstep_group(pm):
-    """The CPU group of the ranks that share pm's forward collectives (None: no other rank,
-    or the check is off). One gloo group per set of ranks, whatever plan made it: modules of
-    several plans over the same ranks (a ZeRO-3 model and a tp one) exchange on one group, so a
-    rank waiting at the end for one of them serves a forward of the other."""
+    """The CPU group of the ranks that share pm's forward collectives: its plan unit (tp,
+    context or expert parallelism) and, under ZeRO-3, the replicas it gathers weights with
+    (None: no other rank, a pipeline, or the check is off). dp and ZeRO-1/2 forwards
+    communicate nothing, so their replicas exchange nothing before a forward. One gloo group
+    per set of ranks, whatever plan made it: modules of several plans over the same ranks (a
+    ZeRO-3 model and a tp one) exchange on one group, so a rank waiting at the end for one of
+    them serves a forward of the other."""
+    return _group_along(pm, with_replicas=pm.memory.zero == 3, met=True)
+
+
+def state_group(pm):
+    """The CPU group of the ranks whose pieces make pm's optimizer state: the lockstep group,
+    plus the data-parallel replicas under ZeRO-1/2 (which shard the optimizer state, not the
+    forward). None where this rank holds it all."""
+    return _group_along(pm, with_replicas=bool(pm.memory.zero), met=False)
+
+
+def _group_along(pm, with_replicas: bool, met: bool):
     if not dist.is_initialized() or pm.PIPELINE is not None or \
             not pm.compute_config.check_lockstep:
         return None
     mesh = pm.mesh
     dims = tuple(n for n in mesh.names if n not in (DP, PP) and mesh.size(n) > 1)
-    if pm.memory.zero:       # ZeRO shards state over the replicas: they gather it together
+    if with_replicas:
         dims += tuple(d for d in replica_dims(mesh) if mesh.size(d) > 1 and d not in dims)
     if not dims or group_along(dims, pm.PLAN_NGPUS, pm.RUNTIME_NGPUS, pm.PIPE_RANKS,
                                pm.mesh_axes) is None:
@@ -75,14 +89,15 @@ def lockstep_group(pm):
         [list(range(dist.get_world_size()))]
     cache = _CACHE.setdefault(dist.distributed_c10d._get_default_group(), {})
     mine = next(tuple(sorted(r)) for r in sets if dist.get_rank() in r)
-    new = ("lockstep", mine) not in cache
     for ranks in sorted(tuple(sorted(r)) for r in sets):    # every rank, in one order
         if ("lockstep", ranks) not in cache:
             cache[("lockstep", ranks)] = dist.new_group(list(ranks), backend=cpu_backend(),
                                                         timeout=default_timeout())
-    if new:                                     # the groups this rank meets at the end
-        cache.setdefault("lockstep_order", []).append(cache[("lockstep", mine)])
-    return cache[("lockstep", mine)]
+    group = cache[("lockstep", mine)]
+    order = cache.setdefault("lockstep_order", [])
+    if met and group not in order:              # the groups this rank meets at the end
+        order.append(group)
+    return group
 
 
 def _mode(training: bool, grad: bool) -> str:
@@ -120,21 +135,37 @@ def _modules() -> dict:
 
 
 def _group(pm):
+    """pm's lockstep group (lockstep_group), made once; pm gets its number on the job's
+    modules when it has this group or a state group."""
     group = pm.__dict__.get("_lockstep_group", False)
     if group is False:
         group = pm.__dict__["_lockstep_group"] = lockstep_group(pm)
-        if group is not None:
-            known = _modules()
-            pm.__dict__["_lockstep_id"] = known["next"]
-            known["by_id"][known["next"]] = pm
-            known["next"] += 1
+        _number(pm, group)
     return group
 
 
+def _state_group(pm):
+    group = pm.__dict__.get("_state_group", False)
+    if group is False:
+        group = pm.__dict__["_state_group"] = state_group(pm)
+        _number(pm, group)
+    return group
+
+
+def _number(pm, group) -> None:
+    if group is not None and "_lockstep_id" not in pm.__dict__:
+        known = _modules()
+        pm.__dict__["_lockstep_id"] = known["next"]
+        known["by_id"][known["next"]] = pm
+        known["next"] += 1
+
+
 def register(pm) -> None:
-    """Make pm's lockstep group at load (every rank loads it), so that its ranks meet at the
-    end of the program even if it never ran a forward."""
+    """Make pm's lockstep and state groups at load (every rank loads it, and makes groups in
+    one order), so that its ranks meet at the end of the program even if it never ran a
+    forward."""
     _hold(pm, _group(pm))
+    _state_group(pm)
 
 
 def _hold(pm, group) -> None:
@@ -148,7 +179,8 @@ def register_copy(pm) -> None:
     """A copy of a module (copy.deepcopy, AveragedModel) is a module of its own: a number of
     its own (every rank copies in one order), so a forward of the copy one rank runs alone
     is served with the copy, not with the original."""
-    for key in ("_lockstep_group", "_lockstep_id", "_forward_count", "_serving", "_meeting"):
+    for key in ("_lockstep_group", "_state_group", "_lockstep_id", "_forward_count",
+                "_serving", "_meeting"):
         pm.__dict__.pop(key, None)
     _group(pm)
 
@@ -197,12 +229,15 @@ def _first_words(e: Exception) -> str:
     return text.split(". This is typically")[0].rstrip(".")
 
 
-def _exchange(group, row: list[int], doing: str) -> list[tuple[int, ...]]:
+def _exchange(group, row: list[int], doing: str, collective_call: str | None = None
+              ) -> list[tuple[int, ...]]:
+    """All-gather this rank's row on `group`. `collective_call`: the exchange opens a call
+    every rank of the group must make (no rank serves it at a forward), named so."""
     mine = torch.tensor(row, dtype=torch.int64)
     seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     if hang_report.watching(group):
         _collective(lambda: _watched(dist.all_gather(seen, mine, group=group, async_op=True),
-                                     group, doing), group, doing)
+                                     group, doing, collective_call), group, doing)
     else:
         _collective(lambda: dist.all_gather(seen, mine, group=group), group, doing)
     return [tuple(t.tolist()) for t in seen]
@@ -211,13 +246,18 @@ def _exchange(group, row: list[int], doing: str) -> list[tuple[int, ...]]:
 WAIT_SLICE_S = 2.0        # an exchange waiting longer asks where the others are
 
 
-def _watched(work, group, doing: str) -> None:
+def _watched(work, group, doing: str, collective_call: str | None) -> None:
     """Wait for an exchange; every WAIT_SLICE_S ask (through the hang watch) whether a rank
-    of the group waits in a collective of the script's own that spans this rank (rank 0
-    evaluates alone while rank 1 is in `dist.barrier()`): neither can ever end, so that is a
-    ConfigError now, naming where each such rank is, not the transport's timeout."""
+    of the group waits in another collective that spans this rank, so that neither can ever
+    end: one of the script's own (rank 0 evaluates alone while rank 1 is in
+    `dist.barrier()`), or, before a call every rank must make (`collective_call`), any (rank
+    0 gathers the ZeRO-1/2 optimizer state alone while rank 1 reduces gradients; seen at two
+    asks in a row, as nncompile's own collective may be one this rank launched
+    asynchronously and is about to end). That is a ConfigError now, naming where each such
+    rank is, not the transport's timeout."""
     limit = default_timeout()
     start = time.monotonic()
+    before: dict = {}
     while True:
         try:
             work.wait(datetime.timedelta(seconds=WAIT_SLICE_S))
@@ -227,18 +267,30 @@ def _watched(work, group, doing: str) -> None:
                     limit is not None and time.monotonic() - start > limit.total_seconds()):
                 raise
         me = dist.get_rank()
-        away = hang_report.peers_in_script_collectives(
-            [r for r in dist.get_process_group_ranks(group) if r != me])
-        if away:
-            where = "; ".join(f"rank {r}: {w}" for r, w in sorted(away.items()))
-            raise ConfigError(
-                f"rank {me} is at {doing} and waits for its group "
-                f"{dist.get_process_group_ranks(group)}, but {where} - a torch.distributed "
-                f"call of the script's own that waits for rank {me} in turn, so neither can "
-                f"end. After a rank runs forwards alone (evaluation on rank 0), the others "
-                f"serve them only at nncompile's calls (their next forward, gather_params, "
-                f"save_checkpoint, nncompile.finish()): have every rank reach one of those "
-                f"before torch's own collectives, or evaluate on every rank")
+        away = hang_report.peers_waiting_on_me(
+            [r for r in dist.get_process_group_ranks(group) if r != me], group,
+            script_only=collective_call is None)
+        if collective_call is not None:
+            away, before = {r: w for r, w in away.items() if before.get(r) == w}, away
+        if not away:
+            continue
+        where = "; ".join(f"rank {r}: {w}" for r, w in sorted(away.items()))
+        ranks = dist.get_process_group_ranks(group)
+        if collective_call is not None:
+            raise hang_report.ends_job(ConfigError(
+                f"rank {me} called {collective_call} and waits for its group {ranks} to call "
+                f"it too, but {where} - a collective that waits for rank {me} in turn, so "
+                f"neither can end. Under this plan the state it gathers is spread over all "
+                f"these ranks and no forward of theirs communicates, so they cannot serve a "
+                f"call made alone: call it on every rank (as torch's "
+                f"ZeroRedundancyOptimizer.consolidate_state_dict), then save on rank 0"))
+        raise hang_report.ends_job(ConfigError(
+            f"rank {me} is at {doing} and waits for its group {ranks}, but {where} - a "
+            f"torch.distributed call of the script's own that waits for rank {me} in turn, "
+            f"so neither can end. After a rank runs forwards alone (evaluation on rank 0), "
+            f"the others serve them only at nncompile's calls (their next forward, "
+            f"gather_params, save_checkpoint, nncompile.finish()): have every rank reach one "
+            f"of those before torch's own collectives, or evaluate on every rank"))
 
 
 def _broadcast(box: list, src: int, group, doing: str) -> None:
@@ -340,12 +392,16 @@ def agree_before_forward(pm, inputs: list[torch.Tensor]) -> bool:
             return False
 
 
-def run_together(pm, name: str, *args):
+def run_together(pm, name: str, *args, whole_state: bool = False):
     """Run service `name` on this rank, with the other ranks of its group: called by all of
     them, or by this one alone while the others wait at their next forward (rank 0 saving a
-    checkpoint in a DDP script) or at a later call. `args` must pickle; the result is the
+    checkpoint in a DDP script) or at a later call. `whole_state`: the service needs the
+    optimizer state's pieces (state_group); where those span more ranks than the forwards do
+    (ZeRO-1/2), every rank of them calls it. `args` must pickle; the result is the
     service's."""
     group = _group(pm)
+    if whole_state and _state_group(pm) is not group:
+        return _run_on_every_rank(pm, name, args)
     if group is None or pm.__dict__.get("_serving"):
         return SERVICES[name](pm, *args, leader=None)
     count = pm.__dict__.get("_forward_count", 0)
@@ -360,6 +416,24 @@ def run_together(pm, name: str, *args):
     _module(group, pm.__dict__["_lockstep_id"], ranks, ranks.index(dist.get_rank()),
             SERVICE_WORDS)                      # every rank holds pm (as in _round)
     return _serving(pm, lambda: SERVICES[name](pm, *args, leader=dist.get_rank()))
+
+
+def _run_on_every_rank(pm, name: str, args: tuple):
+    """Service `name` as a collective call of every rank of pm's state group (ZeRO-1/2: the
+    data-parallel replicas, whose forwards exchange nothing). The ranks first agree that
+    they all make it, on one module; one rank calling it alone is a ConfigError on that rank
+    within seconds where the others are seen waiting in another collective (hang watch),
+    else the transport's timeout's."""
+    group = _state_group(pm)
+    if group is None:
+        return SERVICES[name](pm, *args, leader=None)
+    count = pm.__dict__.get("_forward_count", 0)
+    rows = _exchange(group, [count, int(pm.training), int(torch.is_grad_enabled()), SERVICE,
+                             pm.__dict__["_lockstep_id"]], SERVICE_WORDS,
+                     "nncompile.full_optimizer_state_dict")
+    if not all(r[3] == SERVICE for r in rows) or len({r[4] for r in rows}) != 1:
+        _refuse(dist.get_process_group_ranks(group), rows)
+    return SERVICES[name](pm, *args, leader=None)
 
 
 def meet(pm, point: str) -> None:

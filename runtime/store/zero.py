@@ -45,6 +45,7 @@ from nncompile.ir import MemoryChoice
 from nncompile.mesh import grad_reduction, replica_dims
 
 from ..protocol.groups import get_zero_group, group_along
+from ..protocol.hang_report import wait_for
 from nncompile.rows import param_rows
 
 from .layouts import FlatLayout, RowShardLayout  # noqa: F401 (FlatLayout: imported from here)
@@ -274,7 +275,7 @@ class ZeroRuntime:
         """(the unit's tensors, the buffers they view) from a gather `pending`."""
         full, work, scales = pending
         if work is not None:
-            work.wait()
+            wait_for(work, self.group)          # (where the hang watch sees it)
         if unit.float8 is not None:
             return unit.float8.unpack(full, scales, self.flat(unit).dtype)
         full = unit.layout.to_full(full)         # copy-out into the tensors' own order

@@ -6,8 +6,14 @@ ConfigError naming each rank's call and script line (runtime/protocol/lockstep.p
 and the others, whose call fails as rank 0 leaves, print the hang report naming rank 0's
 error (runtime/protocol/hang_report.py) before torch's own error.
 
-    torchrun --nproc_per_node=N tests/workers/lone_collectives.py --plan tp|zero3|tp_zero3 \\
-        --call barrier|all_reduce|broadcast --savedir D
+`--call full_optimizer_state_dict` (ZeRO-1/2, whose forwards exchange nothing): rank 0 gathers
+the optimizer state alone after the last step, as a DDP script saves on rank 0, while the
+others train one more step and wait in the gradient reduction for rank 0: rank 0 raises the
+ConfigError that says to call it on every rank, naming where each other rank waits.
+
+    torchrun --nproc_per_node=N tests/workers/lone_collectives.py \\
+        --plan tp|zero3|tp_zero3|zero1|zero2|tp_zero1 \\
+        --call barrier|all_reduce|broadcast|full_optimizer_state_dict --savedir D
 """
 from __future__ import annotations
 
@@ -23,13 +29,15 @@ import models  # noqa: E402
 
 import nncompile  # noqa: E402
 
-PLANS = {"tp": (2, 2, 0, "tp"), "zero3": (1, 2, 3, "dp"), "tp_zero3": (2, 4, 3, "tp")}
+PLANS = {"tp": (2, 2, 0, "tp"), "zero3": (1, 2, 3, "dp"), "tp_zero3": (2, 4, 3, "tp"),
+         "zero1": (1, 2, 1, "dp"), "zero2": (1, 2, 2, "dp"), "tp_zero1": (2, 4, 1, "tp")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", choices=PLANS, required=True)
-    ap.add_argument("--call", choices=("barrier", "all_reduce", "broadcast"), required=True)
+    ap.add_argument("--call", choices=("barrier", "all_reduce", "broadcast",
+                                       "full_optimizer_state_dict"), required=True)
     ap.add_argument("--savedir", required=True)
     args = ap.parse_args()
     rank, _ = nncompile.init_distributed(backend="gloo", timeout_s=60)
@@ -45,6 +53,16 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
     logged = torch.tensor([loss.item()])
+    if args.call == "full_optimizer_state_dict":
+        if rank == 0:                  # saves alone after the last step
+            state = nncompile.full_optimizer_state_dict(pm, opt)
+            print(f"rank 0 gathered the optimizer state alone: {len(state['state'])}", flush=True)
+        else:                          # trains on: its gradient reduction waits for rank 0
+            pm(**models.batch("gpt", 30 + rank // plan)).backward()
+            opt.step()
+            print(f"rank {rank} passed the {args.call}", flush=True)
+        dist.destroy_process_group()
+        return
     if rank == 0:                      # evaluates alone after the last step
         pm.eval()
         with torch.no_grad():
