@@ -1,10 +1,11 @@
 """The module given to parallelize, after it: where the plan keeps every parameter whole its
 state_dict() is pm's weights (the very tensors pm trains); where the plan shards by boxes (tp)
 or by rows (ZeRO-3) it holds DTensor views of pm's pieces (runtime/store/module_views.py,
-zero3_views.py): reading, editing, freezing and state_dict() work as on one device; where no
-DTensor on the job's mesh describes a piece (ZeRO-3 over part of the data-parallel ranks) its
-parameters are released, and its state_dict() (nanoGPT saves raw_model.state_dict()) is an
-error naming what to save instead, not a dict of storage-less tensors. Simulated ranks."""
+zero3_views.py; ZeRO-3 over groups of the data-parallel ranks as HSDP's (Replicate, Shard(0))):
+reading, editing, freezing and state_dict() work as on one device; where no DTensor describes
+a piece (a part of a fused q|k|v parameter split by heads) that parameter is released, and
+the module's state_dict() (nanoGPT saves raw_model.state_dict()) is an error naming what to
+save instead, not a dict of storage-less tensors. Simulated ranks."""
 from __future__ import annotations
 
 import copy
@@ -27,21 +28,37 @@ def _batch():
             "targets": torch.randint(0, 64, (2, 16), generator=g)}
 
 
-def _after_one_step(gpt, tmp_path, name, plan, policy, check, world=WORLD, **cfg):
+def _after_one_step(gpt, tmp_path, name, plan, policy, check, world=WORLD, batch=_batch, **cfg):
     def rank_fn(rank):
         module = copy.deepcopy(gpt)
-        pm = nncompile.parallelize(module, _batch(), ComputeConfig(plan, world, **cfg),
+        pm = nncompile.parallelize(module, batch(), ComputeConfig(plan, world, **cfg),
                                    pas_policy=policy, gen_savedir=tmp_path, instance_name=name)
         opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-        pm(**_batch()).backward()
+        pm(**batch()).backward()
         opt.step()
         return check(module, pm)
     return run_ranks(world, rank_fn)
 
 
-# ZeRO-3 over part of the data-parallel ranks (zero_ngroups > 1) is one case that keeps the
-# module's parameters released: no one DTensor on the job's mesh describes such a piece
-RELEASED = {"world": 4, "use_zero": 3, "zero_ngroups": 2}
+@pytest.fixture(scope="module")
+def fused():
+    """nanoGPT's block with its fused q|k|v projection (tests/test_param_parts.py): under tp
+    its weight is held as parts split by heads, which no one DTensor describes: released."""
+    from test_param_parts import _TinyGPT
+    torch.manual_seed(0)
+    return _TinyGPT("nanogpt")
+
+
+def _fused_batch():
+    from test_param_parts import _batches
+    return _batches(1)[0]
+
+
+RELEASED = "attn.c_attn.weight"
+
+
+def _released_after_one_step(fused, tmp_path, name, check):
+    return _after_one_step(fused, tmp_path, name, 2, "tp", check, batch=_fused_batch)
 
 
 @pytest.mark.parametrize("policy,plan", [("dp", 1), ("tp", 2)])
@@ -65,28 +82,50 @@ def test_zero3_module_state_dict_holds_dtensors(gpt, tmp_path, policy, plan):
     assert max(errs.values()) == 0.0 and any(changed.values()), errs
 
 
-@pytest.mark.parametrize("policy,plan", [("dp", 1), ("tp", 2)])
-def test_released_module_state_dict_is_an_error(gpt, tmp_path, policy, plan):
-    """Where the module's parameters stay released (groups of 2 of the data-parallel ranks)
-    its state_dict() is an error naming what to save instead."""
+def test_released_module_state_dict_is_an_error(fused, tmp_path):
+    """Where a module's parameter stays released (a fused q|k|v weight held as parts under
+    tp) its state_dict() is an error naming what to save instead."""
     def check(module, pm):
         errors = []
         for what in (module.state_dict,                         # raw_model.state_dict()
                      lambda: torch.save(module.state_dict(), io.BytesIO()),
-                     lambda: module.get_submodule("h.0").state_dict()):
+                     lambda: module.get_submodule("attn").state_dict()):
             with pytest.raises(CheckpointError) as e:
                 what()
             errors.append(str(e.value))
         return errors, pm.gather_params()
-    out = _after_one_step(gpt, tmp_path, f"sd{policy}", plan, policy, check,
-                          **{**RELEASED, "world": 4 * plan})
-    errors, _ = out[0]
+    errors, _ = _released_after_one_step(fused, tmp_path, "sdparts", check)[0]
     for msg in errors:
         assert "state_dict() of the module given to nncompile.parallelize" in msg, msg
         assert "nncompile.save_checkpoint(dir, pm, optimizer)" in msg
         assert "pm.gather_params()" in msg
-    assert "'h.0." in errors[0] or "'wte." in errors[0] or "'wpe." in errors[0], errors[0]
-    assert "'attn." in errors[2] or "'ln_" in errors[2] or "'mlp" in errors[2], errors[2]
+    assert "'attn.c_attn." in errors[0], errors[0]
+    assert "c_attn" in errors[2], errors[2]
+
+
+@pytest.mark.parametrize("policy,plan", [("dp", 1), ("tp", 2)])
+def test_zero3_over_groups_of_replicas_holds_hsdp_dtensors(gpt, tmp_path, policy, plan):
+    """ZeRO-3 over groups of 2 of the data-parallel ranks (zero_ngroups=2): every parameter
+    of pm and of the module is one DTensor, Replicate() across the groups and Shard(0) inside
+    one (FSDP2's HSDP), whose full tensors are the weights pm trained; the module holds the
+    same objects."""
+    from torch.distributed.tensor import Replicate
+
+    def check(module, pm):
+        full = pm.gather_params()
+        same = all(p is q for p, q in zip(pm.parameters(), module.parameters()))
+        w = module.get_parameter("h.0.mlp_fc.weight")
+        return (same, {type(p).__name__ for p in pm.parameters()}, tuple(w.placements[:2]),
+                max(float((p.full_tensor() - full[n]).abs().max())
+                    for n, p in module.named_parameters() if n in full))
+    same, kinds, placements, err = _after_one_step(
+        gpt, tmp_path, f"hsdp{policy}", plan, policy, check, world=4 * plan, use_zero=3,
+        zero_ngroups=2)[0]
+    assert same and kinds == {"DTensor"}, kinds
+    # (under tp the plan splits the weight's rows too: a strided Shard(0), as FSDP2's with tp)
+    assert placements[0] == Replicate() and getattr(placements[1], "dim", None) == 0 and \
+        type(placements[1]).__name__ in ("Shard", "_StridedShard") and err == 0.0, \
+        (placements, err)
 
 
 def test_whole_parameters_keep_the_state_dict(gpt, tmp_path):
@@ -103,12 +142,12 @@ def test_whole_parameters_keep_the_state_dict(gpt, tmp_path):
     assert changed, "the step changed nothing"
 
 
-def test_released_parameter_prints_and_refuses_copies(gpt, tmp_path):
+def test_released_parameter_prints_and_refuses_copies(fused, tmp_path):
     """A released parameter has no storage: printing it says where its values are, and copying
     or pickling the module is an error naming the fix, instead of reading freed memory (which
     crashed the process)."""
     def check(module, pm):
-        w = module.get_parameter("h.0.mlp_fc.weight")
+        w = module.get_parameter(RELEASED)
         shown = repr(w)
         errors = []
         for what in (lambda: copy.deepcopy(module), lambda: torch.save(w, io.BytesIO())):
@@ -116,22 +155,21 @@ def test_released_parameter_prints_and_refuses_copies(gpt, tmp_path):
                 what()
             errors.append(str(e.value))
         return shown, errors, isinstance(w, torch.nn.Parameter), tuple(w.shape)
-    shown, errors, is_param, shape = _after_one_step(gpt, tmp_path, "rel", 1, "dp", check,
-                                                     **RELEASED)[0]
+    shown, errors, is_param, shape = _released_after_one_step(fused, tmp_path, "rel", check)[0]
     assert shown.startswith("<released Parameter [") and "ParallelModule" in shown, shown
-    assert is_param and shape == tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
+    assert is_param and shape == tuple(fused.get_parameter(RELEASED).shape)
     assert "cannot copy a parameter of a module that was parallelized" in errors[0], errors[0]
     assert "cannot pickle" in errors[1] and "copy.deepcopy(model)" in errors[1], errors[1]
 
 
-def test_reading_a_released_parameter_is_an_error_not_a_crash(gpt, tmp_path):
-    """DDP's `model.module` habit where the module's parameters are released (ZeRO-3 over part
-    of the data-parallel ranks):
+def test_reading_a_released_parameter_is_an_error_not_a_crash(fused, tmp_path):
+    """DDP's `model.module` habit where a module's parameter is released (a fused q|k|v
+    weight held as parts under tp):
     p.norm(), p.data.clamp_(), p.clamp_() and torch functions of a released parameter read no
     freed memory (that crashed the process): each is a ConfigError naming the parameter and
     pm.gather_params(); its metadata still reads, and pm's training goes on."""
     def check(module, pm):
-        w = module.get_parameter("h.0.mlp_fc.weight")
+        w = module.get_parameter(RELEASED)
         errors = []
         for what in (lambda: w.norm(), lambda: w.data.clamp_(-1, 1), lambda: w.clamp_(-1, 1),
                      lambda: torch.nn.utils.parameters_to_vector([w]), lambda: w.detach(),
@@ -142,18 +180,17 @@ def test_reading_a_released_parameter_is_an_error_not_a_crash(gpt, tmp_path):
         meta = (tuple(w.shape), w.dtype, w.requires_grad, w.dim(), w.numel())
         before = {k: v.clone() for k, v in pm.gather_params().items()}
         opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-        pm(**_batch()).backward()
+        pm(**_fused_batch()).backward()
         opt.step()
         moved = any(not torch.equal(v, before[k]) for k, v in pm.gather_params().items())
         return errors, meta, moved
-    errors, meta, moved = _after_one_step(gpt, tmp_path, "read3", 1, "dp", check,
-                                          **RELEASED)[0]
-    shape = tuple(gpt.get_parameter("h.0.mlp_fc.weight").shape)
+    errors, meta, moved = _released_after_one_step(fused, tmp_path, "read3", check)[0]
+    shape = tuple(fused.get_parameter(RELEASED).shape)
     assert meta == (shape, torch.float32, True, 2, shape[0] * shape[1]) and moved
-    assert "cannot compute norm on the parameter 'h.0.mlp_fc.weight'" in errors[0], errors[0]
-    assert "cannot read .data of the parameter 'h.0.mlp_fc.weight'" in errors[1], errors[1]
+    assert "cannot compute norm on the parameter 'attn.c_attn.weight'" in errors[0], errors[0]
+    assert "cannot read .data of the parameter 'attn.c_attn.weight'" in errors[1], errors[1]
     for msg in errors:
-        assert "pm.gather_params()['h.0.mlp_fc.weight']" in msg, msg
+        assert "pm.gather_params()['attn.c_attn.weight']" in msg, msg
 
 
 def test_tp_module_holds_dtensor_views_of_pm(gpt, tmp_path):

@@ -15,8 +15,11 @@ so `p.norm()`, `p.clamp_()`, `p.grad.norm()` (linked after each backward), `requ
 torch's `get_model_state_dict` / `set_model_state_dict` with DCP, `AveragedModel(pm)` and an
 optimizer over `pm.parameters()` mean what they mean on one device, and edit what pm trains.
 
-A parameter stays released where one DTensor cannot describe its run: a hierarchical ZeRO
-group (zero_ngroups > 1), a plan that also splits it along dim 0 on another mesh dimension
+ZeRO-3 over groups of the data-parallel ranks (zero_ngroups > 1) is HSDP's layout on a mesh
+whose "dp" dimension is folded into ("zero_groups", "zero"): Replicate() across the groups,
+Shard(0) inside one (`_hsdp_mesh`). A parameter stays released where one DTensor cannot
+describe its run: such groups over context or expert ranks too, a 0-d tensor, a plan that
+also splits it along dim 0 on another mesh dimension
 in an order DTensor does not express, a part of a fused parameter.
 """
 from __future__ import annotations
@@ -29,9 +32,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from nncompile import compat
 from nncompile.ir.placement import Shard as ShardPlacement, parse_placement
-from nncompile.mesh import PP, param_placements
+from nncompile.mesh import DP, PP, param_placements, replica_dims
 from nncompile.rows import param_rows
 
+from ..protocol.groups import job_cache
 from .dtensors import _mesh
 from .released import ReleasedParameter
 from .segments import zero3_segments
@@ -61,7 +65,7 @@ def _placements(pm, row, mesh, dims: list[int]) -> list | None:
                **{axis: parse_placement(text)
                   for axis, text in pm.PARAM_AXES.get(row.name, {}).items()}}
     out = []
-    for i, name in enumerate(pm.mesh.names):
+    for i, name in enumerate(mesh.mesh_dim_names):
         own = per_dim.get(name)
         if i in dims and isinstance(own, ShardPlacement):
             return None                     # split along this dimension by the plan already
@@ -81,6 +85,46 @@ def _placements(pm, row, mesh, dims: list[int]) -> list | None:
     return out
 
 
+_HSDP_MESHES = job_cache()           # default group -> {(device, dims, ngroups): mesh}
+ZERO_GROUPS, ZERO = "zero_groups", "zero"      # the folded replica dimensions' names
+
+
+def _hsdp_mesh(pm, mesh):
+    """(mesh, its ZeRO dimension) for ZeRO-3 over consecutive groups of the data-parallel
+    replicas (zero_ngroups > 1), as FSDP2's HSDP lays it out: the job's mesh with its replica
+    dimensions folded into ("zero_groups", "zero") in front, the others after in their
+    order, so a parameter is Replicate() across the groups and Shard(0) inside its group:
+
+        mesh ("dp" 4, "plan" 2), zero_ngroups 2  ->  ("zero_groups" 2, "zero" 2, "plan" 2)
+
+    None where the groups are not such slices of the mesh (a pipeline)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from .value_reads import own_mesh
+    ngroups = pm.compute_config.zero_ngroups
+    replicas = [n for n in replica_dims(pm.mesh) if pm.mesh.size(n) > 1]
+    if ngroups <= 1 or pm.PIPELINE is not None or replicas != [DP]:
+        return None                       # (context or expert ranks among the replicas: kept)
+    names = list(pm.mesh.names)
+    at = names.index(DP)
+    rest = [i for i in range(len(names)) if i != at]
+    grid = mesh.mesh.permute(at, *rest)
+    grid = grid.reshape(ngroups, grid.shape[0] // ngroups, *grid.shape[1:])
+    line = grid.reshape(grid.shape[0], grid.shape[1], -1)      # [group, its ranks, the rest]
+    me = dist.get_rank()
+    group = next((line[g, :, k].tolist() for g in range(line.shape[0])
+                  for k in range(line.shape[2]) if me in line[g, :, k].tolist()), None)
+    if group != list(pm.zero.ranks):
+        return None
+    key = (mesh.device_type, pm.mesh.dims, ngroups)
+    meshes = _HSDP_MESHES.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if key not in meshes:
+        meshes[key] = DeviceMesh(mesh.device_type, grid,
+                                 mesh_dim_names=(ZERO_GROUPS, ZERO,
+                                                 *(names[i] for i in rest)))
+        own_mesh(meshes[key])           # reading a partial over it: value_reads.py
+    return meshes[key], [1]
+
+
 def view_pm_params(pm) -> dict[str, torch.nn.Parameter]:
     """Replace pm's ZeRO-3 handles by Shard(0) DTensor Parameters over its flat pieces where
     one DTensor describes the run (pm.parameters() then are these); {local name: view}."""
@@ -89,7 +133,10 @@ def view_pm_params(pm) -> dict[str, torch.nn.Parameter]:
     mesh = _mesh(pm)
     dims = _zero_dims(pm, mesh)              # [] where the ZeRO group is this rank alone
     if dims is None:
-        return {}
+        found = _hsdp_mesh(pm, mesh)          # zero_ngroups > 1
+        if found is None:
+            return {}
+        mesh, dims = found
     rows = {r.name: r for r in param_rows(pm) if r.part is None}
     segs = zero3_segments(pm)
     views, by_unit = {}, {}
