@@ -108,19 +108,30 @@ def test_zero3_over_groups_of_replicas_holds_hsdp_dtensors(gpt, tmp_path, policy
     """ZeRO-3 over groups of 2 of the data-parallel ranks (zero_ngroups=2): every parameter
     of pm and of the module is one DTensor, Replicate() across the groups and Shard(0) inside
     one (FSDP2's HSDP), whose full tensors are the weights pm trained; the module holds the
-    same objects."""
+    same objects, and torch's clip_grad_norm_ over them gives one device's norm."""
     from torch.distributed.tensor import Replicate
 
     def check(module, pm):
         full = pm.gather_params()
         same = all(p is q for p, q in zip(pm.parameters(), module.parameters()))
+        pm.zero_grad()
+        pm(**_batch()).backward()            # torch's clip over the DTensors: one device's norm
+        norm = float(torch.nn.utils.clip_grad_norm_(pm.parameters(), 1e9))
         w = module.get_parameter("h.0.mlp_fc.weight")
         return (same, {type(p).__name__ for p in pm.parameters()}, tuple(w.placements[:2]),
                 max(float((p.full_tensor() - full[n]).abs().max())
-                    for n, p in module.named_parameters() if n in full))
-    same, kinds, placements, err = _after_one_step(
+                    for n, p in module.named_parameters() if n in full), norm)
+    same, kinds, placements, err, norm = _after_one_step(
         gpt, tmp_path, f"hsdp{policy}", plan, policy, check, world=4 * plan, use_zero=3,
         zero_ngroups=2)[0]
+    ref = copy.deepcopy(gpt)
+    ref(**_batch()).backward()                 # one device: the same step, then the norm
+    step = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step.step()
+    step.zero_grad()
+    ref(**_batch()).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    assert abs(norm - want) <= 1e-5 * want, (norm, want)
     assert same and kinds == {"DTensor"}, kinds
     # (under tp the plan splits the weight's rows too: a strided Shard(0), as FSDP2's with tp)
     assert placements[0] == Replicate() and getattr(placements[1], "dim", None) == 0 and \
