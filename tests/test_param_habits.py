@@ -499,6 +499,36 @@ def test_nncompile_checkpoints_of_an_optimizer_over_the_modules_dtensors(tmp_pat
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, (got, want)
 
 
+@pytest.mark.parametrize("saved_by,loaded_by", [("before", "pm"), ("pm", "before")])
+def test_a_sharded_checkpoint_resumes_into_an_optimizer_built_the_other_way(tmp_path,
+                                                                           saved_by, loaded_by):
+    """Under tp, an optimizer built before parallelize over the model (nanoGPT's, which steps
+    pm's pieces) saves a sharded checkpoint, and a resumed script builds AdamW over
+    pm.parameters() (DTensors), or the other way round: the loaded moments take each
+    parameter's form, and the next two steps equal the uninterrupted run's (before: the step
+    raised "got mixed torch.Tensor and DTensor")."""
+    base = models.build("gpt")
+    cfg = ComputeConfig(2, WORLD)
+
+    def build(seed, way):
+        module = copy.deepcopy(base) if seed is None else models.build("gpt", seed=seed)
+        opt = torch.optim.AdamW(module.parameters(), lr=3e-3) if way == "before" else None
+        pm = nncompile.parallelize(module, _batch(0), cfg, pas_policy="tp",
+                                   gen_savedir=tmp_path, instance_name="other_way")
+        return pm, opt or torch.optim.AdamW(pm.parameters(), lr=3e-3)
+
+    def rank_fn(rank):
+        pm, opt = build(None, saved_by)
+        _run_steps(pm, opt, [0, 1])
+        nncompile.save_checkpoint(tmp_path / "ck", pm, opt, format="sharded")
+        want = _run_steps(pm, opt, [2, 3])
+        pm2, opt2 = build(7, loaded_by)
+        nncompile.load_checkpoint(tmp_path / "ck", pm2, opt2)
+        return want, _run_steps(pm2, opt2, [2, 3])
+    for want, got in run_ranks(WORLD, rank_fn):
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, (got, want)
+
+
 @pytest.mark.parametrize("kind", ["plain", "build_optimizer"])
 def test_torch_dcp_api_through_pm_from_tp_dp_into_zero3_and_tp(tmp_path, kind):
     """torch's API given the wrapper, as a DDP or FSDP2 script does: AdamW over

@@ -479,3 +479,46 @@ def test_parts_with_data_parallel_units(tmp_path):
     _close(merged, one.state_dict(), "merged over 2 data-parallel units")
     for rank, (_, full) in enumerate(out):
         _close(full, ref.state_dict(), f"dcp tp x dp -> dp, rank {rank}")
+
+
+@pytest.mark.parametrize("kind", list(ATTN))
+def test_parts_leave_no_parameter_of_pm_local(kind, tmp_path):
+    """nanoGPT's own model under tp (a fused q|k|v weight held as parts): every one of
+    pm.parameters() is a DTensor, the parts each a DTensor of its own, so a per-parameter
+    read (`p.grad.norm().item()`, a DDP habit) is one device's value or a ValueReadError,
+    never this rank's piece; the module keeps the fused weight released, and its other
+    parameters are the same objects as pm's."""
+    torch.manual_seed(0)
+    model = _TinyGPT(kind)
+    batch = _batches(1)[0]
+    ref = copy.deepcopy(model)
+    ref(**batch).backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    def want(row) -> float:      # a parameter read whole is replicated: its piece is all of
+        return float(take(row, grads[row.source]).norm())    # it (a part: its rows)
+
+    def rank_fn(rank):
+        module = copy.deepcopy(model)
+        pm = nncompile.parallelize(module, batch, ComputeConfig(2, WORLD), pas_policy="tp",
+                                   gen_savedir=tmp_path, instance_name=f"local_{kind}")
+        pm(**batch).backward()
+        rows = {r.fqn: r for r in param_rows(pm)}
+        reads = {}
+        for n, p in pm.named_parameters():
+            try:
+                reads[n] = (p.grad.norm().item(), want(rows[n]))
+            except nncompile.ValueReadError:
+                reads[n] = "ValueReadError"
+        kinds = {type(p).__name__ for p in pm.parameters()}
+        shared = {n for n, p in module.named_parameters() if any(p is q for q in pm.parameters())}
+        return reads, kinds, shared
+    reads, kinds, shared = run_ranks(WORLD, rank_fn)[0]
+    assert kinds == {"DTensor"}, kinds
+    assert any("[" in n for n in reads), reads              # the parts, each its own
+    for n, got in reads.items():
+        if got != "ValueReadError":
+            assert abs(got[0] - got[1]) <= 1e-5 * got[1] + 1e-8, (n, got)   # (a k bias:
+                                                            # zero up to rounding, ~1e-10)
+    fused = {n for n, _ in model.named_parameters() if n.startswith(f"attn.{ATTN[kind][1]}.")}
+    assert shared == {n for n, _ in model.named_parameters()} - fused, (shared, fused)

@@ -46,9 +46,10 @@ from ..protocol.lockstep import meet
 from .merge import load_merged_state_dict, merge_state_dicts, merged_optimizer
 from .resume_state import gather, restore
 from nncompile.rows import param_rows
-from .state import (GROUP_FQNS, describe, group_fqns, hyper, plan_mismatch, with_members,
-                    without_members)
+from .state import (GROUP_FQNS, describe, group_fqns, hyper, plan_mismatch, state_like_params,
+                    with_members, without_members)
 from ..store.holders import plan_info
+from ..optim.adoption import adopt
 from ..protocol.outcomes import agree_on_outcome
 
 FORMATS = ("sharded", "deduped", "dcp")
@@ -412,7 +413,9 @@ def load_checkpoint(path: str | os.PathLike, pm, optimizer=None, *, data=None,
     if meta["format"] == "sharded":
         pm.load_local_state_dict(blob["model"])          # checks the plan first
         if optimizer is not None:
+            adopt(optimizer)                             # (one built before parallelize)
             optimizer.load_state_dict(without_members(blob["optimizer"]))
+            state_like_params(optimizer)
     else:
         load_deduped_state_dict(pm, blob["model"], optimizer, blob["optimizer"])
     restore(blob.get("resume"), meta["plan"], plan_info(pm), data, rng, str(path))

@@ -251,6 +251,26 @@ def _like(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+def state_like_params(opt) -> None:
+    """After torch's `opt.load_state_dict`: each state tensor in the form of its parameter. A
+    sharded checkpoint saved by an optimizer over pm's pieces (one built before parallelize,
+    adopted) holds plain local tensors, one saved over pm's DTensor parameters DTensors;
+    torch's loader only moves them to the parameter's device and dtype, and the next step
+    would mix the two ("got mixed torch.Tensor and DTensor")."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if not st:
+                continue
+            for k, v in list(st.items()):
+                if not torch.is_tensor(v) or not v.dim():
+                    continue
+                if isinstance(p, DTensor):
+                    st[k] = _like(p, v)
+                elif isinstance(v, DTensor) and tuple(v.to_local().shape) == tuple(p.shape):
+                    st[k] = v.to_local()
+
+
 def load_local_optimizer_state(pm, opt, local: dict[str, Any]) -> None:
     """Inverse of local_optimizer_state."""
     if len(local.get("param_groups", [])) not in (0, len(opt.param_groups)):

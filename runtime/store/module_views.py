@@ -62,15 +62,23 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
     # a pipeline rank holds its stages' parameters: every one of them viewed is "whole"
     mine = [(fqn, p) for fqn, p in params if id(p) in row_of] \
         if pm.PIPELINE is not None else params
+    # a fused parameter held as parts (q|k|v rows split by heads) stays released in the
+    # module; pm's parts are viewed each as a DTensor of its own (a part of the fused one)
+    part_names = {r.name for r in rows if r.part is not None and r.name in pm._parameters}
+    whole_mine = [(fqn, p) for fqn, p in mine if id(p) in row_of]
     whole = split_plan and bool(mine) and all(
         (local := local_of.get(id(p))) is not None and local.is_contiguous() and
         local.device == p.device and (isinstance(p, ReleasedParameter) or p is local)
-        for _, p in mine) and \
-        {row_of[id(p)].name for _, p in mine} == set(pm._parameters)
+        for _, p in whole_mine) and \
+        all(isinstance(p, ReleasedParameter) for fqn, p in mine if id(p) not in row_of) and \
+        all(pm._parameters[n].is_contiguous() for n in part_names) and \
+        {row_of[id(p)].name for _, p in whole_mine} | part_names == set(pm._parameters)
     if not released and not whole:
         return released
     if whole:                 # every parameter: pm's own become these views too
-        views = view_pieces(pm, {id(p): row_of[id(p)].name for _, p in mine})
+        views = view_pieces(pm, {**{id(p): row_of[id(p)].name for _, p in whole_mine},
+                                 **{n: n for n in part_names}})
+        mine = whole_mine
         for fqn, p in mine:
             owner, _, leaf = fqn.rpartition(".")
             module.get_submodule(owner)._parameters[leaf] = views[row_of[id(p)].name]
@@ -79,7 +87,7 @@ def view_released(pm, module: torch.nn.Module, rows) -> list[str]:
             module._nnc_guard = True
             module.register_forward_pre_hook(_released_forward(params[0][0]))
         return [fqn for fqn, p in params if id(p) not in row_of] \
-            if pm.PIPELINE is not None else []
+            if pm.PIPELINE is not None or part_names else []
     made: dict[int, torch.nn.Parameter] = {}     # id(original) -> its view (ties share one)
     views, still = [], []
     for fqn, p in params:
@@ -128,7 +136,7 @@ def view_pieces(pm, names=None) -> dict[str, torch.nn.Parameter]:
                 pm.__dict__["h0_mlp_fc_weight"]      the piece (what forward_impl reads)
 
     `names`: the local names to view (default: every parameter); {local name: view}."""
-    rows = {row.name: row for row in param_rows(pm) if row.part is None}
+    rows = {row.name: row for row in param_rows(pm)}      # a part: a DTensor of its own
     wanted = list(pm._parameters) if names is None else list(dict.fromkeys(names.values()))
     views, entries = {}, []
     for name in wanted:
