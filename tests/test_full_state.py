@@ -53,7 +53,8 @@ def test_full_state_loads_into_one_device_and_continues_exactly(plan, alone, tmp
             _step(pm, opt, batch)
         opt_sd = None
         if alone and zero in (1, 2):       # the replicas' forwards exchange nothing: every
-            opt_sd = nncompile.full_optimizer_state_dict(pm, opt)    # rank gathers the state
+            opt_sd = nncompile.full_optimizer_state_dict(pm, opt, to=0)   # rank gathers it,
+            assert (opt_sd is None) == (rank > 0), (rank, opt_sd is None)  # for rank 0 only
         if alone and rank > 0:
             _step(pm, opt, batch)          # waits at this forward, sends its pieces meanwhile
             return None

@@ -51,11 +51,14 @@ def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
     return None if out is None else out[0]
 
 
-def full_optimizer_state_dict(pm, optimizer) -> dict | None:
+def full_optimizer_state_dict(pm, optimizer, to: int | None = None) -> dict | None:
     """The optimizer's state dict as a torch optimizer over the original module's parameters
     (in this optimizer's groups) holds it, every rank's pieces merged; None on the ranks that
-    only sent theirs."""
-    out = run_together(pm, "full_state", _index(pm, optimizer), whole_state=True)
+    only sent theirs. Called by every rank, `to` (a rank, e.g. 0) is the one that merges and
+    gets it, as torch's `ZeroRedundancyOptimizer.consolidate_state_dict(to=0)`: the others
+    send their pieces and get None, instead of each holding the whole state (a rank whose
+    group does not hold `to`, another data-parallel unit under tp, gets its own copy)."""
+    out = run_together(pm, "full_state", _index(pm, optimizer), whole_state=True, to=to)
     return None if out is None else out[1]
 
 

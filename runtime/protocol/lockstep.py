@@ -392,16 +392,19 @@ def agree_before_forward(pm, inputs: list[torch.Tensor]) -> bool:
             return False
 
 
-def run_together(pm, name: str, *args, whole_state: bool = False):
+def run_together(pm, name: str, *args, whole_state: bool = False, to: int | None = None):
     """Run service `name` on this rank, with the other ranks of its group: called by all of
     them, or by this one alone while the others wait at their next forward (rank 0 saving a
     checkpoint in a DDP script) or at a later call. `whole_state`: the service needs the
     optimizer state's pieces (state_group); where those span more ranks than the forwards do
-    (ZeRO-1/2), every rank of them calls it. `args` must pickle; the result is the
-    service's."""
+    (ZeRO-1/2), every rank of them calls it. `to`: when every rank calls it, the rank that
+    gets the result (the others None), where it is in the group. `args` must pickle; the
+    result is the service's."""
     group = _group(pm)
     if whole_state and _state_group(pm) is not group:
-        return _run_on_every_rank(pm, name, args)
+        return _run_on_every_rank(pm, name, args, to)
+    if group is None and to is not None and dist.is_initialized() and dist.get_rank() != to:
+        return None                     # this rank holds it all, and only `to` wants it
     if group is None or pm.__dict__.get("_serving"):
         return SERVICES[name](pm, *args, leader=None)
     count = pm.__dict__.get("_forward_count", 0)
@@ -409,7 +412,7 @@ def run_together(pm, name: str, *args, whole_state: bool = False):
                              pm.__dict__["_lockstep_id"]], SERVICE_WORDS)
     ranks = dist.get_process_group_ranks(group)
     if all(r[3] == SERVICE for r in rows) and len({r[4] for r in rows}) == 1:
-        return SERVICES[name](pm, *args, leader=None)
+        return SERVICES[name](pm, *args, leader=to if to in ranks else None)
     if _leader(rows) != ranks.index(dist.get_rank()):
         _refuse(ranks, rows)
     _broadcast([(name, args)], dist.get_rank(), group, SERVICE_WORDS)
@@ -418,7 +421,7 @@ def run_together(pm, name: str, *args, whole_state: bool = False):
     return _serving(pm, lambda: SERVICES[name](pm, *args, leader=dist.get_rank()))
 
 
-def _run_on_every_rank(pm, name: str, args: tuple):
+def _run_on_every_rank(pm, name: str, args: tuple, to: int | None = None):
     """Service `name` as a collective call of every rank of pm's state group (ZeRO-1/2: the
     data-parallel replicas, whose forwards exchange nothing). The ranks first agree that
     they all make it, on one module; one rank calling it alone is a ConfigError on that rank
@@ -426,14 +429,16 @@ def _run_on_every_rank(pm, name: str, args: tuple):
     else the transport's timeout's."""
     group = _state_group(pm)
     if group is None:
-        return SERVICES[name](pm, *args, leader=None)
+        return None if to is not None and dist.get_rank() != to else \
+            SERVICES[name](pm, *args, leader=None)
     count = pm.__dict__.get("_forward_count", 0)
     rows = _exchange(group, [count, int(pm.training), int(torch.is_grad_enabled()), SERVICE,
                              pm.__dict__["_lockstep_id"]], SERVICE_WORDS,
                      "nncompile.full_optimizer_state_dict")
+    ranks = dist.get_process_group_ranks(group)
     if not all(r[3] == SERVICE for r in rows) or len({r[4] for r in rows}) != 1:
-        _refuse(dist.get_process_group_ranks(group), rows)
-    return SERVICES[name](pm, *args, leader=None)
+        _refuse(ranks, rows)
+    return SERVICES[name](pm, *args, leader=to if to in ranks else None)
 
 
 def meet(pm, point: str) -> None:
