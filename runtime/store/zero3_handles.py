@@ -1,8 +1,7 @@
 """ZeRO-3 parameters where no one DTensor describes a rank's run (0-d tensors, one process
 without a process group, groups of replicas spanning context or expert ranks; elsewhere,
-ZeRO-3 over groups of the data-parallel ranks and pipelines
-included, pm.named_parameters() are the module's
-Shard(0) DTensors, runtime/store/zero3_views.py): edits that mean what they mean on one device,
+ZeRO-3 over groups of the data-parallel ranks and pipelines included, pm.named_parameters()
+are the module's Shard(0) DTensors, runtime/store/zero3_views.py): edits that mean what they mean on one device,
 reads that say where the values are.
 
 Under ZeRO-3 a rank stores flat pieces of whole layers (runtime/store/zero.py); pm registers a

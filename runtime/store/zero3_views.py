@@ -91,13 +91,14 @@ ZERO_GROUPS, ZERO = "zero_groups", "zero"      # the folded replica dimensions' 
 
 def _hsdp_mesh(pm, mesh):
     """(mesh, its ZeRO dimension) for ZeRO-3 over consecutive groups of the data-parallel
-    replicas (zero_ngroups > 1), as FSDP2's HSDP lays it out: the job's mesh with its replica
-    dimensions folded into ("zero_groups", "zero") in front, the others after in their
+    replicas (zero_ngroups > 1), as FSDP2's HSDP lays it out: the job's mesh with its "dp"
+    dimension folded into ("zero_groups", "zero") in front, the others after in their
     order, so a parameter is Replicate() across the groups and Shard(0) inside its group:
 
         mesh ("dp" 4, "plan" 2), zero_ngroups 2  ->  ("zero_groups" 2, "zero" 2, "plan" 2)
 
-    None where the groups are not such slices of the mesh (a pipeline)."""
+    None where the groups are not such slices of the mesh (a pipeline, context or expert
+    ranks among the replicas)."""
     from torch.distributed.device_mesh import DeviceMesh
     from .value_reads import own_mesh
     ngroups = pm.compute_config.zero_ngroups
